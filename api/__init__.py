@@ -1,0 +1,1 @@
+"""HTTP side of the job service: FastAPI app, routes, settings, tables."""

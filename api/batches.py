@@ -1,0 +1,323 @@
+"""Batch rows: validating an upload line by line into batch-lane jobs, reads and counts, cancel, streamed
+results, and settling a batch once none of its requests is left to run (the API and the workers share this).
+
+A batch's requests are jobs (`batch_id` set, priority PRIORITY_BATCH), so the worker's leases, sweeper and
+exactly-once result writes cover them as they cover interactive jobs. A bad line becomes a job that failed
+at upload, so its error is a result line like any other.
+"""
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+from sqlalchemy import case, exists, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from api.crud import PRIORITY_BATCH
+from api.db import session_factory
+from api.errors import APIError
+from api.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, WebhookDelivery,
+                        new_id, utcnow)
+from api.schemas import BatchCounts, BatchLine, BatchOut, ErrorInfo, Progress, WebhookState, _utc
+from api.settings import Settings
+from core import RequestTokenizer, ScoringError, scores_from_logprobs
+from worker.webhooks import UnsafeURL, check_url, enqueue_webhook
+
+# With this many lines read and none of them a JSON object, the upload is not JSONL: stop reading it.
+NOT_JSONL_AFTER_LINES = 1000
+
+
+class _LineError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _storable(text: str) -> str:
+    # A bad line's custom_id or message may hold NUL or lone surrogates, which a text column cannot take.
+    return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode()
+
+
+def start_batch(session: Session, key: ApiKey, request_tokenizer: RequestTokenizer, settings: Settings, webhook_url: str | None,
+                metadata: dict | None) -> Batch:
+    """Commits the batch row (status validating), so it is visible while its upload streams in."""
+    if webhook_url is not None:
+        try:
+            check_url(webhook_url, settings.webhook_allowlist)
+        except UnsafeURL as exc:
+            raise APIError(400, "invalid_webhook_url", str(exc)) from None
+    batch = Batch(api_key_id=key.id, model=request_tokenizer.model_name, webhook_url=webhook_url, metadata_=metadata)
+    session.add(batch)
+    session.commit()
+    return batch
+
+
+class Ingest:
+    """Turns the lines of one upload into job rows, inserted a chunk at a time in one transaction (committed
+    by `finish`), so the API holds one chunk, never the batch."""
+
+    def __init__(self, session: Session, batch: Batch, request_tokenizer: RequestTokenizer, settings: Settings) -> None:
+        self.session = session
+        self.batch = batch
+        self.request_tokenizer = request_tokenizer
+        self.settings = settings
+        self.lines = 0  # every line, blank ones included (line numbers in error messages)
+        self.total = 0  # requests: non-blank lines
+        self.objects = 0  # lines that are JSON objects
+        self.queued = 0
+        # 16-byte digests, not the ids: duplicate detection in bounded memory (a few MB per 100k lines).
+        self._seen: set[bytes] = set()
+        self._rows: list[dict] = []
+
+    def add_lines(self, lines: Iterable[bytes | None]) -> None:
+        """Raw JSONL lines; None stands for a line over the length limit."""
+        for raw in lines:
+            self.lines += 1
+            if raw is None:
+                self._add(None, _LineError("line_too_long", f"the line is over {self.settings.max_body_bytes} bytes"))
+                continue
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw)
+            except ValueError as exc:  # not JSON, or not UTF-8
+                self._add(None, _LineError("invalid_json", f"not a JSON value: {exc}"))
+                continue
+            self._add(value)
+        self._flush()
+
+    def add_values(self, values: Iterable[Any]) -> None:
+        """Already parsed requests (the JSON body form)."""
+        for value in values:
+            self.lines += 1
+            self._add(value)
+        self._flush()
+
+    def _add(self, value: Any, error: _LineError | None = None) -> None:
+        self.total += 1
+        if self.total > self.settings.batch_max_requests:
+            raise APIError(413, "batch_too_large", f"a batch holds at most {self.settings.batch_max_requests} requests")
+        if isinstance(value, dict):
+            self.objects += 1
+        elif self.objects == 0 and self.lines >= NOT_JSONL_AFTER_LINES:
+            raise APIError(400, "invalid_jsonl", f"none of the first {self.lines} lines is a JSON object")
+        custom_id = value.get("custom_id") if isinstance(value, dict) else None
+        now = utcnow()
+        # Every row has every key: the chunk is one multi-row INSERT.
+        row = {"id": new_id("job"), "api_key_id": self.batch.api_key_id, "batch_id": self.batch.id,
+               "priority": PRIORITY_BATCH, "model": self.batch.model, "request": {}, "return_logprobs": False,
+               "request_hash": "", "items_total": 0, "items_done": 0, "prompt_tokens": 0, "attempts": 0,
+               "cancel_requested": False, "created_at": now, "custom_id": None, "query_key": None,
+               "error_code": None, "error_message": None, "finished_at": None}
+        try:
+            if error is not None:
+                raise error
+            row.update(self._validate(value))
+        except _LineError as exc:
+            row.update(status="failed", error_code=exc.code, finished_at=now,
+                       error_message=_storable(f"line {self.lines}: {exc.message}")[:2000],
+                       custom_id=_storable(custom_id)[:256] if isinstance(custom_id, str) and custom_id else None)
+        self._rows.append(row)
+        if len(self._rows) >= self.settings.batch_chunk_rows:
+            self._flush()
+
+    def _validate(self, value: Any) -> dict:
+        if not isinstance(value, dict):
+            raise _LineError("invalid_input", "the line is not a JSON object")
+        try:
+            line = BatchLine.model_validate(value)
+        except ValidationError as exc:
+            where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"]
+                              for e in exc.errors()[:5])
+            raise _LineError("invalid_input", where) from None
+        digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
+        if digest in self._seen:
+            raise _LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} appears on an earlier line")
+        self._seen.add(digest)
+        if line.model is not None and line.model != self.request_tokenizer.model_name:
+            raise _LineError("unknown_model", f"model {line.model!r} is not served here")
+        try:
+            tokenized = self.request_tokenizer.tokenize(line.query, line.items, line.label_token_ids, line.item_first)
+        except ScoringError as exc:
+            raise _LineError(exc.code, exc.message) from None
+        self.queued += 1
+        request = line.model_dump(mode="json", include={"query", "items", "label_token_ids", "apply_softmax",
+                                                        "item_first"})
+        query_key = hashlib.blake2b(json.dumps(line.query).encode(), digest_size=16).hexdigest()
+        return {"status": "queued", "custom_id": line.custom_id, "request": request, "return_logprobs": line.return_logprobs,
+                "items_total": tokenized.n_items, "prompt_tokens": tokenized.prompt_tokens, "query_key": query_key}
+
+    def _flush(self) -> None:
+        if self._rows:
+            self.session.execute(insert(Job), self._rows)
+            self._rows = []
+
+    def finish(self) -> Batch:
+        """Commits the requests; the batch is then in progress (or already completed if no line was valid)."""
+        self._flush()
+        if self.total == 0:
+            raise APIError(400, "empty_batch", "the batch has no requests")
+        if self.objects == 0:
+            raise APIError(400, "invalid_jsonl", "no line of the upload is a JSON object")
+        now = utcnow()
+        self.session.execute(update(Batch).where(Batch.id == self.batch.id)
+                             .values(status="in_progress", total=self.total, in_progress_at=now))
+        settle_batch(self.session, self.batch.id)
+        self.session.commit()
+        self.session.refresh(self.batch)
+        return self.batch
+
+
+def fail_upload(session: Session, batch: Batch, error: APIError) -> None:
+    """The upload was refused or broke off: none of its requests is kept; the batch is failed with the error."""
+    session.rollback()
+    session.execute(update(Batch).where(Batch.id == batch.id).values(
+        status="failed", error_code=error.code, error_message=error.message, finished_at=utcnow()))
+    session.refresh(batch)
+    _enqueue_batch_webhook(session, batch)
+    session.commit()
+
+
+async def jsonl_lines(stream: AsyncIterator[bytes], settings: Settings) -> AsyncIterator[list[bytes | None]]:
+    """Splits a streamed body into lines, a chunk of lines at a time. A line longer than MAX_BODY_BYTES is
+    skipped (reported as None); more than BATCH_MAX_BYTES in all is a 413."""
+    buffer, received, overlong, lines = b"", 0, False, []
+    async for data in stream:
+        received += len(data)
+        if received > settings.batch_max_bytes:
+            raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
+        if overlong:
+            cut = data.find(b"\n")
+            if cut < 0:
+                continue
+            lines.append(None)
+            overlong, data = False, data[cut + 1:]
+        parts = (buffer + data).split(b"\n")
+        buffer = parts.pop()
+        lines.extend(parts)
+        if len(buffer) > settings.max_body_bytes:
+            overlong, buffer = True, b""
+        if len(lines) >= settings.batch_chunk_rows:
+            yield lines
+            lines = []
+    if overlong:
+        lines.append(None)
+    elif buffer:
+        lines.append(buffer)
+    yield lines
+
+
+def settle_batch(session: Session, batch_id: str) -> bool:
+    """Ends a running or cancelling batch that has no queued or running request left (completed or cancelled)
+    and queues its webhook. Conditional, so of concurrent callers exactly one settles it."""
+    busy = exists().where(Job.batch_id == batch_id, Job.status.in_(("queued", "running")))
+    changed = session.execute(
+        update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress", "cancelling")), ~busy)
+        .values(status=case((Batch.status == "cancelling", "cancelled"), else_="completed"), finished_at=utcnow())
+    ).rowcount
+    if changed:
+        batch = session.get(Batch, batch_id)
+        session.refresh(batch)
+        _enqueue_batch_webhook(session, batch)
+    return bool(changed)
+
+
+def _enqueue_batch_webhook(session: Session, batch: Batch) -> None:
+    if batch.webhook_url:
+        enqueue_webhook(session, batch.api_key_id, batch.webhook_url, f"batch.{batch.status}",
+                        read_batch(session, batch).model_dump(mode="json", exclude={"webhook"}), batch_id=batch.id)
+
+
+def get_batch(session: Session, key: ApiKey, batch_id: str) -> Batch:
+    batch = session.scalar(select(Batch).where(Batch.id == batch_id, Batch.api_key_id == key.id))
+    if batch is None:  # another tenant's batch is indistinguishable from a missing one
+        raise APIError(404, "not_found", f"no batch {batch_id!r}")
+    return batch
+
+
+def read_batch(session: Session, batch: Batch) -> BatchOut:
+    counts = {"succeeded": 0, "failed": 0, "cancelled": 0}
+    items_total = items_done = 0
+    for status, n, total, done in session.execute(
+            select(Job.status, func.count(), func.coalesce(func.sum(Job.items_total), 0),
+                   func.coalesce(func.sum(Job.items_done), 0)).where(Job.batch_id == batch.id).group_by(Job.status)):
+        if status in counts:
+            counts[status] = n
+        items_total += total
+        items_done += done
+    delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
+                              .order_by(WebhookDelivery.created_at.desc()).limit(1))
+    return BatchOut(
+        id=batch.id, status=batch.status, model=batch.model,
+        counts=BatchCounts(total=batch.total, **counts),
+        progress=Progress(items_done=items_done, items_total=items_total),
+        created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
+        finished_at=_utc(batch.finished_at),
+        error=ErrorInfo(code=batch.error_code, message=batch.error_message or "") if batch.error_code else None,
+        webhook_url=batch.webhook_url,
+        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
+        metadata=batch.metadata_,
+    )
+
+
+def list_batches(session: Session, key: ApiKey, limit: int, cursor: str | None) -> tuple[list[Batch], str | None]:
+    """Newest first; `cursor` is the last id of the previous page."""
+    query = select(Batch).where(Batch.api_key_id == key.id).order_by(Batch.id.desc()).limit(limit + 1)
+    if cursor:
+        query = query.where(Batch.id < cursor)
+    batches = list(session.scalars(query))
+    return batches[:limit], (batches[limit - 1].id if len(batches) > limit else None)
+
+
+def cancel_batch(session: Session, batch: Batch) -> Batch:
+    """Queued requests are cancelled now; running ones finish (the batch is cancelling until they have)."""
+    if batch.status in BATCH_TERMINAL_STATUSES:
+        raise APIError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
+    if batch.status == "validating":
+        raise APIError(409, "batch_validating", f"batch {batch.id} is still being uploaded")
+    now = utcnow()
+    session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
+                    .values(status="cancelling"))
+    session.execute(update(Job).where(Job.batch_id == batch.id, Job.status == "queued")
+                    .values(status="cancelled", finished_at=now))
+    settle_batch(session, batch.id)
+    session.commit()
+    session.refresh(batch)
+    return batch
+
+
+def iter_results(batch_id: str, page_rows: int) -> Iterator[bytes]:
+    """The finished requests as JSONL, read from the database a page at a time (each page its own short
+    transaction, so a long download neither holds a snapshot nor the batch in memory)."""
+    after = ""
+    while True:
+        with session_factory()() as session:
+            rows = session.execute(
+                select(Job.id, Job.custom_id, Job.status, Job.error_code, Job.error_message, Job.items_total,
+                       Job.return_logprobs, Job.request, JobResult.n_labels, JobResult.logprobs)
+                .outerjoin(JobResult, JobResult.job_id == Job.id)
+                .where(Job.batch_id == batch_id, Job.status.in_(TERMINAL_STATUSES), Job.id > after)
+                .order_by(Job.id).limit(page_rows)).all()
+        if not rows:
+            return
+        out = []
+        for job_id, custom_id, status, code, message, n_items, with_logprobs, request, n_labels, blob in rows:
+            line: dict[str, Any] = {"custom_id": custom_id, "scores": None}
+            if status == "succeeded" and blob is not None:
+                logprobs = np.frombuffer(blob, np.float32).reshape(n_items, n_labels)
+                line["scores"] = scores_from_logprobs(logprobs, request.get("apply_softmax", False)).tolist()
+                if with_logprobs:
+                    line["logprobs"] = np.asarray(logprobs, np.float64).tolist()
+            elif status == "cancelled":
+                line["error"] = {"code": "cancelled", "message": "the batch was cancelled before this request ran"}
+            else:
+                line["error"] = {"code": code or "internal_error", "message": message or ""}
+            out.append(json.dumps(line, separators=(",", ":")) + "\n")
+        yield "".join(out).encode()
+        after = rows[-1][0]
+        if len(rows) < page_rows:
+            return

@@ -1,0 +1,130 @@
+"""Job rows as the API creates, reads, lists and cancels them (the worker owns running jobs)."""
+
+import hashlib
+import json
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.errors import APIError
+from api.models import ApiKey, Job, JobResult, WebhookDelivery, utcnow
+from api.schemas import JobCreate, JobOut, ScoreInput, job_out
+from api.settings import Settings
+from core import RequestTokenizer
+from worker.webhooks import UnsafeURL, check_url, enqueue_job_webhook
+
+# Interactive requests run before jobs; the requests of batches (offline backfills) run after both.
+PRIORITY_SYNC = 10
+PRIORITY_JOB = 0
+PRIORITY_BATCH = -10
+
+
+def _request_hash(body: ScoreInput) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _find_idempotent(session: Session, key: ApiKey, idempotency_key: str, request_hash: str) -> Job | None:
+    job = session.scalar(select(Job).where(Job.api_key_id == key.id, Job.idempotency_key == idempotency_key))
+    if job is not None and job.request_hash != request_hash:
+        raise APIError(409, "idempotency_conflict",
+                       "this Idempotency-Key was already used with a different request body")
+    return job
+
+
+def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenizer: RequestTokenizer, settings: Settings, *,
+               priority: int = PRIORITY_JOB, idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Validates and stores a queued job; returns (job, created). An Idempotency-Key replay returns the
+    earlier job with created=False."""
+    request_hash = _request_hash(body)
+    if idempotency_key is not None:
+        if not 1 <= len(idempotency_key) <= 255:
+            raise APIError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
+        existing = _find_idempotent(session, key, idempotency_key, request_hash)
+        if existing is not None:
+            return existing, False
+    if body.model is not None and body.model != request_tokenizer.model_name:
+        raise APIError(400, "unknown_model", f"model {body.model!r} is not served here; this service runs "
+                                             f"{request_tokenizer.model_name!r}")
+    tokenized = request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
+    webhook_url = getattr(body, "webhook_url", None)
+    if webhook_url is not None:
+        try:
+            check_url(webhook_url, settings.webhook_allowlist)
+        except UnsafeURL as exc:
+            raise APIError(400, "invalid_webhook_url", str(exc)) from None
+    job = Job(
+        api_key_id=key.id,
+        priority=priority,
+        model=request_tokenizer.model_name,
+        request=body.model_dump(mode="json", include={"query", "items", "label_token_ids", "apply_softmax",
+                                                      "item_first"}),
+        return_logprobs=getattr(body, "return_logprobs", False),
+        metadata_=getattr(body, "metadata", None),
+        webhook_url=webhook_url,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+        items_total=tokenized.n_items,
+        prompt_tokens=tokenized.prompt_tokens,
+    )
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the insert.
+        session.rollback()
+        existing = _find_idempotent(session, key, idempotency_key or "", request_hash)
+        if existing is None:
+            raise
+        return existing, False
+    return job, True
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    job = session.scalar(select(Job).where(Job.id == job_id, Job.api_key_id == key.id))
+    if job is None:  # another tenant's job is indistinguishable from a missing one
+        raise APIError(404, "not_found", f"no job {job_id!r}")
+    return job
+
+
+def read_job(session: Session, job: Job, with_scores: bool = True) -> JobOut:
+    logprobs = None
+    if with_scores and job.status == "succeeded":
+        result = session.get(JobResult, job.id)
+        if result is not None:
+            logprobs = np.frombuffer(result.logprobs, np.float32).reshape(job.items_total, result.n_labels)
+    delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.job_id == job.id)
+                              .order_by(WebhookDelivery.created_at.desc()).limit(1))
+    return job_out(job, logprobs, delivery)
+
+
+def list_jobs(session: Session, key: ApiKey, status: str | None, limit: int, cursor: str | None) -> tuple[list[Job], str | None]:
+    """Newest first; `cursor` is the last id of the previous page."""
+    # A batch's requests are listed through the batch (GET /batches/{id}/results), not as jobs.
+    query = (select(Job).where(Job.api_key_id == key.id, Job.batch_id.is_(None))
+             .order_by(Job.id.desc()).limit(limit + 1))
+    if status:
+        query = query.where(Job.status == status)
+    if cursor:
+        query = query.where(Job.id < cursor)
+    jobs = list(session.scalars(query))
+    return jobs[:limit], (jobs[limit - 1].id if len(jobs) > limit else None)
+
+
+def cancel_job(session: Session, job: Job) -> Job:
+    """queued -> cancelled now; running -> cancelled by its worker at the next pass boundary; terminal -> 409."""
+    now = utcnow()
+    done = session.execute(update(Job).where(Job.id == job.id, Job.status == "queued")
+                           .values(status="cancelled", finished_at=now)).rowcount
+    if done:
+        session.refresh(job)
+        enqueue_job_webhook(session, job)
+    else:
+        session.execute(update(Job).where(Job.id == job.id, Job.status == "running").values(cancel_requested=True))
+    session.commit()
+    session.refresh(job)
+    if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not done):
+        raise APIError(409, "job_finished", f"job {job.id} is already {job.status}")
+    return job

@@ -1,0 +1,64 @@
+"""FastAPI dependencies: database session, current API key, engine (for validation)."""
+
+import logging
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from api.auth import find_api_key
+from api.db import session_factory
+from api.errors import APIError
+from api.models import ApiKey
+from api.settings import Settings, get_settings
+from core import RequestTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def get_db() -> Iterator[Session]:
+    session = session_factory()()
+    try:
+        yield session
+    finally:
+        try:
+            session.close()
+        except DBAPIError as exc:
+            # The database went away after the request's work (Postgres stopped): the close-time ROLLBACK fails
+            # after the response has started, which would abort the connection. The pool drops the connection.
+            log.warning("closing a session failed (database gone?): %s", exc.orig)
+
+
+SessionDep = Annotated[Session, Depends(get_db)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+@lru_cache(maxsize=1)
+def get_request_tokenizer() -> RequestTokenizer:
+    """The engine's validation and tokenization without its weights: the API never loads the model."""
+    settings = get_settings()
+    return RequestTokenizer.from_pretrained(settings.model, max_items=settings.max_items, max_tokens=settings.max_tokens)
+
+
+# The API tokenizes every request to validate it with the engine's own rules and error codes.
+RequestTokenizerDep = Annotated[RequestTokenizer, Depends(get_request_tokenizer)]
+
+_bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
+
+
+def get_api_key(session: SessionDep,
+                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> ApiKey:
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if credentials is None:
+        raise APIError(401, "unauthorized", "missing API key (Authorization: Bearer ...)", challenge)
+    key = find_api_key(session, credentials.credentials)
+    if key is None:
+        raise APIError(401, "unauthorized", "invalid API key", challenge)
+    return key
+
+
+CurrentKey = Annotated[ApiKey, Depends(get_api_key)]

@@ -1,0 +1,114 @@
+"""Every error leaves the API as JSON {"error": {"code", "message"}} with a 4xx/5xx status."""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.schemas import ErrorBody
+from api.settings import get_settings
+from core import ScoringError
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_input",
+    429: "rate_limited",
+    503: "unavailable",
+}
+
+
+# Documented on every authenticated route, so the OpenAPI schema lists the statuses and body clients will see.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorBody, "description": description} for status, description in (
+        (400, "Invalid request: the engine's error codes (score-semantics.md) or `invalid_webhook_url`"),
+        (401, "Missing or wrong API key"),
+        (404, "No such resource for this key"),
+        (409, "Conflict: `idempotency_conflict`, `job_finished`..."),
+        (413, "`body_too_large`"),
+        (422, "`invalid_input`: malformed JSON, wrong types, unknown fields"),
+        (503, "`unavailable`: the database is down; retry after `Retry-After` seconds"),
+    )
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: object):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+        self.extra = extra
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   **extra: object) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, **extra}}, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def _unavailable() -> JSONResponse:
+    seconds = get_settings().retry_after_seconds
+    return error_response(503, "unavailable", "the database is unavailable; retry later",
+                          headers={"Retry-After": str(seconds)})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.headers, **exc.extra)
+
+    @app.exception_handler(ScoringError)
+    async def _scoring_error(_: Request, exc: ScoringError) -> JSONResponse:
+        return error_response(400, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_input", _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "error")
+        return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+
+    # Postgres stopped or unreachable: a retryable 503, not a 500 (issue 5's chaos test).
+    @app.exception_handler(OperationalError)
+    async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        return _unavailable()
+
+    # A value the database cannot hold (e.g. a NUL byte in an id or cursor) is the client's mistake.
+    @app.exception_handler(DataError)
+    async def _bad_value(_: Request, exc: DataError) -> JSONResponse:
+        return error_response(422, "invalid_input", f"a value in the request is not acceptable: {exc.orig}")
+
+    @app.exception_handler(DBAPIError)
+    async def _db_error(_: Request, exc: DBAPIError) -> JSONResponse:
+        if exc.connection_invalidated:
+            return _unavailable()
+        log.exception("database error")
+        return error_response(500, "internal_error", "internal error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, "internal_error", "internal error")

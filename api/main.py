@@ -1,0 +1,36 @@
+"""The FastAPI app: `uvicorn --factory api.main:create_app` (what `packscore serve` runs)."""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import ERROR_RESPONSES, install_error_handlers
+from api.limits import BodySizeLimitMiddleware
+from api.metrics import Metrics, MetricsMiddleware
+from api.routes import batches, health, jobs, score
+from api.deps import get_request_tokenizer
+from api.settings import get_settings
+
+
+@asynccontextmanager
+async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    # Load the tokenizer before taking traffic, so the first request is not slow.
+    await run_in_threadpool(get_request_tokenizer)
+    yield
+
+
+def create_app() -> FastAPI:
+    settings = get_settings()
+    app = FastAPI(title="packscore", version="0.1.0", lifespan=lifespan,
+                  description="Batch scoring of (query, items, label_token_ids) with packed multi-item passes.")
+    install_error_handlers(app)
+    app.state.metrics = Metrics()
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, exempt_paths=("/batches",))
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    for router in (jobs.router, batches.router, score.router):
+        app.include_router(router, responses=ERROR_RESPONSES)
+    app.include_router(health.router)
+    return app
+

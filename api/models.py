@@ -1,0 +1,188 @@
+"""Tables. Created only by the Alembic migrations in migrations/ (tests included)."""
+
+import secrets
+import time
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    # Naive UTC everywhere: SQLite has no time zones, and mixing aware and naive values breaks comparisons.
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def new_id(prefix: str) -> str:
+    # Millisecond time first, so ids sort by creation: cursor pagination orders by id.
+    return f"{prefix}_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(10)}"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key"))
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    webhook_secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Job(Base):
+    """One scoring request. The table is the queue of record; the broker only wakes workers up."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "idempotency_key"),
+        Index("ix_jobs_ready", "status", "priority", "created_at"),
+        Index("ix_jobs_tenant_list", "api_key_id", "id"),
+        # The batch lane claims a batch's queued requests grouped by query (prefix reuse in the engine).
+        Index("ix_jobs_batch_claim", "batch_id", "status", "query_key", "id"),
+        # Batch results are streamed in pages by id.
+        Index("ix_jobs_batch_results", "batch_id", "id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    # queued, running, succeeded, failed, cancelled
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    # Higher runs first (issue 4's batch lane uses a lower priority than interactive jobs).
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    model: Mapped[str] = mapped_column(String(100))
+    request: Mapped[dict] = mapped_column(JSON)
+    return_logprobs: Mapped[bool] = mapped_column(Boolean, default=False)
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+
+    items_total: Mapped[int] = mapped_column(Integer)
+    items_done: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+    # A request of a batch (one JSONL line) is a job in the batch lane; the columns are NULL for other jobs.
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=True)
+    custom_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # Hash of the query: requests sharing it are claimed together so the engine reuses the prefix.
+    query_key: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+class Batch(Base):
+    """An offline backfill: many requests (jobs with batch_id) uploaded as JSONL, run in the batch lane."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_list", "api_key_id", "id"),
+        Index("ix_batches_status", "status", "last_claimed_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    # validating, in_progress, cancelling, completed, cancelled, failed
+    status: Mapped[str] = mapped_column(String(16), default="validating")
+    model: Mapped[str] = mapped_column(String(100))
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Set once validation ends; the counts by status are read from the jobs.
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # When a worker last claimed from this batch: the batch lane serves the tenant waiting longest.
+    last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+BATCH_TERMINAL_STATUSES = ("completed", "cancelled", "failed")
+
+
+class JobResult(Base):
+    """Per-job log-probabilities as one float32 [items_total, n_labels] blob; scores are derived on read."""
+
+    __tablename__ = "job_results"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    n_labels: Mapped[int] = mapped_column(Integer)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One webhook message (its id is the webhook-id header, the same for every retry) and its attempts."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_due", "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("msg"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True)
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=True,
+                                                 index=True)
+    url: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)
+    # pending, delivered, failed
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class Pass(Base):
+    """One packed forward pass run by a worker; /metrics aggregates these across all workers."""
+
+    __tablename__ = "passes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    n_jobs: Mapped[int] = mapped_column(Integer)
+    n_items: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(Integer)
+    padded_tokens: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Worker(Base):
+    """Live workers, heartbeated by each worker process (for /readyz)."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model: Mapped[str] = mapped_column(String(100))
+    started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

@@ -1,0 +1,119 @@
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from api import batches
+from api.deps import CurrentKey, RequestTokenizerDep, SessionDep, SettingsDep
+from api.errors import APIError
+from api.schemas import BatchCreate, BatchList, BatchOut
+from worker.celery_app import kick_drain
+
+router = APIRouter(prefix="/batches", tags=["batches"])
+
+_UPLOAD_DOC = {
+    "requestBody": {"content": {
+        "application/jsonl": {"schema": {"type": "string", "format": "binary"}},
+        "application/json": {"schema": BatchCreate.model_json_schema()},
+    }},
+}
+
+
+async def _json_body(request: Request, limit: int) -> BatchCreate:
+    body = bytearray()
+    async for data in request.stream():
+        body += data
+        if len(body) > limit:
+            raise APIError(413, "body_too_large", f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
+    try:
+        return BatchCreate.model_validate(json.loads(body))
+    except ValueError as exc:  # ValidationError is a ValueError too
+        message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
+        raise APIError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
+
+
+@router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC)
+async def create_batch(request: Request, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
+                       settings: SettingsDep, response: Response,
+                       webhook_url: Annotated[str | None, Query(max_length=2048)] = None,
+                       metadata: Annotated[str | None, Query(description="a JSON object, echoed back")] = None,
+                       ) -> BatchOut:
+    """Create a batch from a JSONL file sent as the raw body (one request per line, each with a `custom_id`;
+    `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
+    "webhook_url", "metadata"}`. The upload is validated line by line as it streams in: a bad line becomes an
+    error result of its own. An upload with no JSON object line is a 400."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.batch_max_bytes:
+        raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        raise APIError(415, "unsupported_media_type", "send the JSONL file as the raw request body")
+    body = None
+    if content_type == "application/json":
+        body = await _json_body(request, settings.max_body_bytes)
+        webhook_url, meta = body.webhook_url, body.metadata
+    else:
+        try:
+            meta = json.loads(metadata) if metadata is not None else None
+        except ValueError:
+            meta = None
+        if metadata is not None and not isinstance(meta, dict):
+            raise APIError(422, "invalid_input", "metadata must be a JSON object")
+    batch = await run_in_threadpool(batches.start_batch, session, key, request_tokenizer, settings, webhook_url, meta)
+    ingest = batches.Ingest(session, batch, request_tokenizer, settings)
+    try:
+        if body is not None:
+            await run_in_threadpool(ingest.add_values, body.requests)
+        else:
+            async for lines in batches.jsonl_lines(request.stream(), settings):
+                await run_in_threadpool(ingest.add_lines, lines)
+        batch = await run_in_threadpool(ingest.finish)
+    except ClientDisconnect:
+        await run_in_threadpool(batches.fail_upload, session, batch,
+                                APIError(400, "upload_interrupted", "the client went away during the upload"))
+        raise
+    except APIError as exc:
+        await run_in_threadpool(batches.fail_upload, session, batch, exc)
+        exc.extra["batch_id"] = batch.id
+        raise
+    if ingest.queued:
+        kick_drain()
+    response.headers["Location"] = f"/batches/{batch.id}"
+    return await run_in_threadpool(batches.read_batch, session, batch)
+
+
+@router.get("", response_model=BatchList)
+def list_batches(key: CurrentKey, session: SessionDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                 cursor: str | None = None) -> BatchList:
+    """This key's batches, newest first. Pass `next_cursor` back as `cursor`."""
+    rows, next_cursor = batches.list_batches(session, key, limit, cursor)
+    return BatchList(data=[batches.read_batch(session, batch) for batch in rows], next_cursor=next_cursor)
+
+
+@router.get("/{batch_id}", response_model=BatchOut)
+def get_batch(batch_id: str, key: CurrentKey, session: SessionDep) -> BatchOut:
+    return batches.read_batch(session, batches.get_batch(session, key, batch_id))
+
+
+@router.get("/{batch_id}/results", response_class=StreamingResponse,
+            responses={200: {"content": {"application/jsonl": {}}}})
+def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings: SettingsDep) -> StreamingResponse:
+    """JSONL, one line per finished request: `{"custom_id", "scores", "logprobs"?, "error"?}`. While the
+    batch runs, the requests finished so far (call again for more); complete once the batch has ended."""
+    batch = batches.get_batch(session, key, batch_id)
+    return StreamingResponse(batches.iter_results(batch.id, settings.batch_chunk_rows),
+                             media_type="application/jsonl", headers={"Batch-Status": batch.status})
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchOut, responses={202: {"model": BatchOut}})
+def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, response: Response) -> BatchOut:
+    """Requests not started are cancelled (200 once none is running; 202 `cancelling` while the running ones
+    finish). Finished requests stay in the results. A batch that has ended: 409."""
+    batch = batches.cancel_batch(session, batches.get_batch(session, key, batch_id))
+    if batch.status != "cancelled":
+        response.status_code = 202
+    return batches.read_batch(session, batch)

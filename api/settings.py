@@ -1,0 +1,79 @@
+"""All configuration, from environment variables (one place, pydantic-settings)."""
+
+import json
+from functools import lru_cache
+from typing import Annotated
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/packscore"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Celery broker; defaults to REDIS_URL. Embedded mode uses "filesystem://".
+    broker_url: str | None = None
+    # Folder for the filesystem broker (embedded mode only).
+    broker_dir: str = ".packscore/broker"
+    # Prefix on every broker key, so several deployments (or test runs) can share one Redis.
+    broker_key_prefix: str = ""
+    queue_name: str = "packscore"
+
+    model: str = "smollm2-135m"
+    max_items: int = 100_000
+    max_tokens: int = 4_000_000
+    # Tokens per packed pass (None: the engine's default for the backend).
+    pass_tokens: int | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    api_key_prefix: str = "psk_"
+
+    # Work claimed by one drain round: jobs are coalesced into packed passes up to these bounds.
+    drain_max_jobs: int = 256
+    drain_max_items: int = 20_000
+    lease_seconds: float = 60.0
+    # How often a worker heartbeats its leases and itself, sweeps expired leases and re-kicks idle queued jobs.
+    sweep_interval_seconds: float = 2.0
+    max_attempts: int = 5
+    # A worker not seen for this long is not counted by /readyz.
+    worker_stale_seconds: float = 30.0
+
+    # Offline batches (POST /batches): limits per upload (lines, bytes of the JSONL file).
+    batch_max_requests: int = 100_000
+    batch_max_bytes: int = 200 * 1024 * 1024
+    # Tokens of batch requests a worker claims per drain round (unset: one packed pass). Queued interactive
+    # jobs run before the next round, so smaller rounds mean lower interactive latency during a backfill.
+    batch_round_tokens: int | None = None
+    # Rows per database round trip while an upload streams in, and per page of streamed results.
+    batch_chunk_rows: int = 1000
+
+    score_timeout_seconds: float = 60.0
+    score_poll_seconds: float = 0.05
+    retry_after_seconds: int = 5
+
+    # Seconds to wait before attempt n+1 of a webhook delivery; its length bounds the attempts.
+    webhook_retry_schedule: Annotated[list[float], NoDecode] = [1, 5, 30, 120, 600, 1800, 3600]
+    webhook_timeout_seconds: float = 10.0
+    webhook_poll_seconds: float = 1.0
+    # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
+    webhook_allowlist: Annotated[list[str], NoDecode] = []
+
+    @field_validator("webhook_allowlist", "webhook_retry_schedule", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        # Environment lists are comma-separated ("127.0.0.1,10.0.0.0/8") or JSON.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def celery_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,153 @@
+"""Scoring benchmark: `python -m core.bench [--query-tokens P --items N --item-tokens L ...]`.
+
+Prints one JSON object: items/s and tokens/s for packed mode (query computed in the run,
+and again with the query's keys/values already in the prefix cache), single mode (one pass
+per query+item) and transformers' PyTorch model reusing the query's KV cache per item; model
+FLOPs/s of the packed run and its fraction of a matmul peak measured in the same run.
+Inputs are random token ids (seeded), so tokenization is not measured.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.requests import bundled_model_path
+from core.scorer import Scorer
+
+
+def model_flops(config, query_tokens: int, item_lengths: list[int]) -> float:
+    """FLOPs the model needs for one packed request (padding and masked work not counted)."""
+    per_token = 2 * config.num_layers * (config.hidden_size * (config.q_size + 2 * config.kv_size)
+                                         + config.q_size * config.hidden_size
+                                         + 3 * config.hidden_size * config.intermediate_size)
+    tokens = query_tokens + sum(item_lengths)
+    # Each token attends to `context` keys: QK^T and PV, 2 FLOPs per multiply-add each.
+    attn_per_key = 4 * config.num_layers * config.q_size
+    contexts = query_tokens * (query_tokens + 1) / 2 + sum(query_tokens * n + n * (n + 1) / 2 for n in item_lengths)
+    head = 2 * config.hidden_size * config.vocab_size * len(item_lengths)
+    return per_token * tokens + attn_per_key * contexts + head
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    flops = 2 * n ** 3
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return flops / min(times)
+
+    ja = jnp.asarray(a)
+    jmm = jax.jit(lambda x: x @ x)
+    return {"numpy": best(lambda: a @ a), "jax": best(lambda: jmm(ja).block_until_ready())}
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of `repeats` calls after one warm-up call (compilation)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), result
+
+
+def transformers_prefix_cache(query: list[int], items: list[list[int]], labels: list[int]) -> tuple[float, np.ndarray]:
+    """What a user would write with transformers: prefill the query once, then each item on its KV cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+
+    def run():
+        out = np.zeros((len(items), len(labels)))
+        with torch.inference_mode():
+            cache = model(torch.tensor([query]), use_cache=True).past_key_values
+            for i, item in enumerate(items):
+                logits = model(torch.tensor([item]), past_key_values=cache, use_cache=True).logits[0, -1]
+                cache.crop(-len(item))  # back to the query's keys/values for the next item
+                out[i] = torch.log_softmax(logits.double(), -1)[labels].numpy()
+        return out
+
+    run()  # warm-up
+    start = time.perf_counter()
+    out = run()
+    return time.perf_counter() - start, out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--query-tokens", "-P", type=int, default=500)
+    parser.add_argument("--items", "-N", type=int, default=100)
+    parser.add_argument("--item-tokens", "-L", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--single-items", type=int, default=10, help="items timed in single mode (it is slow)")
+    parser.add_argument("--transformers-items", type=int, default=20, help="items timed with transformers (0: skip)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
+    rng = np.random.default_rng(args.seed)
+    vocab = scorer.vocab_size
+    query = rng.integers(10, vocab, args.query_tokens).tolist()
+    items = [rng.integers(10, vocab, args.item_tokens).tolist() for _ in range(args.items)]
+    labels = rng.integers(10, vocab, 4).tolist()
+
+    peak = matmul_peak()
+    def packed_cold():  # the query's keys/values are not reused from an earlier run
+        scorer.clear_prefix_cache()
+        return scorer.logprobs(query, items, labels)
+
+    packed_s, packed_lp = timed(packed_cold, args.repeats)
+    cached_s, _ = timed(lambda: scorer.logprobs(query, items, labels), args.repeats)
+    flops = model_flops(scorer.config, args.query_tokens, [args.item_tokens] * args.items)
+    single_items = items[: args.single_items]
+    single_s, single_lp = timed(lambda: scorer.logprobs(query, single_items, labels, mode="single"), 1)
+
+    def rates(seconds: float, n_items: int, tokens: int) -> dict:
+        return {"seconds": round(seconds, 4), "items": n_items, "items_per_s": round(n_items / seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1)}
+
+    report = {
+        "machine": {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+                    "cpu": platform.processor() or platform.machine()},
+        "config": {"model": args.model, "dtype": args.dtype, "attention": scorer.attention, "P": args.query_tokens,
+                   "N": args.items, "L": args.item_tokens, "pass_tokens": scorer.pass_tokens},
+        "matmul_peak_gflops": {k: round(v / 1e9, 1) for k, v in peak.items()},
+        "packed": rates(packed_s, args.items, args.query_tokens + args.items * args.item_tokens),
+        "single": rates(single_s, len(single_items), len(single_items) * (args.query_tokens + args.item_tokens)),
+    }
+    report["packed_query_cached"] = rates(cached_s, args.items, args.items * args.item_tokens)
+    report["packed"]["model_gflops_per_s"] = round(flops / packed_s / 1e9, 1)
+    report["packed"]["fraction_of_matmul_peak"] = round(flops / packed_s / max(peak.values()), 3)
+    report["packed_vs_single"] = round(report["packed"]["items_per_s"] / report["single"]["items_per_s"], 2)
+    report["max_abs_logprob_diff"] = {"packed_vs_single": float(np.abs(packed_lp[: len(single_items)] - single_lp).max())}
+    if args.transformers_items and args.model == "smollm2-135m":
+        hf_items = items[: args.transformers_items]
+        hf_s, hf_lp = transformers_prefix_cache(query, hf_items, labels)
+        report["transformers_prefix_cache"] = rates(hf_s, len(hf_items), args.query_tokens + len(hf_items) * args.item_tokens)
+        report["packed_vs_transformers"] = round(
+            report["packed"]["items_per_s"] / report["transformers_prefix_cache"]["items_per_s"], 2)
+        report["max_abs_logprob_diff"]["packed_vs_transformers"] = float(np.abs(packed_lp[: len(hf_items)] - hf_lp).max())
+    report["compiled_programs"] = scorer.compiled_programs
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

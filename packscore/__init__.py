@@ -1,0 +1,1 @@
+"""packscore command line (packscore.cli)."""

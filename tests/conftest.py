@@ -1,0 +1,184 @@
+"""Fixtures for the job service tests: a real PostgreSQL database per test run (created, migrated with
+Alembic, dropped afterwards) and a real Redis with a key prefix of its own. Nothing here skips: a service
+that cannot be reached fails the test (CI=true or not)."""
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import make_url, text
+
+# Kept in the environment so subprocesses (and a second import of this file) see the same run.
+RUN_ID = os.environ.setdefault("PACKSCORE_TEST_RUN_ID", uuid.uuid4().hex[:10])
+_ADMIN_URL = make_url(os.environ.setdefault(
+    "PACKSCORE_TEST_ADMIN_URL", os.environ.get("DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")))
+_REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+# Settings are read from the environment once per process; set them before anything imports api/ or worker/.
+# Subprocesses started by the end-to-end tests inherit them.
+TEST_ENV = {
+    "DATABASE_URL": _ADMIN_URL.set(database=f"packscore_test_{RUN_ID}").render_as_string(hide_password=False),
+    "REDIS_URL": _REDIS_URL,
+    "BROKER_KEY_PREFIX": f"packscore_test_{RUN_ID}:",
+    "QUEUE_NAME": "packscore",
+    "MODEL": "tiny-random",
+    "MAX_ITEMS": "5000",
+    "MAX_TOKENS": "100000",
+    "PASS_TOKENS": "512",
+    "MAX_BODY_BYTES": "2000000",
+    "WEBHOOK_ALLOWLIST": "127.0.0.1",
+    "WEBHOOK_RETRY_SCHEDULE": "0.2,0.4,0.8",
+    "WEBHOOK_TIMEOUT_SECONDS": "2",
+    "WEBHOOK_POLL_SECONDS": "0.2",
+    "LEASE_SECONDS": "3",
+    "SWEEP_INTERVAL_SECONDS": "0.5",
+    "SCORE_TIMEOUT_SECONDS": "30",
+}
+os.environ.update(TEST_ENV)
+
+
+def fresh_database(name: str):  # type: ignore[no-untyped-def]
+    """Creates database `name` on the test server, migrates it to head; a context manager yielding its URL
+    and dropping the database afterwards."""
+    from tests.service_harness import fresh_database as create
+
+    return create(_ADMIN_URL.render_as_string(hide_password=False), name)
+
+
+@pytest.fixture(scope="session")
+def database_factory():  # type: ignore[no-untyped-def]
+    """`fresh_database` for tests that need a database of their own (e.g. one per end-to-end service)."""
+    return fresh_database
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    return RUN_ID
+
+
+@pytest.fixture(scope="session")
+def database() -> Iterator[str]:
+    """The run's database (DATABASE_URL points at it), migrated by Alembic."""
+    from api.db import get_engine
+
+    with fresh_database(f"packscore_test_{RUN_ID}") as url:
+        yield url
+        get_engine().dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    import redis
+
+    client = redis.Redis.from_url(_REDIS_URL)
+    try:
+        client.ping()
+    except Exception as exc:
+        pytest.fail(f"Redis at {_REDIS_URL} is not reachable: {exc}")
+    yield _REDIS_URL
+    for key in client.scan_iter(match=f"{TEST_ENV['BROKER_KEY_PREFIX']}*"):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture
+def empty_queue(database: str) -> None:
+    """No jobs left over from other tests (worker tests drain everything that is queued)."""
+    from api.db import session_scope
+
+    with session_scope() as session:
+        for table in ("webhook_deliveries", "job_results", "jobs", "passes", "workers"):
+            session.execute(text(f"DELETE FROM {table}"))
+
+
+@pytest.fixture
+def make_key(database: str):  # type: ignore[no-untyped-def]
+    """Creates an API key; returns (key, webhook_secret)."""
+    from api.auth import create_api_key
+    from api.db import session_scope
+
+    def make(name: str = "test") -> tuple[str, str]:
+        with session_scope() as session:
+            row, key = create_api_key(session, name)
+            return key, row.webhook_secret
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def client(database: str, redis_url: str):  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+
+    with TestClient(create_app()) as test_client:
+        yield test_client
+
+
+class WebhookReceiver:
+    """A threaded HTTP server on 127.0.0.1 recording POSTs; `responses` scripts the status codes to answer
+    (then 200), e.g. [500, 302] for a failure and a redirect first."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        receiver = self
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.responses: list[int] = []
+        self.location = "http://10.0.0.1/internal"  # where 3xx answers point
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with receiver.lock:
+                    receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                    status = receiver.responses.pop(0) if receiver.responses else 200
+                self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", receiver.location)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._handler = Handler
+        self._serve(0)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+    def _serve(self, port: int) -> None:
+        import threading
+        from http.server import ThreadingHTTPServer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def come_back(self) -> None:
+        """After close(): listens again on the same port (a receiver that was down, for the chaos tests)."""
+        self._serve(self.server.server_address[1])
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def live_service(redis_url: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real service (uvicorn API + one Celery worker, tiny-random) on a database of its own, shared by the
+    security tests (fuzzing, attacks, tenant isolation)."""
+    from tests.service_harness import running_service
+
+    with fresh_database(f"packscore_live_{RUN_ID}") as url:
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{RUN_ID}:live:"}
+        with running_service(env, tmp_path_factory.mktemp("live-logs"), workers=1) as service:
+            yield service

@@ -1,0 +1,388 @@
+"""Load runner for the job service: Poisson arrivals of a seeded, weighted small/medium/large mix of jobs at a
+bounded concurrency, for a duration; every job is followed (POST /jobs, then polled) to a terminal state.
+
+Writes `<prefix>_requests.csv` (one row per request), `<prefix>_memory.csv` (RSS samples of the API and
+workers from /proc/<pid>/status) and `<prefix>_summary.json`: throughput in items/s, p50/p95/p99 latency
+(submit to terminal, successful jobs; polling adds up to one poll interval), error rate, errors by kind,
+memory trend in MB/hour per process (least squares over the samples after the warm-up), and how many
+succeeded jobs were checked against the engine (`Scorer.score`, within 1e-5) and how many disagreed.
+
+Clients behave as the README asks: connection errors, 502/503/504 (honouring Retry-After) are retried with
+the same Idempotency-Key, so a retried submission never makes a second job. Traffic goes to loopback only.
+
+    python -m tests.load_runner --start-service --workers 2 --model smollm2-135m --duration 2h --out load-out
+    python -m tests.load_runner --url http://127.0.0.1:8000 --key psk_... --pid api=123 --pid worker=456 ...
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+RETRY_STATUSES = (502, 503, 504)
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu the a of good bad yes no maybe").split()
+
+
+@dataclass
+class LoadConfig:
+    duration_s: float = 120.0
+    seed: int = 0
+    # Mean arrivals per second (Poisson); 0: closed loop, a new request as soon as one of `concurrency` ends.
+    rate: float = 0.0
+    concurrency: int = 16
+    mix: dict[str, float] = field(default_factory=lambda: {"small": 0.6, "medium": 0.3, "large": 0.1})
+    sizes: dict[str, int] = field(default_factory=lambda: {"small": 3, "medium": 30, "large": 200})
+    query_words: int = 12
+    item_words: int = 6
+    # Labels are drawn below this id (valid for every bundled model's vocabulary).
+    max_label_id: int = 100
+    max_requests: int = 100_000
+    poll_interval_s: float = 0.25
+    # A request not terminal this long after its submission counts as a `timeout` error.
+    request_timeout_s: float = 300.0
+    max_retry_wait_s: float = 5.0
+    sample_interval_s: float = 2.0
+    # Fraction of the run whose memory samples are left out of the trend (start-up, compilation, pools).
+    warmup_fraction: float = 0.2
+    # Succeeded jobs checked against the engine: -1 all, else a seeded sample of this many.
+    verify: int = -1
+    webhook_url: str | None = None
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+
+@dataclass
+class Record:
+    seq: int
+    kind: str
+    n_items: int
+    started_s: float = 0.0
+    latency_s: float | None = None
+    outcome: str = "pending"  # ok, or an error kind
+    job_id: str = ""
+    job_status: str = ""
+    job_attempts: int = 0
+    http_retries: int = 0
+    verified: str = ""  # "", "ok", "mismatch"
+    body: dict = field(default_factory=dict, repr=False)
+    job: dict = field(default_factory=dict, repr=False)
+
+
+def parse_duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+
+
+def parse_weights(text: str, cast: Callable = float) -> dict:
+    return {k.strip(): cast(v) for k, v in (part.split("=") for part in text.split(","))}
+
+
+def make_body(rng: random.Random, kind: str, cfg: LoadConfig, seq: int) -> dict:
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    n_items = cfg.sizes[kind]
+    body = {
+        "query": f"Request {seq}: {words(rng.randint(1, cfg.query_words))}?",
+        "items": [" " + words(rng.randint(1, cfg.item_words)) for _ in range(n_items)],
+        "label_token_ids": rng.sample(range(1, cfg.max_label_id), rng.randint(1, 4)),
+        "apply_softmax": rng.random() < 0.5,
+        "item_first": rng.random() < 0.2,
+        "metadata": {"load_tag": cfg.tag, "seq": seq},
+    }
+    if cfg.webhook_url:
+        body["webhook_url"] = cfg.webhook_url
+    return body
+
+
+def _only_loopback(url: str) -> None:
+    host = urlsplit(url).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"the load runner sends traffic to loopback only, not to {host!r}")
+
+
+class Runner:
+    def __init__(self, cfg: LoadConfig, base_url: str, key: str, pids: Callable[[], dict[str, int]] = dict) -> None:
+        _only_loopback(base_url)
+        self.cfg = cfg
+        self.pids = pids
+        self.client = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                                   limits=httpx.Limits(max_connections=cfg.concurrency + 4))
+        self.records: list[Record] = []
+        self.memory: list[tuple[float, str, int, float]] = []  # (t, name, pid, rss MB)
+        self.t0 = 0.0
+        self._done = threading.Event()
+
+    # -- one request ------------------------------------------------------------------------------------
+    def _call(self, record: Record, method: str, path: str, deadline: float, **kwargs: object) -> httpx.Response:
+        """One API call, retried on connection errors and 502/503/504 until `deadline`."""
+        while True:
+            wait = 0.5
+            try:
+                response = self.client.request(method, path, **kwargs)
+                if response.status_code not in RETRY_STATUSES:
+                    return response
+                wait = float(response.headers.get("Retry-After", wait))
+                failure = f"http_{response.status_code}"
+            except httpx.TransportError as exc:
+                failure = "connection_error" if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError |
+                                                           httpx.ReadError) else type(exc).__name__
+            if time.monotonic() + wait > deadline:
+                raise _Failed(failure)
+            record.http_retries += 1
+            time.sleep(min(wait, self.cfg.max_retry_wait_s))
+
+    def _run_one(self, record: Record) -> None:
+        start = time.monotonic()
+        record.started_s = start - self.t0
+        deadline = start + self.cfg.request_timeout_s
+        try:
+            response = self._call(record, "POST", "/jobs", deadline, json=record.body,
+                                  headers={"Idempotency-Key": f"load-{self.cfg.tag}-{record.seq}"})
+            if response.status_code != 202:
+                raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
+            job = response.json()
+            record.job_id = job["id"]
+            while job["status"] not in TERMINAL:
+                if time.monotonic() > deadline:
+                    raise _Failed("timeout")
+                time.sleep(self.cfg.poll_interval_s)
+                response = self._call(record, "GET", f"/jobs/{record.job_id}", deadline)
+                if response.status_code != 200:
+                    raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
+                job = response.json()
+            record.job, record.job_status, record.job_attempts = job, job["status"], job["attempts"]
+            if job["status"] == "succeeded":
+                record.outcome = "ok"
+                record.latency_s = time.monotonic() - start
+            else:
+                record.outcome = f"job_{job['status']}:{(job.get('error') or {}).get('code', '')}"
+        except _Failed as exc:
+            record.outcome = str(exc)
+        except Exception as exc:  # a bug in the service's answers (bad JSON...), counted, not fatal to the run
+            record.outcome = f"client_{type(exc).__name__}"
+
+    # -- memory -----------------------------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        while not self._done.wait(self.cfg.sample_interval_s):
+            now = time.monotonic() - self.t0
+            for name, pid in self.pids().items():
+                rss = rss_mb(pid)
+                if rss is not None:
+                    self.memory.append((now, name, pid, rss))
+
+    # -- the run ----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.cfg
+        rng = random.Random(cfg.seed)
+        kinds, weights = zip(*cfg.mix.items())
+        slots = threading.Semaphore(cfg.concurrency)
+        threads: list[threading.Thread] = []
+        self.t0 = time.monotonic()
+        sampler = threading.Thread(target=self._sample_memory, daemon=True)
+        sampler.start()
+        next_arrival = self.t0
+
+        def worker(record: Record) -> None:
+            try:
+                self._run_one(record)
+            finally:
+                slots.release()
+
+        for seq in range(cfg.max_requests):
+            if cfg.rate > 0:
+                next_arrival += rng.expovariate(cfg.rate)
+                time.sleep(max(0.0, next_arrival - time.monotonic()))
+            if time.monotonic() - self.t0 >= cfg.duration_s:
+                break
+            kind = rng.choices(kinds, weights)[0]
+            record = Record(seq=seq, kind=kind, n_items=cfg.sizes[kind], body=make_body(rng, kind, cfg, seq))
+            slots.acquire()  # bounded concurrency: an arrival waits for a free slot
+            self.records.append(record)
+            thread = threading.Thread(target=worker, args=(record,), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+        self._done.set()
+        sampler.join()
+        self.elapsed_s = time.monotonic() - self.t0
+        self.client.close()
+
+    def verify(self, reference) -> None:  # type: ignore[no-untyped-def]
+        """Checks succeeded jobs' scores against the engine (all, or a seeded sample)."""
+        done = [r for r in self.records if r.outcome == "ok"]
+        if self.cfg.verify >= 0:
+            done = random.Random(self.cfg.seed + 1).sample(done, min(self.cfg.verify, len(done)))
+        for record in done:
+            b = record.body
+            expected = reference.score(b["query"], b["items"], b["label_token_ids"], b["apply_softmax"],
+                                       b["item_first"])
+            got = np.asarray(record.job["scores"], np.float64)
+            ok = got.shape == np.shape(expected) and np.allclose(got, expected, atol=1e-5, rtol=1e-4)
+            record.verified = "ok" if ok else "mismatch"
+            if not ok:
+                record.outcome = "wrong_scores"
+
+    # -- results ----------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        ok = [r for r in self.records if r.outcome == "ok"]
+        errors = Counter(r.outcome for r in self.records if r.outcome != "ok")
+        latencies = np.array([r.latency_s for r in ok]) * 1000 if ok else np.array([0.0])
+        items = sum(r.n_items for r in ok)
+        return {
+            "requests": len(self.records),
+            "ok": len(ok),
+            "errors": sum(errors.values()),
+            "error_rate": sum(errors.values()) / max(1, len(self.records)),
+            "errors_by_kind": dict(errors),
+            "elapsed_s": round(self.elapsed_s, 2),
+            "items_ok": items,
+            "throughput_items_s": round(items / self.elapsed_s, 2),
+            "latency_ms": {f"p{q}": round(float(np.percentile(latencies, q)), 1) for q in (50, 95, 99)},
+            "latency_by_kind_ms_p99": {k: round(float(np.percentile([r.latency_s * 1000 for r in ok if r.kind == k],
+                                                                       99)), 1)
+                                       for k in self.cfg.mix if any(r.kind == k for r in ok)},
+            "http_retries": sum(r.http_retries for r in self.records),
+            "job_attempts_over_1": sum(r.job_attempts > 1 for r in ok),
+            "verified": sum(r.verified == "ok" for r in self.records),
+            "mismatches": sum(r.verified == "mismatch" for r in self.records),
+            "memory": memory_trend(self.memory, self.cfg.warmup_fraction * self.elapsed_s),
+            "config": {k: v for k, v in asdict(self.cfg).items()},
+        }
+
+    def write(self, out: Path, prefix: str = "load") -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        columns = ["seq", "kind", "n_items", "started_s", "latency_s", "outcome", "job_id", "job_status",
+                   "job_attempts", "http_retries", "verified"]
+        with open(out / f"{prefix}_requests.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            for r in self.records:
+                writer.writerow([getattr(r, c) for c in columns])
+        with open(out / f"{prefix}_memory.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["t_s", "process", "pid", "rss_mb"])
+            writer.writerows(self.memory)
+        summary = self.summary()
+        (out / f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+class _Failed(Exception):
+    """A request that ended in an error of the given kind."""
+
+
+def _error_code(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["code"]
+    except Exception:
+        return "no_json"
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None  # the process is gone (killed by a chaos test, say)
+    return None
+
+
+def memory_trend(samples: list[tuple[float, str, int, float]], warmup_s: float) -> dict:
+    """Per process (a restarted process is a new series): first/last RSS and the least-squares slope in MB/hour
+    over the samples after the warm-up."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for t, name, pid, rss in samples:
+        series.setdefault(f"{name}:{pid}", []).append((t, rss))
+    out = {}
+    for name, points in series.items():
+        steady = [p for p in points if p[0] >= warmup_s] or points
+        t, rss = np.array(steady).T
+        slope = float(np.polyfit(t / 3600, rss, 1)[0]) if len(steady) >= 3 and np.ptp(t) > 0 else math.nan
+        out[name] = {"start_mb": round(points[0][1], 1), "end_mb": round(points[-1][1], 1),
+                     "peak_mb": round(max(p[1] for p in points), 1), "samples": len(points),
+                     "trend_mb_per_hour": round(slope, 1)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="the API's base URL (loopback only)")
+    parser.add_argument("--key", default=os.environ.get("PACKSCORE_API_KEY"))
+    parser.add_argument("--pid", action="append", default=[], help="NAME=PID to sample RSS of (repeatable)")
+    parser.add_argument("--start-service", action="store_true",
+                        help="start an API and workers of our own on a fresh database (DATABASE_URL's server)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--duration", default="2m")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--mix", default="small=0.6,medium=0.3,large=0.1")
+    parser.add_argument("--sizes", default="small=3,medium=30,large=200", help="items per request of each kind")
+    parser.add_argument("--max-requests", type=int, default=100_000)
+    parser.add_argument("--verify", type=int, default=-1, help="jobs checked against the engine (-1: all)")
+    parser.add_argument("--sample-interval", type=float, default=5.0)
+    parser.add_argument("--out", default="load-out")
+    parser.add_argument("--prefix", default="load")
+    args = parser.parse_args()
+    cfg = LoadConfig(duration_s=parse_duration(args.duration), seed=args.seed, rate=args.rate,
+                     concurrency=args.concurrency, mix=parse_weights(args.mix),
+                     sizes=parse_weights(args.sizes, int), max_requests=args.max_requests, verify=args.verify,
+                     sample_interval_s=args.sample_interval)
+    out = Path(args.out)
+    if args.start_service:
+        summary = _run_with_own_service(cfg, args.model, args.workers, out, args.prefix)
+    else:
+        if not (args.url and args.key):
+            parser.error("--url and --key (or --start-service) are needed")
+        pids = {name: int(pid) for name, pid in (p.split("=") for p in args.pid)}
+        runner = Runner(cfg, args.url, args.key, lambda: pids)
+        runner.run()
+        _verify_with(runner, args.model)
+        summary = runner.write(out, args.prefix)
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+
+
+def _verify_with(runner: Runner, model: str) -> None:
+    if runner.cfg.verify != 0:
+        from core import Scorer
+
+        runner.verify(Scorer.from_pretrained(model))
+
+
+def _run_with_own_service(cfg: LoadConfig, model: str, workers: int, out: Path, prefix: str) -> dict:
+    from tests.service_harness import fresh_database, running_service
+
+    admin = os.environ.get("PACKSCORE_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    name = f"packscore_load_{cfg.tag}"
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with fresh_database(admin, name) as url:
+        env = {"DATABASE_URL": url, "MODEL": model, "BROKER_KEY_PREFIX": f"{name}:",
+               "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")}
+        with running_service(env, logs, workers=workers) as service:
+            runner = Runner(cfg, service.base_url, service.key, service.pids)
+            runner.run()
+        _verify_with(runner, model)
+        return runner.write(out, prefix)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""API contract on a real PostgreSQL: validation codes, auth, tenants, idempotency, cancel, pagination."""
+
+import pytest
+from sqlalchemy import update
+
+from api.db import session_scope
+from api.models import Job
+
+QUERY = {"query": "Is this relevant?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_error(response, status: int, code: str) -> None:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["code"] == code, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def test_create_and_get_job(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    response = client.post("/jobs", json={**QUERY, "metadata": {"note": "'; DROP TABLE jobs; --"}}, headers=auth(key))
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert response.headers["Location"] == f"/jobs/{job['id']}"
+    assert job["status"] == "queued"
+    assert job["progress"] == {"items_done": 0, "items_total": 2}
+    assert job["usage"]["prompt_tokens"] > 0
+    assert job["metadata"] == {"note": "'; DROP TABLE jobs; --"}
+    assert job["model"] == "tiny-random"
+    fetched = client.get(f"/jobs/{job['id']}", headers=auth(key))
+    assert fetched.status_code == 200
+    assert fetched.json()["id"] == job["id"]
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"query": [], "items": [[1]], "label_token_ids": [1]}, "empty_query"),
+    ({**QUERY, "label_token_ids": []}, "empty_label_token_ids"),
+    ({**QUERY, "label_token_ids": [1, 49152]}, "label_token_id_out_of_range"),
+    ({**QUERY, "label_token_ids": [-1]}, "label_token_id_out_of_range"),
+    ({"query": [1, 2], "items": [[3], [49152]], "label_token_ids": [1]}, "token_id_out_of_range"),
+    ({"query": [1, 10**30], "items": [[3]], "label_token_ids": [1]}, "token_id_out_of_range"),
+    ({"query": "text", "items": [[3, 4]], "label_token_ids": [1]}, "mixed_input_types"),
+    ({"query": [1, 2], "items": ["text"], "label_token_ids": [1]}, "mixed_input_types"),
+    ({**QUERY, "items": ["x"] * 5001}, "too_many_items"),
+    ({**QUERY, "items": ["one two three four five six seven eight nine ten " * 3] * 4000}, "too_many_tokens"),
+    ({**QUERY, "items": ["word " * 8200]}, "too_many_tokens"),  # longer than the model takes (8192)
+    ({**QUERY, "model": "gpt-9"}, "unknown_model"),
+    ({**QUERY, "webhook_url": "http://10.1.2.3/hook"}, "invalid_webhook_url"),
+    ({**QUERY, "webhook_url": "http://169.254.169.254/latest/meta-data"}, "invalid_webhook_url"),
+    ({**QUERY, "webhook_url": "ftp://example.com/x"}, "invalid_webhook_url"),
+])
+def test_validation_codes(client, make_key, body, code) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    assert_error(client.post("/jobs", json=body, headers=auth(key)), 400, code)
+
+
+@pytest.mark.parametrize("body", [
+    {"query": "q", "items": "not a list", "label_token_ids": [1]},
+    {"query": "q", "items": ["a"], "label_token_ids": [1.5]},
+    {"query": "q", "items": ["a"], "label_token_ids": ["1"]},
+    {"query": "q", "items": ["a"], "label_token_ids": [True]},
+    {"query": 5, "items": ["a"], "label_token_ids": [1]},
+    {"query": "q", "items": [None], "label_token_ids": [1]},
+    {"items": ["a"], "label_token_ids": [1]},
+    {**QUERY, "apply_softmax": "yes"},
+    {**QUERY, "unexpected": 1},
+    {**QUERY, "metadata": "not an object"},
+    [1, 2, 3],
+])
+def test_bad_shapes_are_422(client, make_key, body) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    assert_error(client.post("/jobs", json=body, headers=auth(key)), 422, "invalid_input")
+
+
+def test_malformed_json_and_huge_body(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    headers = {**auth(key), "content-type": "application/json"}
+    assert_error(client.post("/jobs", content=b'{"query": "x", ', headers=headers), 422, "invalid_input")
+    assert_error(client.post("/jobs", content=b"\xff\xfe\x00garbage", headers=headers), 422, "invalid_input")
+    huge = b'{"query": "' + b"a" * 2_100_000 + b'", "items": [], "label_token_ids": [1]}'
+    assert_error(client.post("/jobs", content=huge, headers=headers), 413, "body_too_large")
+
+    def chunks():  # type: ignore[no-untyped-def]
+        yield b'{"query": "'
+        for _ in range(30):
+            yield b"a" * 100_000
+        yield b'", "items": [], "label_token_ids": [1]}'
+
+    assert_error(client.post("/jobs", content=chunks(), headers=headers), 413, "body_too_large")
+
+
+def test_unicode_and_empty_items(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    body = {"query": "Zé \u0000\u202e 漢字 🙂", "items": ["", "\t\n\x07"], "label_token_ids": [0]}
+    response = client.post("/jobs", json=body, headers=auth(key))
+    assert response.status_code == 202, response.text
+    response = client.post("/jobs", json={**QUERY, "items": []}, headers=auth(key))
+    assert response.status_code == 202
+    assert response.json()["progress"]["items_total"] == 0
+
+
+def test_auth_required(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job = client.post("/jobs", json=QUERY, headers=auth(key)).json()
+    for method, path in [("post", "/jobs"), ("get", "/jobs"), ("get", f"/jobs/{job['id']}"),
+                         ("post", f"/jobs/{job['id']}/cancel"), ("post", "/v1/score")]:
+        assert_error(getattr(client, method)(path), 401, "unauthorized")
+        assert_error(getattr(client, method)(path, headers=auth("psk_wrong")), 401, "unauthorized")
+        assert_error(getattr(client, method)(path, headers={"Authorization": "Basic abc"}), 401, "unauthorized")
+
+
+def test_other_tenant_gets_404(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    owner, _ = make_key("owner")
+    other, _ = make_key("other")
+    job = client.post("/jobs", json=QUERY, headers=auth(owner)).json()
+    assert_error(client.get(f"/jobs/{job['id']}", headers=auth(other)), 404, "not_found")
+    assert_error(client.post(f"/jobs/{job['id']}/cancel", headers=auth(other)), 404, "not_found")
+    assert job["id"] not in [j["id"] for j in client.get("/jobs", headers=auth(other)).json()["data"]]
+    assert_error(client.get("/jobs/job_doesnotexist", headers=auth(owner)), 404, "not_found")
+    assert client.get(f"/jobs/{job['id']}", headers=auth(owner)).status_code == 200
+
+
+def test_idempotency_key(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    headers = {**auth(key), "Idempotency-Key": "order-42"}
+    first = client.post("/jobs", json=QUERY, headers=headers)
+    again = client.post("/jobs", json=QUERY, headers=headers)
+    assert first.status_code == again.status_code == 202
+    assert first.json()["id"] == again.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert_error(client.post("/jobs", json={**QUERY, "items": ["other"]}, headers=headers), 409,
+                 "idempotency_conflict")
+    # Keys are per tenant: another tenant's same key is a different job.
+    other, _ = make_key()
+    third = client.post("/jobs", json=QUERY, headers={**auth(other), "Idempotency-Key": "order-42"})
+    assert third.status_code == 202 and third.json()["id"] != first.json()["id"]
+    assert_error(client.post("/jobs", json=QUERY, headers={**auth(key), "Idempotency-Key": "k" * 300}), 400,
+                 "invalid_input")
+
+
+def _set_status(job_id: str, status: str) -> None:
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status=status, lease_owner="elsewhere"))
+
+
+def test_cancel_rules(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    queued = client.post("/jobs", json=QUERY, headers=auth(key)).json()
+    response = client.post(f"/jobs/{queued['id']}/cancel", headers=auth(key))
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+    assert response.json()["finished_at"] is not None
+    assert_error(client.post(f"/jobs/{queued['id']}/cancel", headers=auth(key)), 409, "job_finished")
+
+    running = client.post("/jobs", json=QUERY, headers=auth(key)).json()
+    _set_status(running["id"], "running")
+    response = client.post(f"/jobs/{running['id']}/cancel", headers=auth(key))
+    assert response.status_code == 202  # the worker cancels it at the next pass boundary
+    with session_scope() as session:
+        assert session.get(Job, running["id"]).cancel_requested
+
+    for status in ("succeeded", "failed"):
+        done = client.post("/jobs", json=QUERY, headers=auth(key)).json()
+        _set_status(done["id"], status)
+        assert_error(client.post(f"/jobs/{done['id']}/cancel", headers=auth(key)), 409, "job_finished")
+
+
+def test_list_pagination_and_filter(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    ids = [client.post("/jobs", json=QUERY, headers=auth(key)).json()["id"] for _ in range(5)]
+    client.post(f"/jobs/{ids[0]}/cancel", headers=auth(key))
+    seen, cursor = [], None
+    while True:
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = client.get("/jobs", params=params, headers=auth(key)).json()
+        assert len(page["data"]) <= 2
+        seen += [j["id"] for j in page["data"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(ids))  # newest first, each once
+    cancelled = client.get("/jobs", params={"status": "cancelled"}, headers=auth(key)).json()["data"]
+    assert [j["id"] for j in cancelled] == [ids[0]]
+    assert_error(client.get("/jobs", params={"status": "bogus"}, headers=auth(key)), 422, "invalid_input")
+    assert_error(client.get("/jobs", params={"limit": 0}, headers=auth(key)), 422, "invalid_input")
+    assert_error(client.get("/jobs", params={"limit": "x"}, headers=auth(key)), 422, "invalid_input")
+
+
+def test_score_validation_and_timeout(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from api.settings import get_settings
+
+    key, _ = make_key()
+    assert_error(client.post("/v1/score", json={**QUERY, "model": "nope"}, headers=auth(key)), 400, "unknown_model")
+    assert_error(client.post("/v1/score", json={**QUERY, "label_token_ids": []}, headers=auth(key)), 400,
+                 "empty_label_token_ids")
+    assert_error(client.post("/v1/score", json={"items": ["a"], "label_token_ids": [1]}, headers=auth(key)), 422,
+                 "invalid_input")
+    # No worker runs in these tests: the job stays queued and the call times out with its id.
+    monkeypatch.setattr(get_settings(), "score_timeout_seconds", 0.3)
+    response = client.post("/v1/score", json={"text_1": "q", "items": "one item", "label_token_ids": [1]},
+                           headers=auth(key))
+    assert_error(response, 504, "timeout")
+    job_id = response.json()["error"]["job_id"]
+    assert client.get(f"/jobs/{job_id}", headers=auth(key)).json()["status"] == "queued"
+
+
+def test_unknown_route_and_method(client) -> None:  # type: ignore[no-untyped-def]
+    assert_error(client.get("/nope"), 404, "not_found")
+    assert_error(client.delete("/jobs"), 405, "method_not_allowed")
+
+
+def test_health_and_metrics(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    assert client.get("/healthz").json() == {"status": "ok"}
+    key, _ = make_key()
+    client.post("/jobs", json=QUERY, headers=auth(key))
+    text = client.get("/metrics").text
+    assert "packscore_queue_depth" in text
+    assert 'packscore_jobs{status="queued"}' in text
+    assert "packscore_passes_total" in text
+    assert 'packscore_http_requests_total{method="POST",route="/jobs",status="202"}' in text
+    ready = client.get("/readyz")
+    assert ready.json()["checks"]["database"] is True
+    assert ready.json()["checks"]["broker"] is True
+
+
+def test_openapi(client) -> None:  # type: ignore[no-untyped-def]
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/cancel", "/v1/score", "/healthz", "/readyz"} <= set(paths)
+
+
+def test_database_down_is_503_with_retry_after(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from api.deps import get_db
+
+    key, _ = make_key()
+    dead = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/none", connect_args={"connect_timeout": 2})
+
+    def dead_db():  # type: ignore[no-untyped-def]
+        with Session(dead) as session:
+            yield session
+
+    client.app.dependency_overrides[get_db] = dead_db
+    try:
+        for response in (client.post("/jobs", json=QUERY, headers=auth(key)), client.get("/jobs", headers=auth(key)),
+                         client.get("/jobs/job_x", headers=auth(key))):
+            assert_error(response, 503, "unavailable")
+            assert int(response.headers["Retry-After"]) > 0
+        assert client.get("/readyz").status_code == 503
+        assert client.get("/healthz").status_code == 200
+    finally:
+        client.app.dependency_overrides.clear()
+        dead.dispose()
+
+
+def test_nul_bytes_in_ids_and_cursor(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    assert_error(client.get("/jobs/job%00x", headers=auth(key)), 422, "invalid_input")
+    assert_error(client.get("/jobs", params={"cursor": "job_\x00"}, headers=auth(key)), 422, "invalid_input")
+    assert_error(client.post("/jobs", json={**QUERY, "webhook_url": "http://a\x00b.example/"}, headers=auth(key)),
+                 400, "invalid_webhook_url")
+    assert_error(client.post("/jobs", json={**QUERY, "webhook_url": "http://" + "a" * 300 + ".example/"},
+                             headers=auth(key)), 400, "invalid_webhook_url")
+
+
+def test_lone_surrogates_are_rejected(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    headers = {**auth(key), "content-type": "application/json"}
+    for raw in (b'{"query": "a\\ud800b", "items": ["x"], "label_token_ids": [1]}',
+                b'{"query": "a", "items": ["\\udfff"], "label_token_ids": [1]}',
+                b'{"query": "a", "items": ["x"], "label_token_ids": [1], "metadata": {"k": "\\ud800"}}'):
+        response = client.post("/jobs", content=raw, headers=headers)
+        assert response.status_code in (400, 422), response.text
+        assert response.json()["error"]["code"] == "invalid_input"

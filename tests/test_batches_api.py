@@ -1,0 +1,247 @@
+"""Batches in-process on PostgreSQL (API through TestClient, worker rounds called directly): upload with good
+and bad lines, the JSON body form, results while running, cancel midway, tenant isolation, limits, the
+webhook, and the batch lane's order (interactive first, tenants in turn, requests grouped by query)."""
+
+import json
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+from standardwebhooks import Webhook
+
+from api.db import session_scope
+from api.settings import get_settings
+from worker import drain as drain_module
+from worker.scorer import get_scorer
+from worker.webhooks import deliver_due
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def clean(empty_queue) -> None:  # type: ignore[no-untyped-def]
+    with session_scope() as session:
+        session.execute(text("DELETE FROM batches"))
+
+
+def request_line(i: int, **extra: object) -> dict:
+    # 5 distinct queries, so requests share queries (the batch lane groups them).
+    return {"custom_id": f"req-{i}", "query": f"Which answer fits question {i % 5}?",
+            "items": [f"answer {i}", "no", "a longer answer here"][: 1 + i % 3], "label_token_ids": [5, 17, 300],
+            **extra}
+
+
+def upload(client, key: str, lines: list, **params: str):  # type: ignore[no-untyped-def]
+    body = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines).encode()
+    return client.post("/batches", content=body, params=params,
+                       headers={**auth(key), "content-type": "application/jsonl"})
+
+
+def result_lines(client, key: str, batch_id: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    response = client.get(f"/batches/{batch_id}/results", headers=auth(key))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/jsonl")
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+def results(client, key: str, batch_id: str) -> dict:  # type: ignore[no-untyped-def]
+    lines = result_lines(client, key, batch_id)
+    by_id = {line["custom_id"]: line for line in lines}
+    assert len(by_id) == len(lines), "a custom_id appears twice in the results"
+    return by_id
+
+
+def drain() -> int:
+    return drain_module.drain(get_scorer(), "worker-a", get_settings())
+
+
+def one_round(owner: str = "worker-a") -> list:  # type: ignore[type-arg]
+    """One claim and run of the worker, as the drain loop does it."""
+    jobs = drain_module.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
+    drain_module.run_jobs(get_scorer(), owner, jobs)
+    drain_module._settle({job.batch_id for job in jobs if job.batch_id})
+    return jobs
+
+
+def test_upload_with_good_and_bad_lines(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    good = [request_line(i, apply_softmax=i % 2 == 0, return_logprobs=i == 3) for i in range(12)]
+    bad = [
+        "this is not json",
+        '{"custom_id": "truncated", "query": ',
+        json.dumps([1, 2, 3]),
+        json.dumps({"query": "no custom id", "items": ["a"], "label_token_ids": [1]}),
+        json.dumps({**request_line(100), "label_token_ids": []}),
+        json.dumps({**request_line(101), "label_token_ids": [10 ** 9]}),
+        json.dumps({**request_line(102), "items": [[1, 2]]}),
+        json.dumps({**request_line(103), "model": "other-model"}),
+        json.dumps({**request_line(104), "unexpected": 1}),
+        json.dumps(request_line(0)),  # duplicate custom_id
+        json.dumps({**request_line(105), "custom_id": "nul\u0000id"}),
+    ]
+    lines = good[:6] + bad + [""] + good[6:]
+    response = upload(client, key, lines, metadata=json.dumps({"run": 7}))
+    assert response.status_code == 201, response.text
+    batch = response.json()
+    assert response.headers["Location"] == f"/batches/{batch['id']}"
+    assert batch["status"] == "in_progress" and batch["metadata"] == {"run": 7}
+    assert batch["counts"] == {"total": len(good) + len(bad), "succeeded": 0, "failed": len(bad), "cancelled": 0}
+
+    assert drain() == len(good)
+    batch = client.get(f"/batches/{batch['id']}", headers=auth(key)).json()
+    assert batch["status"] == "completed" and batch["finished_at"] is not None
+    assert batch["counts"] == {"total": len(good) + len(bad), "succeeded": len(good), "failed": len(bad),
+                               "cancelled": 0}
+    n_items = sum(len(line["items"]) for line in good)
+    assert batch["progress"] == {"items_done": n_items, "items_total": n_items}
+
+    lines = result_lines(client, key, batch["id"])
+    assert len(lines) == len(good) + len(bad)
+    scored = {line["custom_id"]: line for line in lines if "error" not in line}
+    errors = [line for line in lines if "error" in line]
+    scorer = get_scorer()
+    for line in good:
+        got = scored[line["custom_id"]]
+        expected = scorer.score(line["query"], line["items"], line["label_token_ids"], line.get("apply_softmax", False))
+        np.testing.assert_allclose(got["scores"], expected, atol=1e-5, rtol=1e-4)
+        assert ("logprobs" in got) == line.get("return_logprobs", False)
+    codes = sorted(line["error"]["code"] for line in errors)
+    assert codes == sorted(["invalid_json", "invalid_json", "invalid_input", "invalid_input",
+                            "empty_label_token_ids", "label_token_id_out_of_range", "mixed_input_types",
+                            "unknown_model", "invalid_input", "duplicate_custom_id", "invalid_input"])
+    assert all(line["scores"] is None for line in errors)
+    assert sum(line["custom_id"] is None for line in errors) == 4  # lines with no readable custom_id
+    assert any(e["custom_id"] == "req-0" and e["error"]["code"] == "duplicate_custom_id" for e in errors)
+    assert all(e["error"]["message"].startswith("line ") for e in errors)
+
+
+def test_json_body_form_and_webhook(client, make_key, clean, webhook_receiver) -> None:  # type: ignore[no-untyped-def]
+    key, secret = make_key()
+    body = {"requests": [request_line(i) for i in range(4)] + ["not an object"], "webhook_url": webhook_receiver.url,
+            "metadata": {"source": "json"}}
+    response = client.post("/batches", json=body, headers=auth(key))
+    assert response.status_code == 201, response.text
+    batch_id = response.json()["id"]
+    assert response.json()["counts"]["total"] == 5
+    drain()
+    deliver_due(get_settings())
+    assert len(webhook_receiver.requests) == 1
+    headers, payload = webhook_receiver.requests[0]
+    event = Webhook(secret).verify(payload, headers)
+    assert event["type"] == "batch.completed"
+    assert event["data"]["id"] == batch_id and event["data"]["counts"]["succeeded"] == 4
+    assert event["data"]["metadata"] == {"source": "json"}
+    batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+    assert batch["webhook"]["status"] == "delivered" and batch["webhook"]["id"] == headers["webhook-id"]
+
+
+def test_not_jsonl_and_limits(client, make_key, clean, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+
+    def assert_error(response, status: int, code: str) -> None:  # type: ignore[no-untyped-def]
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == code
+
+    assert_error(client.post("/batches", content=b"\x89PNG\r\n\x1a\n\x00\x00binary\xff\xfe",
+                             headers=auth(key)), 400, "invalid_jsonl")
+    assert_error(client.post("/batches", content=b"a,b,c\n1,2,3\n", headers=auth(key)), 400, "invalid_jsonl")
+    assert_error(client.post("/batches", content=b"\n\n", headers=auth(key)), 400, "empty_batch")
+    assert_error(client.post("/batches", content=b"{}", headers={**auth(key), "content-type": "application/json"}),
+                 422, "invalid_input")
+    assert_error(upload(client, key, [request_line(0)], webhook_url="http://10.1.2.3/hook"), 400,
+                 "invalid_webhook_url")
+    assert_error(upload(client, key, [request_line(0)], metadata="[1]"), 422, "invalid_input")
+    monkeypatch.setattr(get_settings(), "batch_max_requests", 3)
+    refused = upload(client, key, [request_line(i) for i in range(4)])
+    assert_error(refused, 413, "batch_too_large")
+    monkeypatch.setattr(get_settings(), "batch_max_bytes", 100)
+    assert_error(upload(client, key, [request_line(i) for i in range(3)]), 413, "batch_too_large")
+    # A refused upload leaves a failed batch and none of its requests.
+    failed = client.get(f"/batches/{refused.json()['error']['batch_id']}", headers=auth(key)).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "batch_too_large"
+    assert failed["counts"] == {"total": 0, "succeeded": 0, "failed": 0, "cancelled": 0}
+    assert drain() == 0
+    assert_error(client.post("/batches", content=b"{}", headers={"content-type": "application/jsonl"}), 401,
+                 "unauthorized")
+
+
+def test_results_stream_while_running_then_cancel(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    batch_id = upload(client, key, [request_line(i) for i in range(200)]).json()["id"]
+    assert results(client, key, batch_id) == {}
+    first = one_round()
+    assert 0 < len(first) < 200
+    partial = results(client, key, batch_id)
+    assert set(partial) == {job.custom_id for job in first}
+    assert all(line["scores"] for line in partial.values())
+    batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+    assert batch["status"] == "in_progress" and batch["counts"]["succeeded"] == len(first)
+
+    # Cancel while a round is claimed: queued requests are cancelled now, the running ones finish.
+    running = drain_module.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
+    response = client.post(f"/batches/{batch_id}/cancel", headers=auth(key))
+    assert response.status_code == 202 and response.json()["status"] == "cancelling"
+    drain_module.run_jobs(get_scorer(), "worker-a", running)
+    drain_module._settle({batch_id})
+    batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+    done = len(first) + len(running)
+    assert batch["status"] == "cancelled"
+    assert batch["counts"] == {"total": 200, "succeeded": done, "failed": 0, "cancelled": 200 - done}
+    out = results(client, key, batch_id)
+    assert len(out) == 200
+    assert sum(1 for line in out.values() if line["scores"]) == done
+    assert {line["error"]["code"] for line in out.values() if not line["scores"]} == {"cancelled"}
+    assert client.post(f"/batches/{batch_id}/cancel", headers=auth(key)).status_code == 409
+    assert drain() == 0
+
+
+def test_cancel_with_nothing_running_is_immediate(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    batch_id = upload(client, key, [request_line(i) for i in range(10)]).json()["id"]
+    response = client.post(f"/batches/{batch_id}/cancel", headers=auth(key))
+    assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    assert response.json()["counts"]["cancelled"] == 10
+
+
+def test_tenant_isolation_and_listing(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    alice, _ = make_key("alice")
+    bob, _ = make_key("bob")
+    ids = [upload(client, alice, [request_line(i)]).json()["id"] for i in range(3)]
+    for path in (f"/batches/{ids[0]}", f"/batches/{ids[0]}/results"):
+        response = client.get(path, headers=auth(bob))
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    assert client.post(f"/batches/{ids[0]}/cancel", headers=auth(bob)).status_code == 404
+    assert client.get("/batches", headers=auth(bob)).json()["data"] == []
+    page = client.get("/batches", params={"limit": 2}, headers=auth(alice)).json()
+    assert [b["id"] for b in page["data"]] == ids[::-1][:2]
+    rest = client.get("/batches", params={"limit": 2, "cursor": page["next_cursor"]}, headers=auth(alice)).json()
+    assert [b["id"] for b in rest["data"]] == ids[:1] and rest["next_cursor"] is None
+    # A batch's requests are not listed as jobs.
+    assert client.get("/jobs", headers=auth(alice)).json()["data"] == []
+
+
+def test_batch_lane_order(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    """Interactive jobs before any batch request; tenants take turns whatever their number of batches;
+    a round takes a batch's requests grouped by query."""
+    alice, _ = make_key("alice")
+    bob, _ = make_key("bob")
+    alice_batches = [upload(client, alice, [request_line(i) for i in range(60)]).json()["id"] for _ in range(2)]
+    bob_batch = upload(client, bob, [request_line(i) for i in range(60)]).json()["id"]
+    job = client.post("/jobs", json={"query": "hi", "items": ["x"], "label_token_ids": [1]}, headers=auth(bob))
+    settings, tokens = get_settings(), 64
+    first = drain_module.claim_jobs("w", settings, tokens)
+    assert [j.id for j in first] == [job.json()["id"]]
+    tenants, batches = [], []
+    for _ in range(6):
+        claimed = drain_module.claim_jobs("w", settings, tokens)
+        assert claimed and len({j.batch_id for j in claimed}) == 1
+        assert sum(j.prompt_tokens for j in claimed) <= tokens or len(claimed) == 1
+        keys = [j.query_key for j in claimed]
+        assert keys == sorted(keys)  # grouped by query
+        tenants.append(claimed[0].api_key_id)
+        batches.append(claimed[0].batch_id)
+    assert tenants[0::2] != tenants[1::2] and len(set(tenants[0::2])) == 1 and len(set(tenants[1::2])) == 1
+    # Alice's batches run oldest first: her second batch waits while her first has queued requests.
+    assert alice_batches[1] not in batches and bob_batch in batches

@@ -1,0 +1,190 @@
+"""The CLI end to end against a running service (uvicorn + a Celery worker, PostgreSQL, Redis, tiny-random):
+`score`, `submit --wait`, and `backfill` interrupted (SIGKILL) and resumed: each custom_id exactly once.
+Also the client's backoff on 429/503 against a scripted HTTP server."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core import Scorer
+from packscore.client import Client, PackscoreError
+from tests.service_harness import REPO, Service, running_service
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, run_id: str, database_factory, tmp_path_factory) -> Iterator[Service]:  # type: ignore[no-untyped-def]
+    with database_factory(f"packscore_cli_{run_id}") as url, running_service(
+            {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:cli:", "BATCH_ROUND_TOKENS": "256"},
+            tmp_path_factory.mktemp("cli-logs"), workers=1) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def reference() -> Scorer:
+    return Scorer.from_pretrained("tiny-random")
+
+
+def cli(service: Service, *args: str) -> subprocess.Popen:
+    env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key}
+    return subprocess.Popen([sys.executable, "-m", "packscore.cli", *args], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run(service: Service, *args: str, timeout: float = 120) -> tuple[str, str]:
+    proc = cli(service, *args)
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"packscore {' '.join(args)} exited {proc.returncode}\n{out}\n{err}"
+    return out, err
+
+
+def test_score_prints_a_table(service: Service, reference: Scorer) -> None:
+    out, _ = run(service, "score", "--query", "The capital of France is", "--item", " Paris", "--item", " London",
+                 "--labels", "5,17,300", "--softmax")
+    header, *rows = out.strip().splitlines()
+    assert header.split() == ["item", "label", "5", "label", "17", "label", "300"]
+    expected = reference.score("The capital of France is", [" Paris", " London"], [5, 17, 300], True)
+    for row, want in zip(rows, expected, strict=True):
+        np.testing.assert_allclose([float(v) for v in row.split()[-3:]], want, rtol=1e-4)
+
+
+def test_submit_waits_for_the_job(service: Service, reference: Scorer) -> None:
+    out, _ = run(service, "submit", "--query", "Best answer?", "--item", "a", "--item", "b", "--labels", "1,2",
+                 "--wait", "--poll", "0.1", "--metadata", '{"run": 3}')
+    job = json.loads(out)
+    assert job["status"] == "succeeded" and job["metadata"] == {"run": 3}
+    np.testing.assert_allclose(job["scores"], reference.score("Best answer?", ["a", "b"], [1, 2]), rtol=1e-4)
+
+
+def write_input(path: Path, lines: list[dict]) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def read_output(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_backfill_interrupted_and_resumed(service: Service, reference: Scorer, tmp_path: Path) -> None:
+    requests = [{"custom_id": f"q{i // 8}-c{i % 8}", "query": f"Rank the answers to question {i // 8}.",
+                 "items": [f"candidate {i}", f"other candidate {i % 5}"], "label_token_ids": [5, 17],
+                 "apply_softmax": True} for i in range(1200)]
+    requests[7]["label_token_ids"] = []  # a bad request: an error result, written once like the others
+    source, out = tmp_path / "input.jsonl", tmp_path / "results.jsonl"
+    write_input(source, requests)
+
+    first = cli(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.stat().st_size > 0):
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "no results were written"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)  # no chance to clean up: a torn line or a stale state file may be left
+    first.wait()
+    written = len(read_output(out)) if out.read_text().endswith("\n") else None
+    assert written is None or written < len(requests), "the backfill finished before it was interrupted"
+    with out.open("ab") as f:
+        f.write(b'{"custom_id": "q0-c0", "scor')  # as if killed mid-write
+
+    _, err = run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2", timeout=300)
+    assert "resuming batch" in err  # the batch in flight is followed, not submitted again
+    assert "requests" in err and "/s" in err and "ETA" in err
+    assert not Path(f"{out}.batch").exists()
+
+    lines = read_output(out)
+    ids = [line["custom_id"] for line in lines]
+    assert sorted(ids) == sorted(r["custom_id"] for r in requests), "each custom_id exactly once"
+    by_id = {line["custom_id"]: line for line in lines}
+    assert by_id["q0-c7"]["error"]["code"] == "empty_label_token_ids"
+    for request in requests[8:1200:97]:
+        expected = reference.score(request["query"], request["items"], request["label_token_ids"], True)
+        np.testing.assert_allclose(by_id[request["custom_id"]]["scores"], expected, atol=1e-5, rtol=1e-4)
+    with Client(service.base_url, service.key) as client:
+        assert len(client.list_batches()["data"]) == 1
+
+    # Requests added to the input later: only they are submitted.
+    extra = [{**requests[0], "custom_id": f"late-{i}"} for i in range(5)]
+    write_input(source, requests + extra)
+    run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    ids = [line["custom_id"] for line in read_output(out)]
+    assert len(ids) == len(set(ids)) == len(requests) + len(extra)
+    with Client(service.base_url, service.key) as client:
+        batches = client.list_batches()["data"]
+        assert len(batches) == 2 and batches[0]["counts"]["total"] == len(extra)
+
+
+def test_backfill_refuses_input_without_unique_custom_ids(service: Service, tmp_path: Path) -> None:
+    source = tmp_path / "input.jsonl"
+    write_input(source, [{"custom_id": "a", "query": "q", "items": ["x"], "label_token_ids": [1]}] * 2)
+    proc = cli(service, "backfill", str(source), "--out", str(tmp_path / "out.jsonl"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "appears twice" in err
+
+
+class ScriptedServer:
+    """Answers each request with the next scripted (status, headers) and records the bodies it got."""
+
+    def __init__(self, script: list[tuple[int, dict[str, str]]]) -> None:
+        server = self
+        self.script = script
+        self.bodies: list[bytes] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                if self.headers.get("transfer-encoding") == "chunked":
+                    body = b""
+                    while size := int(self.rfile.readline().strip(), 16):
+                        body += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                else:
+                    body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                server.bodies.append(body)
+                status, headers = server.script.pop(0) if server.script else (200, {})
+                payload = json.dumps({"id": "batch_1", "status": "in_progress"} if status < 400 else
+                                     {"error": {"code": "unavailable", "message": "busy"}}).encode()
+                self.send_response(status)
+                for name, value in {**headers, "content-length": str(len(payload))}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = _answer  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_client_backs_off_on_429_and_503() -> None:
+    server = ScriptedServer([(503, {"Retry-After": "0.3"}), (429, {"Retry-After": "0"}), (429, {})])
+    slept: list[float] = []
+    try:
+        with Client(server.url, "psk_x", sleep=slept.append) as client:
+            chunks = [b'{"custom_id": "a"}\n', b'{"custom_id": "b"}\n']
+            assert client.create_batch(lambda: iter(chunks))["id"] == "batch_1"
+            assert slept[:2] == [0.3, 0.0] and slept[2] > 0  # Retry-After honoured, else exponential backoff
+            # The streamed upload is sent again in full on each attempt.
+            assert server.bodies == [b"".join(chunks)] * 4
+        server.script = [(503, {"Retry-After": "0"})] * 3
+        with Client(server.url, "psk_x", sleep=slept.append, max_retries=2) as client:
+            with pytest.raises(PackscoreError) as failure:
+                client.get_batch("batch_1")
+            assert failure.value.status == 503 and failure.value.code == "unavailable"
+    finally:
+        server.close()

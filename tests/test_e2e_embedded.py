@@ -1,0 +1,59 @@
+"""`packscore serve --embedded` (what `make run` starts): SQLite, a filesystem broker and a worker child,
+no Postgres or Redis involved."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from core import Scorer
+
+
+def test_embedded_service_scores(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port", str(port)],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        assert (tmp_path / ".packscore" / "packscore.db").exists()
+        key = (tmp_path / ".packscore" / "api_key").read_text().split()[0]
+        body = {"query": "Is the sky blue?", "items": ["yes", "no"], "label_token_ids": [1, 2], "apply_softmax": True}
+        response = httpx.post(f"{base}/v1/score", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert response.status_code == 200, response.text
+        expected = Scorer.from_pretrained("tiny-random").score(**body)
+        np.testing.assert_allclose(response.json()["scores"], expected, atol=1e-5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    # The worker child went away with the server.
+    marker = f"packscore-{proc.pid}@".encode()
+    leftovers = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes():
+                leftovers.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not leftovers

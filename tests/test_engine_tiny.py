@@ -1,0 +1,193 @@
+"""Engine behaviour on tiny random models: isolation, compile-count bound, errors, Qwen3 parity."""
+
+import json
+
+import numpy as np
+import pytest
+
+from core import ERROR_CODES, Scorer, ScoringError
+from core.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Scorer:
+    return Scorer.from_pretrained("tiny-random", pass_tokens=512)
+
+
+def test_isolation_changing_one_item_moves_no_other(tiny):
+    rng = np.random.default_rng(0)
+    query = rng.integers(5, 49152, 40).tolist()
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(0, 12, 30)]
+    labels = [1, 2, 3, 400]
+    base = tiny.logprobs(query, items, labels)
+    for changed in (rng.integers(5, 49152, 3).tolist(), rng.integers(5, 49152, 25).tolist(), []):
+        other = list(items)
+        other[7] = changed
+        lp = tiny.logprobs(query, other, labels)
+        keep = np.arange(len(items)) != 7
+        assert np.abs(lp[keep] - base[keep]).max() <= 1e-5
+        assert np.abs(lp[7] - base[7]).max() > 1e-4  # the changed item itself did move
+
+
+def test_packed_matches_single_and_every_attention_impl(tiny):
+    rng = np.random.default_rng(1)
+    query = rng.integers(5, 49152, 23).tolist()
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 5, 17)]
+    single = tiny.logprobs(query, items, [3, 9], mode="single")
+    for impl in ("xla", "dense", "pallas-interpret"):
+        other = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", attention=impl)
+        assert np.abs(other.logprobs(query, items, [3, 9]) - single).max() <= 1e-4, impl
+
+
+def test_compile_count_bounded_by_buckets(tiny):
+    rng = np.random.default_rng(2)
+    requests = []
+    for _ in range(30):
+        query = rng.integers(5, 49152, int(rng.integers(1, 60))).tolist()
+        items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(0, 10, int(rng.integers(1, 80)))]
+        requests.append(tiny.tokenize(query, items, [1]))
+    tiny.clear_prefix_cache()
+    before = tiny.compiled_programs
+    shapes = {result.shape_key for req in requests for result in tiny.iter_passes([req])}
+    compiled = tiny.compiled_programs - before
+    assert compiled <= len(shapes) <= 12  # not one program per item count: a few buckets
+    assert len({r.n_items for r in requests}) > 2 * len(shapes)
+    again = tiny.compiled_programs
+    tiny.clear_prefix_cache()  # else the queries are cached now and the passes take other shapes
+    for req in requests[::-1]:
+        list(tiny.iter_passes([req]))
+    assert tiny.compiled_programs == again  # every shape was already compiled
+
+
+def test_empty_items_and_order(tiny):
+    assert tiny.score("hello", [], [1]) == []
+    lp = tiny.logprobs("hello world", ["", " a", ""], [5])
+    assert lp[0, 0] == lp[2, 0]  # both score the query alone
+    probs = tiny.score("hello world", [" a", " b"], [5, 6, 7], apply_softmax=True)
+    assert np.allclose(np.sum(probs, axis=1), 1.0)
+    raw = tiny.score("hello world", [" a", " b"], [5, 6, 7])
+    assert np.allclose(raw, np.exp(tiny.logprobs("hello world", [" a", " b"], [5, 6, 7])))
+
+
+@pytest.mark.parametrize("args, code", [
+    (("", ["a"], [1]), "empty_query"),
+    (([], [[1]], [1]), "empty_query"),
+    (("q", ["a"], []), "empty_label_token_ids"),
+    (("q", ["a"], [49152]), "label_token_id_out_of_range"),
+    (("q", ["a"], [-1]), "label_token_id_out_of_range"),
+    (([1, 2], [[3, 49152]], [1]), "token_id_out_of_range"),
+    (([1, -2], [[3]], [1]), "token_id_out_of_range"),
+    (("q", [[1, 2]], [1]), "mixed_input_types"),
+    (([1], ["a"], [1]), "mixed_input_types"),
+    (("q", ["a", [1]], [1]), "mixed_input_types"),
+    (("q", ["a"] * 101, [1]), "too_many_items"),
+    (([1] * 300, [[2] * 300], [1]), "too_many_tokens"),
+    (("q", "abc", [1]), "invalid_input"),
+    (("q", ["a"], [1.5]), "invalid_input"),
+    (("q\ud800", ["a"], [1]), "invalid_input"),
+    (([1], [[2], 3], [1]), "invalid_input"),
+    ((None, ["a"], [1]), "invalid_input"),
+])
+def test_error_codes(tiny, args, code):
+    limited = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500)
+    with pytest.raises(ScoringError) as err:
+        limited.logprobs(*args)
+    assert err.value.code == code and code in ERROR_CODES
+
+
+def test_sequence_longer_than_the_model_takes_is_too_many_tokens(tiny):
+    limited = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", max_sequence_tokens=512)
+    with pytest.raises(ScoringError) as err:
+        limited.tokenize([1] * 400, [[2] * 200], [1])
+    assert err.value.code == "too_many_tokens"
+    limited.tokenize([1] * 400, [[2] * 100], [1])
+
+
+def test_sequence_longer_than_a_pass_runs_alone(tiny):
+    rng = np.random.default_rng(6)
+    query = rng.integers(5, 49152, 300).tolist()
+    items = [rng.integers(5, 49152, n).tolist() for n in (400, 3, 0)]
+    lp = tiny.logprobs(query, items, [1, 2])  # 700 tokens > pass_tokens=512
+    assert np.abs(lp - tiny.logprobs(query, items, [1, 2], mode="single")).max() <= 1e-4
+
+
+def test_unknown_model():
+    with pytest.raises(ScoringError) as err:
+        Scorer.from_pretrained("no-such-model")
+    assert err.value.code == "unknown_model"
+
+
+def test_qwen3_matches_transformers(tmp_path, tiny):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                            rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=1024)
+    model = Qwen3ForCausalLM(hf_config).eval()
+    with torch.no_grad():  # non-trivial norms so a missing q/k norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    config = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert config.qk_norm and config.head_dim == 32
+
+    ours = Scorer.from_pretrained(str(tmp_path))
+    rng = np.random.default_rng(4)
+    query = rng.integers(5, 49152, 30).tolist()
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 4, 13)]
+    labels = [1, 77, 4000]
+    lp = ours.logprobs(query, items, labels)
+    with torch.inference_mode():
+        for i, item in enumerate(items):
+            logits = model(torch.tensor([query + item])).logits[0, -1].double()
+            ref = torch.log_softmax(logits, -1)[labels].numpy()
+            assert np.abs(lp[i] - ref).max() <= 1e-3
+    assert np.abs(lp - ours.logprobs(query, items, labels, mode="single")).max() <= 1e-4
+
+
+def test_shared_query_is_computed_once_and_cached(tiny):
+    tiny.clear_prefix_cache()
+    rng = np.random.default_rng(7)
+    query = rng.integers(5, 49152, 90).tolist()
+    a = tiny.tokenize(query, [rng.integers(5, 49152, 4).tolist() for _ in range(6)] + [[]], [1, 2])
+    b = tiny.tokenize(query, [rng.integers(5, 49152, 7).tolist() for _ in range(5)], [3])
+    first = list(tiny.iter_passes([a, b]))
+    item_tokens = sum(map(len, a.items + b.items))
+    assert sum(p.tokens for p in first) == len(query) + item_tokens  # one prefix for both requests
+    again = list(tiny.iter_passes([a, b]))
+    assert sum(p.tokens for p in again) == item_tokens + 1  # cached query; the empty item re-runs one token
+
+    def collect(passes, req_index, req):
+        out = np.full((req.n_items, len(req.label_token_ids)), np.nan)
+        for p in passes:
+            for part in p.scores:
+                if part.request == req_index:
+                    out[part.items] = part.logprobs
+        return out
+
+    for i, req in enumerate((a, b)):
+        assert np.abs(collect(first, i, req) - collect(again, i, req)).max() <= 1e-5
+        assert np.abs(collect(again, i, req) - tiny.logprobs(list(req.query), [list(t) for t in req.items],
+                                                             list(req.label_token_ids), mode="single")).max() <= 1e-4
+
+
+def test_many_cached_prefixes_in_one_pass_and_eviction(tiny):
+    rng = np.random.default_rng(8)
+    reqs = [tiny.tokenize(rng.integers(5, 49152, int(rng.integers(5, 70))).tolist(),
+                          [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(0, 6, 5)], [4, 5])
+            for _ in range(6)]
+    expected = [tiny.logprobs(list(r.query), [list(t) for t in r.items], [4, 5], mode="single") for r in reqs]
+    for cache_bytes in (tiny.prefix_cache_bytes, 1):  # 1 byte: every prefix is evicted at once
+        scorer = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", pass_tokens=512,
+                        prefix_cache_bytes=cache_bytes)
+        for round_ in range(2):
+            got = [np.full((r.n_items, 2), np.nan) for r in reqs]
+            for p in scorer.iter_passes(reqs):
+                for part in p.scores:
+                    got[part.request][part.items] = part.logprobs
+            for g, e in zip(got, expected):
+                assert np.abs(g - e).max() <= 1e-4

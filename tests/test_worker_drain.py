@@ -1,0 +1,204 @@
+"""The drain loop in-process on PostgreSQL: coalescing, results, progress, cancel at a pass boundary,
+lease loss (exactly one result write) and the sweeper."""
+
+from datetime import timedelta
+
+import numpy as np
+from sqlalchemy import func, select, update
+
+from api.db import session_scope
+from api.models import Job, JobResult, Pass, WebhookDelivery, utcnow
+from api.settings import get_settings
+from worker import drain as drain_module
+from worker.scorer import get_scorer
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def submit(client, key: str, body: dict) -> str:  # type: ignore[no-untyped-def]
+    response = client.post("/jobs", json=body, headers=auth(key))
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def job_row(job_id: str) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
+def count(model) -> int:  # type: ignore[no-untyped-def]
+    with session_scope() as session:
+        return session.scalar(select(func.count()).select_from(model))
+
+
+def many_items(n: int) -> dict:
+    return {"query": "Which of these answers is right?", "items": [f"answer number {i}" for i in range(n)],
+            "label_token_ids": [5, 17, 300], "return_logprobs": True}
+
+
+def test_jobs_coalesce_into_few_passes(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    bodies = [{"query": f"question {i}?", "items": [f"item {j}" for j in range(i % 4)] + ["yes"],
+               "label_token_ids": [1, 2, 3], "apply_softmax": bool(i % 2)} for i in range(20)]
+    ids = [submit(client, key, body) for body in bodies]
+    assert drain_module.drain(get_scorer(), "worker-a", get_settings()) == 20
+    passes = count(Pass)
+    assert 1 <= passes < 20
+    scorer = get_scorer()
+    for job_id, body in zip(ids, bodies):
+        job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+        assert job["status"] == "succeeded"
+        assert job["progress"] == {"items_done": len(body["items"]), "items_total": len(body["items"])}
+        expected = scorer.score(body["query"], body["items"], body["label_token_ids"], body["apply_softmax"])
+        np.testing.assert_allclose(job["scores"], expected, atol=1e-5, rtol=1e-4)
+    with session_scope() as session:
+        assert session.scalar(select(func.sum(Pass.n_items))) == sum(len(b["items"]) for b in bodies)
+
+
+def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    body = many_items(300)
+    job_id = submit(client, key, body)
+    scorer = get_scorer()
+    original = scorer.iter_passes
+    seen: list[int] = []
+
+    def spying(requests):  # type: ignore[no-untyped-def]
+        for result in original(requests):
+            yield result
+            seen.append(job_row(job_id).items_done)  # after the worker's pass-boundary write
+
+    monkeypatch.setattr(scorer, "iter_passes", spying)
+    drain_module.drain(scorer, "worker-a", get_settings())
+    assert len(seen) > 2, "the job should take several passes (PASS_TOKENS is small in tests)"
+    assert seen[0] < 300 and seen == sorted(seen)
+    job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert job["status"] == "succeeded"
+    monkeypatch.undo()
+    expected = scorer.logprobs(body["query"], body["items"], body["label_token_ids"])
+    np.testing.assert_allclose(job["logprobs"], expected, atol=1e-4)
+
+
+def test_cancel_at_pass_boundary(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, {**many_items(300), "webhook_url": "http://127.0.0.1:9/hook"})
+    jobs = drain_module.claim_jobs("worker-a", get_settings())
+    client.post(f"/jobs/{job_id}/cancel", headers=auth(key))
+    drain_module.run_jobs(get_scorer(), "worker-a", jobs)
+    job = job_row(job_id)
+    assert job.status == "cancelled" and job.lease_owner is None
+    assert count(Pass) == 1  # stopped at the first boundary
+    assert count(JobResult) == 0
+    with session_scope() as session:
+        delivery = session.scalars(select(WebhookDelivery)).one()
+        assert '"job.cancelled"' in delivery.payload
+
+
+def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    body = many_items(40)
+    job_id = submit(client, key, body)
+    settings = get_settings()
+    stale = drain_module.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
+    with session_scope() as session:
+        session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    assert drain_module.sweep(settings) is True
+    assert job_row(job_id).status == "queued"
+    assert drain_module.drain(get_scorer(), "worker-b", settings) == 1
+    first = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert first["status"] == "succeeded" and first["attempts"] == 2
+    # The first worker wakes up and finishes its copy: every write is refused.
+    drain_module.run_jobs(get_scorer(), "worker-dead", stale)
+    assert count(JobResult) == 1
+    assert client.get(f"/jobs/{job_id}", headers=auth(key)).json() == first
+
+
+def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    drain_module.claim_jobs("worker-a", settings)
+    with session_scope() as session:
+        session.execute(update(Job).values(lease_expires_at=utcnow() + timedelta(seconds=0.5)))
+    # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
+    drain_module.heartbeat("worker-a", "tiny-random", settings)
+    assert job_row(job_id).lease_expires_at < utcnow() + timedelta(seconds=1)
+    monkeypatch.setattr(drain_module, "active_jobs", {job_id})
+    drain_module.heartbeat("worker-a", "tiny-random", settings)
+    assert job_row(job_id).lease_expires_at > utcnow() + timedelta(seconds=settings.lease_seconds - 1)
+    assert drain_module.sweep(settings) is False
+    assert job_row(job_id).status == "running"
+
+
+def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    drain_module.claim_jobs("worker-a", settings)
+    with session_scope() as session:
+        session.execute(update(Job).values(attempts=settings.max_attempts,
+                                           lease_expires_at=utcnow() - timedelta(seconds=1)))
+    drain_module.sweep(settings)
+    job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert job["status"] == "failed" and job["error"]["code"] == "worker_lost"
+
+
+def test_request_invalid_at_the_worker_fails(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    with session_scope() as session:  # e.g. limits were lowered between submission and run
+        job = session.get(Job, job_id)
+        job.request = {**job.request, "label_token_ids": [10**9]}
+    drain_module.drain(get_scorer(), "worker-a", get_settings())
+    job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert job["status"] == "failed" and job["error"]["code"] == "label_token_id_out_of_range"
+
+
+def test_empty_items_succeed_without_a_pass(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, {"query": "q", "items": [], "label_token_ids": [1]})
+    drain_module.drain(get_scorer(), "worker-a", get_settings())
+    job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert job["status"] == "succeeded" and job["scores"] == []
+    assert count(Pass) == 0
+
+
+def test_engine_crash_requeues(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    scorer = get_scorer()
+
+    def broken(requests):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device lost")
+        yield  # a generator, like the real one
+
+    settings = get_settings()
+    monkeypatch.setattr(settings, "max_attempts", 2)
+    monkeypatch.setattr(scorer, "iter_passes", broken)
+    drain_module.drain(scorer, "worker-a", settings)
+    job = job_row(job_id)
+    assert job.status == "failed" and job.error_code == "internal_error" and job.attempts == 2
+
+
+def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    low = submit(client, key, many_items(2))
+    high = submit(client, key, many_items(2))
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == high).values(priority=10))
+    settings = get_settings()
+    jobs = drain_module.claim_jobs("worker-a", settings)
+    assert [j.id for j in jobs] == [high, low]
+
+
+def test_sweeper_rekicks_jobs_whose_message_was_lost(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    assert drain_module.sweep(settings) is False  # just queued: its drain message is presumably on its way
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(created_at=utcnow() - timedelta(seconds=settings.sweep_interval_seconds + 1)))
+    assert drain_module.sweep(settings) is True

@@ -1,0 +1,262 @@
+"""Claiming ready jobs under a lease, running them coalesced in the engine's packed passes, and the sweeper.
+
+Exactly-once effects on at-least-once delivery: every state change of a claimed job is conditional on
+`lease_owner` still being this worker and the job still running, so a worker that lost its lease (killed,
+paused past the lease, or swept) cannot write a result that another worker also writes.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import numpy as np
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from api.batches import settle_batch
+from api.crud import PRIORITY_BATCH
+from api.db import session_scope
+from api.models import Batch, Job, JobResult, Pass, Worker, utcnow
+from api.settings import Settings
+from core import PassResult, Scorer, ScoringError, TokenizedRequest
+from worker.webhooks import enqueue_job_webhook
+
+log = logging.getLogger(__name__)
+
+# Jobs this process is scoring right now: the only leases its heartbeat extends. A job left "running" by a
+# failed drain (say the database went away) must not be kept alive by a heartbeat; its lease expires instead.
+active_jobs: set[str] = set()
+
+
+@dataclass
+class RunningJob:
+    job_id: str
+    request: TokenizedRequest
+    logprobs: np.ndarray
+    done: int = 0
+    closed: bool = field(default=False)  # finished, cancelled or no longer ours
+
+
+def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[Job]:
+    """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds; only
+    when none is ready, one round of batch requests of at most `batch_round_tokens` prompt tokens (None:
+    BATCH_ROUND_TOKENS, else one request). Rounds are small so that an interactive job submitted during a
+    backfill waits for one round at most."""
+    with session_scope() as session:
+        # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
+        # runs a single worker, and the status condition on the UPDATE keeps the claim atomic there too).
+        # The priority bound keeps a backfill's queued requests out of this index scan.
+        candidates = session.execute(
+            select(Job.id, Job.items_total).where(Job.status == "queued", Job.priority > PRIORITY_BATCH)
+            .order_by(Job.priority.desc(), Job.id).limit(settings.drain_max_jobs)
+            .with_for_update(skip_locked=True)).all()
+        ids, items = [], 0
+        for job_id, n in candidates:
+            if ids and items + n > settings.drain_max_items:
+                break
+            ids.append(job_id)
+            items += n
+        if not ids:
+            ids = _batch_round(session, settings, batch_round_tokens or settings.batch_round_tokens or 0)
+        if not ids:
+            return []
+        now = utcnow()
+        claimed = session.scalars(
+            update(Job).where(Job.id.in_(ids), Job.status == "queued")
+            .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
+                    attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
+            .returning(Job)).all()
+        # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
+        return sorted(claimed, key=lambda job: (-job.priority, job.query_key or "", job.id))
+
+
+def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]:
+    """Ids of queued batch requests for one round. Tenants take turns (the one whose batches were claimed
+    from least recently goes first, however many batches it has); a tenant's batches run oldest first; within
+    a batch, requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
+    batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
+                              .where(Batch.status == "in_progress").order_by(Batch.id)).all()
+    served: dict[str, datetime] = {}
+    for _, tenant, claimed_at in batches:
+        if claimed_at is not None and claimed_at > served.get(tenant, datetime.min):
+            served[tenant] = claimed_at
+    for batch_id, _, _ in sorted(batches, key=lambda b: (served.get(b.api_key_id, datetime.min), b.api_key_id)):
+        # The batch row before its requests: the order in which POST /batches/{id}/cancel locks them too, so
+        # a claim and a cancel cannot deadlock.
+        session.execute(update(Batch).where(Batch.id == batch_id).values(last_claimed_at=utcnow()))
+        rows = session.execute(
+            select(Job.id, Job.prompt_tokens).where(Job.batch_id == batch_id, Job.status == "queued")
+            .order_by(Job.query_key, Job.id).limit(settings.drain_max_jobs).with_for_update(skip_locked=True)).all()
+        ids, used = [], 0
+        for job_id, n in rows:
+            if ids and used + n > tokens:
+                break
+            ids.append(job_id)
+            used += n
+        if ids:
+            return ids
+    return []
+
+
+def _finish(session: Session, owner: str, job_id: str, status: str, *, logprobs: np.ndarray | None = None,
+            error: tuple[str, str] | None = None) -> bool:
+    """Moves one of our running jobs to a terminal state; False if it is no longer ours."""
+    values: dict = {"status": status, "finished_at": utcnow(), "lease_owner": None, "lease_expires_at": None}
+    if logprobs is not None:
+        values["items_done"] = len(logprobs)
+    if error is not None:
+        values.update(error_code=error[0], error_message=error[1])
+    changed = session.execute(update(Job).where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
+                              .values(**values).returning(Job.webhook_url)).first()
+    if changed is None:
+        return False
+    if logprobs is not None:
+        session.add(JobResult(job_id=job_id, n_labels=logprobs.shape[1],
+                              logprobs=np.ascontiguousarray(logprobs, np.float32).tobytes()))
+    if changed.webhook_url:  # loading the job only for its webhook keeps a batch round's writes few
+        job = session.get(Job, job_id)
+        session.refresh(job)
+        enqueue_job_webhook(session, job, logprobs)
+    return True
+
+
+def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) -> None:
+    """After each pass: record it, write progress and finished results, apply cancellations, drop lost leases."""
+    touched = {part.request for part in result.scores}
+    with session_scope() as session:
+        session.add(Pass(worker=owner, n_jobs=len(touched), n_items=sum(len(p.items) for p in result.scores),
+                         tokens=result.tokens, padded_tokens=result.padded_tokens, seconds=result.seconds))
+        open_ids = [r.job_id for r in running if not r.closed]
+        state = dict(session.execute(select(Job.id, Job.cancel_requested).where(
+            Job.id.in_(open_ids), Job.lease_owner == owner, Job.status == "running")).all())
+        for index, run in enumerate(running):
+            if run.closed:
+                continue
+            if run.job_id not in state:
+                log.warning("job %s is no longer leased to %s; dropping it", run.job_id, owner)
+                run.closed = True
+            elif state[run.job_id]:
+                _finish(session, owner, run.job_id, "cancelled")
+                run.closed = True
+            elif run.done == run.request.n_items:
+                _finish(session, owner, run.job_id, "succeeded", logprobs=run.logprobs)
+                run.closed = True
+            elif index in touched:
+                session.execute(update(Job).where(Job.id == run.job_id, Job.lease_owner == owner)
+                                .values(items_done=run.done))
+
+
+def run_jobs(scorer: Scorer, owner: str, jobs: list[Job]) -> None:
+    """Scores claimed jobs together: the engine coalesces them into packed passes."""
+    running: list[RunningJob] = []
+    with session_scope() as session:
+        for job in jobs:
+            r = job.request
+            try:
+                request = scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
+            except ScoringError as exc:  # limits changed since the API accepted it
+                _finish(session, owner, job.id, "failed", error=(exc.code, exc.message))
+                continue
+            logprobs = np.full((request.n_items, len(request.label_token_ids)), np.nan, np.float32)
+            if request.n_items == 0:
+                _finish(session, owner, job.id, "succeeded", logprobs=logprobs)
+                continue
+            running.append(RunningJob(job.id, request, logprobs))
+    if not running:
+        return
+    active_jobs.update(r.job_id for r in running)
+    passes = scorer.iter_passes([r.request for r in running])
+    try:
+        for result in passes:
+            for part in result.scores:
+                run = running[part.request]
+                run.logprobs[part.items] = part.logprobs
+                run.done += len(part.items)
+            _pass_boundary(owner, result, running)
+            if all(r.closed for r in running):
+                break  # closing the generator cancels the remaining passes
+    finally:
+        passes.close()
+        active_jobs.difference_update(r.job_id for r in running)
+    leftover = [r.job_id for r in running if not r.closed]
+    if leftover:  # the engine reported fewer items than promised: a bug, not the user's fault
+        with session_scope() as session:
+            for job_id in leftover:
+                _finish(session, owner, job_id, "failed",
+                        error=("internal_error", "the engine did not score every item"))
+
+
+def release(owner: str, settings: Settings, error: str) -> None:
+    """After an unexpected engine error: our running jobs go back to the queue, or fail after max_attempts."""
+    with session_scope() as session:
+        jobs = session.scalars(select(Job).where(Job.lease_owner == owner, Job.status == "running")).all()
+        for job in jobs:
+            _requeue_or_fail(session, job, settings, "internal_error", error)
+
+
+def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
+    if job.cancel_requested:
+        job.status = "cancelled"
+    elif job.attempts >= settings.max_attempts:
+        job.status, job.error_code, job.error_message = "failed", code, message
+    else:
+        job.status, job.items_done = "queued", 0
+    job.lease_owner = job.lease_expires_at = None
+    if job.status != "queued":
+        job.finished_at = utcnow()
+        session.flush()
+        enqueue_job_webhook(session, job)
+
+
+def drain(scorer: Scorer, owner: str, settings: Settings) -> int:
+    """Runs ready jobs until none is left; returns how many jobs it claimed."""
+    total = 0
+    round_tokens = settings.batch_round_tokens or scorer.pass_tokens
+    while jobs := claim_jobs(owner, settings, round_tokens):
+        total += len(jobs)
+        try:
+            run_jobs(scorer, owner, jobs)
+        except Exception as exc:
+            log.exception("drain failed; releasing its jobs")
+            release(owner, settings, f"{type(exc).__name__}: {exc}")
+        _settle({job.batch_id for job in jobs if job.batch_id})
+    return total
+
+
+def _settle(batch_ids: set[str]) -> None:
+    if batch_ids:
+        with session_scope() as session:
+            for batch_id in sorted(batch_ids):
+                settle_batch(session, batch_id)
+
+
+def heartbeat(owner: str, model: str, settings: Settings) -> None:
+    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz)."""
+    now = utcnow()
+    with session_scope() as session:
+        if active_jobs:
+            session.execute(update(Job).where(Job.id.in_(list(active_jobs)), Job.lease_owner == owner,
+                                              Job.status == "running")
+                            .values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
+        if not session.execute(update(Worker).where(Worker.id == owner).values(last_seen_at=now)).rowcount:
+            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now))
+
+
+def sweep(settings: Settings) -> bool:
+    """Re-queues jobs whose lease expired (their worker died); returns whether queued jobs wait for a kick
+    (re-queued now, or older than one sweep interval: their broker message may have been lost)."""
+    now = utcnow()
+    with session_scope() as session:
+        expired = session.scalars(select(Job).where(Job.status == "running", Job.lease_expires_at < now)
+                                  .with_for_update(skip_locked=True)).all()
+        for job in expired:
+            log.warning("lease of job %s held by %s expired; re-queueing", job.id, job.lease_owner)
+            _requeue_or_fail(session, job, settings, "worker_lost", "the worker running this job stopped")
+        batch_ids = {job.batch_id for job in expired if job.batch_id}
+        stale = now - timedelta(seconds=settings.sweep_interval_seconds)
+        waiting = session.scalar(select(Job.id).where(Job.status == "queued", Job.created_at < stale).limit(1))
+        session.execute(delete(Worker).where(Worker.last_seen_at < now - timedelta(days=1)))
+    # A batch whose last request failed just now ends; in a transaction of its own, so that no job row lock
+    # is held while the batch row is taken (cancel takes them the other way round).
+    _settle(batch_ids)
+    return bool(expired) or waiting is not None
