@@ -1,5 +1,6 @@
 """The public engine: validation, tokenization, packed passes and host-side scores."""
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class Scorer:
         self.prefix_cache_bytes = prefix_cache_bytes
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
         self._prefix_cache: OrderedDict[tuple[int, ...], tuple[jax.Array, jax.Array]] = OrderedDict()
+        self._engine_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2-135m", **kwargs) -> "Scorer":
@@ -118,7 +120,8 @@ class Scorer:
     # ---- passes -------------------------------------------------------------------------
 
     def clear_prefix_cache(self) -> None:
-        self._prefix_cache.clear()
+        with self._engine_lock:
+            self._prefix_cache.clear()
 
     def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array) -> None:
         self._prefix_cache[query] = (k, v)
@@ -130,14 +133,17 @@ class Scorer:
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.
 
-        Every item is reported exactly once. Stop iterating to cancel at a pass boundary.
+        Every item is reported exactly once. Stop iterating to cancel at a pass boundary. Threads may iterate
+        at once (the worker's two lanes): their passes run one at a time.
         mode "single" runs one pass per query+item sequence, sharing nothing (the baseline).
         """
         if mode not in ("packed", "single"):
             raise ScoringError("invalid_input", "mode must be 'packed' or 'single'")
         requests = list(requests)
         for plan in plan_passes(requests, self.pass_tokens, mode, is_cached=self._prefix_cache.__contains__):
-            yield self._run_plan(requests, plan)
+            with self._engine_lock:  # also guards the prefix cache
+                result = self._run_plan(requests, plan)
+            yield result
 
     def _run_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> PassResult:
         start = time.perf_counter()

@@ -6,6 +6,7 @@ paused past the lease, or swept) cannot write a result that another worker also 
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 active_jobs: set[str] = set()
 
 
+class Stopping(Exception):
+    """The worker is shutting down: a drain releases its jobs at the next pass boundary."""
+
+
 @dataclass
 class RunningJob:
     job_id: str
@@ -38,10 +43,12 @@ class RunningJob:
 
 
 def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[Job]:
-    """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds; only
-    when none is ready, one round of batch requests of at most `batch_round_tokens` prompt tokens (None:
-    BATCH_ROUND_TOKENS, else one request). Rounds are small so that an interactive job submitted during a
-    backfill waits for one round at most."""
+    """Both lanes in turn: the ready interactive jobs if any, else one batch round (see the two below)."""
+    return claim_interactive(owner, settings) or claim_batch_round(owner, settings, batch_round_tokens)
+
+
+def claim_interactive(owner: str, settings: Settings) -> list[Job]:
+    """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds."""
     with session_scope() as session:
         # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
         # runs a single worker, and the status condition on the UPDATE keeps the claim atomic there too).
@@ -56,18 +63,28 @@ def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = 
                 break
             ids.append(job_id)
             items += n
-        if not ids:
-            ids = _batch_round(session, settings, batch_round_tokens or settings.batch_round_tokens or 0)
-        if not ids:
-            return []
-        now = utcnow()
-        claimed = session.scalars(
-            update(Job).where(Job.id.in_(ids), Job.status == "queued")
-            .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
-                    attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
-            .returning(Job)).all()
-        # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
-        return sorted(claimed, key=lambda job: (-job.priority, job.query_key or "", job.id))
+        return _lease(session, owner, settings, ids)
+
+
+def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None) -> list[Job]:
+    """Leases one round of batch requests of at most `tokens` prompt tokens (None: BATCH_ROUND_TOKENS, else
+    one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
+    with session_scope() as session:
+        ids = _batch_round(session, settings, tokens or settings.batch_round_tokens or 0)
+        return _lease(session, owner, settings, ids)
+
+
+def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> list[Job]:
+    if not ids:
+        return []
+    now = utcnow()
+    claimed = session.scalars(
+        update(Job).where(Job.id.in_(ids), Job.status == "queued")
+        .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
+                attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
+        .returning(Job)).all()
+    # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
+    return sorted(claimed, key=lambda job: (-job.priority, job.query_key or "", job.id))
 
 
 def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]:
@@ -146,8 +163,9 @@ def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) ->
                                 .values(items_done=run.done))
 
 
-def run_jobs(scorer: Scorer, owner: str, jobs: list[Job]) -> None:
-    """Scores claimed jobs together: the engine coalesces them into packed passes."""
+def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[[], None] | None = None) -> None:
+    """Scores claimed jobs together: the engine coalesces them into packed passes. `before_pass` runs before
+    each pass (the batch lane waits there while interactive jobs run)."""
     running: list[RunningJob] = []
     with session_scope() as session:
         for job in jobs:
@@ -167,7 +185,11 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[Job]) -> None:
     active_jobs.update(r.job_id for r in running)
     passes = scorer.iter_passes([r.request for r in running])
     try:
-        for result in passes:
+        while True:
+            if before_pass is not None:
+                before_pass()
+            if (result := next(passes, None)) is None:
+                break
             for part in result.scores:
                 run = running[part.request]
                 run.logprobs[part.items] = part.logprobs
@@ -186,10 +208,12 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[Job]) -> None:
                         error=("internal_error", "the engine did not score every item"))
 
 
-def release(owner: str, settings: Settings, error: str) -> None:
-    """After an unexpected engine error: our running jobs go back to the queue, or fail after max_attempts."""
+def release(owner: str, settings: Settings, job_ids: list[str], error: str) -> None:
+    """After an unexpected error: those of these jobs still ours go back to the queue, or fail after
+    max_attempts. Only these: the other lane of this process may be running jobs of its own."""
     with session_scope() as session:
-        jobs = session.scalars(select(Job).where(Job.lease_owner == owner, Job.status == "running")).all()
+        jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner,
+                                                 Job.status == "running")).all()
         for job in jobs:
             _requeue_or_fail(session, job, settings, "internal_error", error)
 
@@ -208,19 +232,32 @@ def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, 
         enqueue_job_webhook(session, job)
 
 
-def drain(scorer: Scorer, owner: str, settings: Settings) -> int:
-    """Runs ready jobs until none is left; returns how many jobs it claimed."""
-    total = 0
+def drain(scorer: Scorer, owner: str, settings: Settings, lane: str = "both",
+          before_pass: Callable[[], None] | None = None) -> int:
+    """Runs the ready jobs of `lane` until none is left; returns how many jobs it claimed. Lanes: "interactive",
+    "batch" (one round per claim), or "both" (a batch round only when no interactive job is ready).
+    `before_pass` runs before each claim and each pass; it raises Stopping to release the claimed jobs
+    (back to the queue) and end the drain."""
     round_tokens = settings.batch_round_tokens or scorer.pass_tokens
-    while jobs := claim_jobs(owner, settings, round_tokens):
+    claim = {"both": lambda: claim_jobs(owner, settings, round_tokens),
+             "interactive": lambda: claim_interactive(owner, settings),
+             "batch": lambda: claim_batch_round(owner, settings, round_tokens)}[lane]
+    total = 0
+    while True:
+        if before_pass is not None:
+            before_pass()
+        if not (jobs := claim()):
+            return total
         total += len(jobs)
         try:
-            run_jobs(scorer, owner, jobs)
+            run_jobs(scorer, owner, jobs, before_pass)
         except Exception as exc:
-            log.exception("drain failed; releasing its jobs")
-            release(owner, settings, f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, Stopping):
+                log.exception("drain failed; releasing its jobs")
+            release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, Stopping):
+                raise
         _settle({job.batch_id for job in jobs if job.batch_id})
-    return total
 
 
 def _settle(batch_ids: set[str]) -> None:

@@ -1,7 +1,14 @@
-"""Celery glue: the `drain` task and the worker's background loops (heartbeat + sweeper, webhook delivery).
+"""Celery glue: the `drain` task, the batch lane and the worker's background loops (heartbeat + sweeper,
+webhook delivery).
 
 Run with `packscore worker` (`celery worker --pool solo`): one process per accelerator, no fork after JAX
 has started; the model is loaded once per process, before the worker consumes.
+
+Two lanes share the engine. The `drain` task runs interactive jobs; batch requests run in a thread of their
+own that waits before each pass while interactive jobs run. So an interactive job submitted during a
+backfill waits for the batch pass on the engine at most, not for a whole batch round with its database
+writes (the engine serializes passes). With SQLite (embedded mode, one writer at a time) the task runs
+both lanes in turn instead.
 """
 
 import logging
@@ -29,6 +36,12 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 # One drain at a time per process, run by the Celery task or by the sweeper's thread (below).
 _drain_lock = threading.Lock()
 _stop = threading.Event()
+# Cleared while the interactive lane runs: the batch lane waits on it before each claim and pass.
+_interactive_idle = threading.Event()
+_interactive_idle.set()
+_batch_lane: threading.Thread | None = None
+_batch_lane_lock = threading.Lock()
+_batch_lane_wanted = threading.Event()
 
 
 def _drain() -> int:
@@ -36,9 +49,51 @@ def _drain() -> int:
     if not _drain_lock.acquire(blocking=False):
         return 0
     try:
-        return drain_module.drain(get_scorer(), WORKER_ID, get_settings())
+        settings = get_settings()
+        if settings.database_url.startswith("sqlite"):
+            return drain_module.drain(get_scorer(), WORKER_ID, settings)
+        _interactive_idle.clear()
+        try:
+            claimed = drain_module.drain(get_scorer(), WORKER_ID, settings, lane="interactive")
+        finally:
+            _interactive_idle.set()
+        _wake_batch_lane()
+        return claimed
     finally:
         _drain_lock.release()
+
+
+def _wake_batch_lane() -> None:
+    """Starts the batch lane's thread, or makes the running one look for work once more before it ends."""
+    global _batch_lane
+    with _batch_lane_lock:
+        _batch_lane_wanted.set()
+        if _batch_lane is None and not _stop.is_set():
+            _batch_lane = threading.Thread(target=_run_batch_lane, name="batch-lane", daemon=True)
+            _batch_lane.start()
+
+
+def _yield_to_interactive() -> None:
+    _interactive_idle.wait()
+    if _stop.is_set():
+        raise drain_module.Stopping()
+
+
+def _run_batch_lane() -> None:
+    global _batch_lane
+    while True:
+        _batch_lane_wanted.clear()
+        try:
+            drain_module.drain(get_scorer(), WORKER_ID, get_settings(), lane="batch",
+                               before_pass=_yield_to_interactive)
+        except drain_module.Stopping:
+            pass
+        except Exception:  # e.g. the database is down: the sweeper wakes this lane again
+            log.exception("batch lane failed")
+        with _batch_lane_lock:
+            if not _batch_lane_wanted.is_set() or _stop.is_set():
+                _batch_lane = None
+                return
 
 
 @app.task(name=DRAIN_TASK, acks_late=True, reject_on_worker_lost=True)
@@ -84,6 +139,9 @@ def _start(**_: object) -> None:
 @worker_shutdown.connect
 def _stop_loops(**_: object) -> None:
     _stop.set()
+    lane = _batch_lane
+    if lane is not None:
+        lane.join(timeout=30)  # it releases its jobs at the next pass boundary
     try:
         with session_scope() as session:
             session.execute(delete(Worker).where(Worker.id == WORKER_ID))
