@@ -17,28 +17,7 @@ from typing import Callable
 import numpy as np
 
 from core.attention import KEY_PAD_SEQ, QUERY_PAD_SEQ, TokenMeta, block_tables, pad_tables
-
-
-@dataclass(frozen=True)
-class TokenizedRequest:
-    """A validated request in token space (see Scorer.tokenize)."""
-
-    query: tuple[int, ...]
-    items: tuple[tuple[int, ...], ...]
-    label_token_ids: tuple[int, ...]
-    item_first: bool = False
-
-    @property
-    def n_items(self) -> int:
-        return len(self.items)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Distinct tokens the request scores (the shared query counted once unless item_first)."""
-        item_tokens = sum(len(item) for item in self.items)
-        if self.item_first:
-            return item_tokens + len(self.query) * len(self.items)
-        return item_tokens + (len(self.query) if self.items else 0)
+from core.requests import TokenizedRequest
 
 
 @dataclass

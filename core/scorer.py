@@ -10,14 +10,14 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import logsumexp, softmax
+from scipy.special import logsumexp
 
 from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import forward
-from core.packing import PackedSequence, PassPlan, TokenizedRequest, build_pass, plan_passes
-from core.requests import ModelSource, RequestTokenizer
+from core.packing import PackedSequence, PassPlan, build_pass, plan_passes
+from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, random_weights
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
@@ -37,12 +37,6 @@ class PassResult:
     padded_tokens: int  # tokens after rounding up to the shape bucket
     seconds: float
     shape_key: tuple  # the padded shapes that select the compiled program
-
-
-def scores_from_logprobs(logprobs: np.ndarray, apply_softmax: bool) -> np.ndarray:
-    """Host-side scores of score-semantics.md: probabilities, or a softmax over the labels."""
-    logprobs = np.asarray(logprobs, np.float64)
-    return softmax(logprobs, axis=-1) if apply_softmax else np.exp(logprobs)
 
 
 def _default_attention() -> str:
