@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         return value
 
     @property
+    def request_limits(self) -> dict[str, int]:
+        """The engine's request limits: the API validates with the same ones the workers score with."""
+        return {"max_items": self.max_items, "max_tokens": self.max_tokens}
+
+    @property
     def celery_broker_url(self) -> str:
         return self.broker_url or self.redis_url
 

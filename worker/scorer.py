@@ -9,7 +9,4 @@ from core import Scorer
 @lru_cache(maxsize=1)
 def get_scorer() -> Scorer:
     settings = get_settings()
-    options: dict = {"max_items": settings.max_items, "max_tokens": settings.max_tokens}
-    if settings.pass_tokens:
-        options["pass_tokens"] = settings.pass_tokens
-    return Scorer.from_pretrained(settings.model, **options)
+    return Scorer.from_pretrained(settings.model, pass_tokens=settings.pass_tokens, **settings.request_limits)
