@@ -150,7 +150,7 @@ def backfill(args: argparse.Namespace) -> None:
         sys.exit(130)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packscore", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -206,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="results JSONL; appended to, custom_ids in it are skipped")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between progress checks")
     p.set_defaults(func=backfill)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 
