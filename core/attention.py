@@ -148,6 +148,8 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
         # The row sums come out of the same matmul as p @ v (ones appended to v): a matmul adds
         # its terms in key order, so an item's result does not depend on where other items sit
         # in the pass. A plain reduction's rounding does, by enough to break the 1e-5 isolation rule.
+        # The ones are as wide as v: a single ones column (half the work) changed the CPU matmul's blocking
+        # and broke the isolation rule again (tests/test_engine_parity.py, 2026-11-21).
         o = jnp.einsum("hgij,jhd->hgid", p.astype(v.dtype), jnp.concatenate([vt, jnp.ones_like(vt)], axis=-1),
                        preferred_element_type=jnp.float32)
         o = o[..., :D] / o[..., D:D + 1]
