@@ -141,13 +141,14 @@ class Scorer:
 
     def _run_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> PassResult:
         start = time.perf_counter()
-        for seq in plan.sequences:  # evicted since planning: compute it again first
-            if seq.prefix_cached and seq.prefix not in self._prefix_cache:
-                self._run_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]))
-        cached = [self._prefix_cache[seq.prefix] for seq in plan.sequences if seq.prefix_cached]
+        cached = []  # held here: computing one prefix again may evict another this pass needs
         for seq in plan.sequences:
-            if seq.prefix_cached:
-                self._prefix_cache.move_to_end(seq.prefix)
+            if not seq.prefix_cached:
+                continue
+            if seq.prefix not in self._prefix_cache:  # evicted since planning (e.g. by the other lane's passes)
+                self._run_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]))
+            self._prefix_cache.move_to_end(seq.prefix)
+            cached.append(self._prefix_cache[seq.prefix])
         arrays = build_pass(plan, self.block_q, self.block_k)
         # Keys/values always come back (one program per shape, not two); they are kept only as asked.
         logits, k, v = self._execute(arrays, cached)

@@ -191,3 +191,25 @@ def test_many_cached_prefixes_in_one_pass_and_eviction(tiny):
                     got[part.request][part.items] = part.logprobs
             for g, e in zip(got, expected):
                 assert np.abs(g - e).max() <= 1e-4
+
+
+def test_prefixes_evicted_between_planning_and_running(tiny):
+    """A pass planned with cached prefixes runs correctly after some were evicted (the worker's other lane
+    runs passes in between), even when computing one again evicts another the pass needs."""
+    from core.packing import plan_passes
+
+    rng = np.random.default_rng(9)
+    reqs = [tiny.tokenize(rng.integers(5, 49152, 40).tolist(), [rng.integers(5, 49152, 3).tolist()] * 2, [4])
+            for _ in range(2)]
+    expected = [tiny.logprobs(list(r.query), [list(t) for t in r.items], [4], mode="single") for r in reqs]
+    scorer = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", pass_tokens=512)
+    list(scorer.iter_passes(reqs))
+    plans = list(plan_passes(reqs, 512, is_cached=scorer._prefix_cache.__contains__))
+    assert [len([s for s in p.sequences if s.prefix_cached]) for p in plans] == [2]
+    k, v = scorer._prefix_cache.pop(reqs[1].query)  # evicted by someone else's pass
+    scorer.prefix_cache_bytes = k.nbytes + v.nbytes  # room for one: computing it again evicts the other
+    got = [np.full((r.n_items, 1), np.nan) for r in reqs]
+    for part in scorer._run_plan(reqs, plans[0]).scores:
+        got[part.request][part.items] = part.logprobs
+    for g, e in zip(got, expected):
+        assert np.abs(g - e).max() <= 1e-4
