@@ -202,3 +202,67 @@ def test_sweeper_rekicks_jobs_whose_message_was_lost(client, make_key, empty_que
         session.execute(update(Job).where(Job.id == job_id)
                         .values(created_at=utcnow() - timedelta(seconds=settings.sweep_interval_seconds + 1)))
     assert drain_module.sweep(settings) is True
+
+
+def test_stopping_between_passes_requeues_without_counting_an_attempt(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    calls = []
+
+    def stop_at_the_first_pass() -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the first call is before the claim
+            raise drain_module.Stopping()
+
+    try:
+        drain_module.drain(get_scorer(), "worker-a", get_settings(), lane="interactive",
+                           before_pass=stop_at_the_first_pass)
+    except drain_module.Stopping:
+        pass
+    else:
+        raise AssertionError("Stopping did not end the drain")
+    job = job_row(job_id)
+    assert (job.status, job.attempts, job.lease_owner) == ("queued", 0, None)
+    assert drain_module.drain(get_scorer(), "worker-a", get_settings()) == 1
+    assert job_row(job_id).status == "succeeded"
+
+
+def test_a_failing_lane_releases_only_its_own_jobs(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    other = submit(client, key, many_items(2))
+    settings = get_settings()
+    assert [j.id for j in drain_module.claim_interactive("worker-a", settings)] == [other]  # the other lane's
+    failing = submit(client, key, many_items(2))
+
+    def broken_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("engine fault")
+
+    monkeypatch.setattr(drain_module, "run_jobs", broken_engine)
+    # Released after each fault and claimed again by the same drain, until it runs out of attempts.
+    assert drain_module.drain(get_scorer(), "worker-a", settings, lane="interactive") == settings.max_attempts
+    job = job_row(failing)
+    assert (job.status, job.attempts, job.error_code) == ("failed", settings.max_attempts, "internal_error")
+    assert (job_row(other).status, job_row(other).lease_owner) == ("running", "worker-a")
+
+
+def test_a_drain_request_during_a_drain_is_not_lost(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A drain message that arrives while the process drains (after that drain's last claim, say) returns at
+    once, and the running drain looks once more."""
+    import threading
+
+    from worker import tasks
+
+    runs = []
+
+    def drain_once() -> int:
+        runs.append(1)
+        if len(runs) == 1:
+            other = threading.Thread(target=lambda: runs.append(tasks._drain()))
+            other.start()
+            other.join()
+            assert runs[-1] == 0  # it did not wait for this drain
+        return 1
+
+    monkeypatch.setattr(tasks, "_drain_once", drain_once)
+    assert tasks._drain() == 2
+    assert runs == [1, 0, 1]

@@ -208,14 +208,17 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[
                         error=("internal_error", "the engine did not score every item"))
 
 
-def release(owner: str, settings: Settings, job_ids: list[str], error: str) -> None:
-    """After an unexpected error: those of these jobs still ours go back to the queue, or fail after
-    max_attempts. Only these: the other lane of this process may be running jobs of its own."""
+def release(owner: str, settings: Settings, job_ids: list[str], error: str | None) -> None:
+    """Those of these jobs still ours go back to the queue. After an unexpected error, the attempt counts
+    (the job fails after max_attempts); when the worker stops (`error` None), it does not. Only these jobs:
+    the other lane of this process may be running jobs of its own."""
     with session_scope() as session:
         jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner,
                                                  Job.status == "running")).all()
         for job in jobs:
-            _requeue_or_fail(session, job, settings, "internal_error", error)
+            if error is None:
+                job.attempts -= 1
+            _requeue_or_fail(session, job, settings, "internal_error", error or "")
 
 
 def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
@@ -254,7 +257,8 @@ def drain(scorer: Scorer, owner: str, settings: Settings, lane: str = "both",
         except Exception as exc:
             if not isinstance(exc, Stopping):
                 log.exception("drain failed; releasing its jobs")
-            release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
+            release(owner, settings, [job.id for job in jobs],
+                    None if isinstance(exc, Stopping) else f"{type(exc).__name__}: {exc}")
             if isinstance(exc, Stopping):
                 raise
         _settle({job.batch_id for job in jobs if job.batch_id})

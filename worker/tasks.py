@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 # One drain at a time per process, run by the Celery task or by the sweeper's thread (below).
 _drain_lock = threading.Lock()
+_drain_requested = threading.Event()
 _stop = threading.Event()
 # Cleared while the interactive lane runs: the batch lane waits on it before each claim and pass.
 _interactive_idle = threading.Event()
@@ -45,22 +46,33 @@ _batch_lane_wanted = threading.Event()
 
 
 def _drain() -> int:
-    """Drains the ready jobs, unless this process is draining already (that drain loops until none is left)."""
-    if not _drain_lock.acquire(blocking=False):
-        return 0
-    try:
-        settings = get_settings()
-        if settings.database_url.startswith("sqlite"):
-            return drain_module.drain(get_scorer(), WORKER_ID, settings)
-        _interactive_idle.clear()
+    """Drains the ready jobs. A call while this process drains already does not wait: it asks that drain
+    to look once more before it ends, since the job this call was sent for may have been committed after
+    that drain's last claim."""
+    claimed = 0
+    _drain_requested.set()
+    while _drain_requested.is_set():
+        if not _drain_lock.acquire(blocking=False):
+            return claimed  # the holder sees the request, before or after it releases the lock
         try:
-            claimed = drain_module.drain(get_scorer(), WORKER_ID, settings, lane="interactive")
+            while _drain_requested.is_set():
+                _drain_requested.clear()
+                claimed += _drain_once()
         finally:
-            _interactive_idle.set()
-        _wake_batch_lane()
-        return claimed
+            _drain_lock.release()
+    return claimed
+
+
+def _drain_once() -> int:
+    settings = get_settings()
+    if settings.database_url.startswith("sqlite"):
+        return drain_module.drain(get_scorer(), WORKER_ID, settings)
+    _interactive_idle.clear()
+    try:
+        return drain_module.drain(get_scorer(), WORKER_ID, settings, lane="interactive")
     finally:
-        _drain_lock.release()
+        _interactive_idle.set()
+        _wake_batch_lane()
 
 
 def _wake_batch_lane() -> None:
@@ -69,12 +81,14 @@ def _wake_batch_lane() -> None:
     with _batch_lane_lock:
         _batch_lane_wanted.set()
         if _batch_lane is None and not _stop.is_set():
-            _batch_lane = threading.Thread(target=_run_batch_lane, name="batch-lane", daemon=True)
-            _batch_lane.start()
+            lane = threading.Thread(target=_run_batch_lane, name="batch-lane", daemon=True)
+            lane.start()
+            _batch_lane = lane
 
 
 def _yield_to_interactive() -> None:
-    _interactive_idle.wait()
+    while not _stop.is_set() and not _interactive_idle.wait(1.0):
+        pass
     if _stop.is_set():
         raise drain_module.Stopping()
 
