@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Literal
 
 import numpy as np
 from sqlalchemy import delete, func, select, update
@@ -235,7 +236,7 @@ def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, 
         enqueue_job_webhook(session, job)
 
 
-def drain(scorer: Scorer, owner: str, settings: Settings, lane: str = "both",
+def drain(scorer: Scorer, owner: str, settings: Settings, lane: Literal["both", "interactive", "batch"] = "both",
           before_pass: Callable[[], None] | None = None) -> int:
     """Runs the ready jobs of `lane` until none is left; returns how many jobs it claimed. Lanes: "interactive",
     "batch" (one round per claim), or "both" (a batch round only when no interactive job is ready).
@@ -254,13 +255,12 @@ def drain(scorer: Scorer, owner: str, settings: Settings, lane: str = "both",
         total += len(jobs)
         try:
             run_jobs(scorer, owner, jobs, before_pass)
+        except Stopping:
+            release(owner, settings, [job.id for job in jobs], None)
+            raise
         except Exception as exc:
-            if not isinstance(exc, Stopping):
-                log.exception("drain failed; releasing its jobs")
-            release(owner, settings, [job.id for job in jobs],
-                    None if isinstance(exc, Stopping) else f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, Stopping):
-                raise
+            log.exception("drain failed; releasing its jobs")
+            release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
         _settle({job.batch_id for job in jobs if job.batch_id})
 
 
