@@ -8,6 +8,7 @@ at upload, so its error is a result line like any other.
 
 import hashlib
 import json
+from datetime import timedelta
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -19,15 +20,20 @@ from sqlalchemy.orm import Session
 from api.crud import PRIORITY_BATCH
 from api.db import session_factory
 from api.errors import APIError
+from api.metrics import count
 from api.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, WebhookDelivery,
                         new_id, utcnow)
-from api.schemas import BatchCounts, BatchLine, BatchOut, ErrorInfo, Progress, WebhookState, _utc
+from api.schemas import BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, Progress, WebhookState, _utc
 from api.settings import Settings
 from core import RequestTokenizer, ScoringError, scores_from_logprobs
 from worker.webhooks import UnsafeURL, check_url, enqueue_webhook
 
 # With this many lines read and none of them a JSON object, the upload is not JSONL: stop reading it.
 NOT_JSONL_AFTER_LINES = 1000
+
+
+def upload_timeout() -> APIError:
+    return APIError(408, "upload_timeout", "the upload did not finish within BATCH_UPLOAD_TIMEOUT_SECONDS")
 
 
 class _LineError(Exception):
@@ -154,6 +160,8 @@ class Ingest:
     def _flush(self) -> None:
         if self._rows:
             self.session.execute(insert(Job), self._rows)
+            failed = sum(row["status"] == "failed" for row in self._rows)
+            count(self.session, "jobs_finished", failed, label="failed")
             self._rows = []
 
     def finish(self) -> Batch:
@@ -164,51 +172,87 @@ class Ingest:
         if self.objects == 0:
             raise APIError(400, "invalid_jsonl", "no line of the upload is a JSON object")
         now = utcnow()
-        self.session.execute(update(Batch).where(Batch.id == self.batch.id)
-                             .values(status="in_progress", total=self.total, in_progress_at=now))
+        if not self.session.execute(update(Batch).where(Batch.id == self.batch.id, Batch.status == "validating")
+                                    .values(status="in_progress", total=self.total, in_progress_at=now)).rowcount:
+            raise upload_timeout()  # the sweeper gave up on this upload already
         settle_batch(self.session, self.batch.id)
         self.session.commit()
         self.session.refresh(self.batch)
         return self.batch
 
 
-def fail_upload(session: Session, batch: Batch, error: APIError) -> None:
-    """The upload was refused or broke off: none of its requests is kept; the batch is failed with the error."""
+def fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
+    """The upload was refused or broke off: none of its requests is kept; the batch is failed with the error
+    (unless the sweeper failed it first, past BATCH_UPLOAD_TIMEOUT_SECONDS)."""
     session.rollback()
-    session.execute(update(Batch).where(Batch.id == batch.id).values(
-        status="failed", error_code=error.code, error_message=error.message, finished_at=utcnow()))
-    session.refresh(batch)
-    _enqueue_batch_webhook(session, batch)
+    _fail(session, batch, code, message)
     session.commit()
+
+
+def _fail(session: Session, batch: Batch, code: str, message: str) -> None:
+    if session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "validating").values(
+            status="failed", error_code=code, error_message=message, finished_at=utcnow())).rowcount:
+        session.refresh(batch)
+        _enqueue_batch_webhook(session, batch)
 
 
 async def jsonl_lines(stream: AsyncIterator[bytes], settings: Settings) -> AsyncIterator[list[bytes | None]]:
     """Splits a streamed body into lines, a chunk of lines at a time. A line longer than MAX_BODY_BYTES is
-    skipped (reported as None); more than BATCH_MAX_BYTES in all is a 413."""
-    buffer, received, overlong, lines = b"", 0, False, []
+    skipped (reported as None); more than BATCH_MAX_BYTES in all is a 413. Linear in the body's size (each
+    byte is scanned once and joined once), so it can run on the event loop."""
+    limit = settings.max_body_bytes
+    pieces: list[bytes] = []  # the line not yet ended
+    pending = received = 0
+    overlong = False
+    lines: list[bytes | None] = []
     async for data in stream:
         received += len(data)
         if received > settings.batch_max_bytes:
             raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
-        if overlong:
-            cut = data.find(b"\n")
-            if cut < 0:
-                continue
-            lines.append(None)
-            overlong, data = False, data[cut + 1:]
-        parts = (buffer + data).split(b"\n")
-        buffer = parts.pop()
-        lines.extend(parts)
-        if len(buffer) > settings.max_body_bytes:
-            overlong, buffer = True, b""
+        start = 0
+        while (cut := data.find(b"\n", start)) >= 0:
+            if not overlong:
+                pending += cut - start
+                overlong = pending > limit
+            if not overlong:
+                lines.append(b"".join((*pieces, data[start:cut])) if pieces else data[start:cut])
+            else:
+                lines.append(None)
+            pieces, pending, overlong, start = [], 0, False, cut + 1
+        if start < len(data) and not overlong:
+            pieces.append(data[start:])
+            pending += len(data) - start
+            if pending > limit:
+                pieces, overlong = [], True
         if len(lines) >= settings.batch_chunk_rows:
             yield lines
             lines = []
     if overlong:
         lines.append(None)
-    elif buffer:
-        lines.append(buffer)
+    elif pieces:
+        lines.append(b"".join(pieces))
     yield lines
+
+
+def parse_batch_body(body: bytes) -> BatchCreate:
+    """The JSON body form of an upload (run it in a thread: a large body takes a while to parse)."""
+    try:
+        return BatchCreate.model_validate(json.loads(body))
+    except ValueError as exc:  # ValidationError is a ValueError too
+        message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
+        raise APIError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
+
+
+def expire_uploads(session: Session, settings: Settings) -> list[str]:
+    """Fails the batches still `validating` BATCH_UPLOAD_TIMEOUT_SECONDS after they were created: their upload
+    died with its API process (the API fails the batch itself on any error it lives through)."""
+    cutoff = utcnow() - timedelta(seconds=settings.batch_upload_timeout_seconds)
+    expired = list(session.scalars(select(Batch).where(Batch.status == "validating", Batch.created_at < cutoff)
+                                   .with_for_update(skip_locked=True)))
+    for batch in expired:
+        timeout = upload_timeout()
+        _fail(session, batch, timeout.code, timeout.message)
+    return [batch.id for batch in expired]
 
 
 def settle_batch(session: Session, batch_id: str) -> bool:
@@ -282,8 +326,9 @@ def cancel_batch(session: Session, batch: Batch) -> Batch:
     now = utcnow()
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
                     .values(status="cancelling"))
-    session.execute(update(Job).where(Job.batch_id == batch.id, Job.status == "queued")
-                    .values(status="cancelled", finished_at=now))
+    cancelled = session.execute(update(Job).where(Job.batch_id == batch.id, Job.status == "queued")
+                                .values(status="cancelled", finished_at=now)).rowcount
+    count(session, "jobs_finished", cancelled, label="cancelled")
     settle_batch(session, batch.id)
     session.commit()
     session.refresh(batch)

@@ -9,6 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
+from api.metrics import count
 from api.models import ApiKey, Job, JobResult, WebhookDelivery, utcnow
 from api.schemas import JobCreate, JobOut, ScoreInput, job_out
 from api.settings import Settings
@@ -119,6 +120,7 @@ def cancel_job(session: Session, job: Job) -> Job:
     done = session.execute(update(Job).where(Job.id == job.id, Job.status == "queued")
                            .values(status="cancelled", finished_at=now)).rowcount
     if done:
+        count(session, "jobs_finished", label="cancelled")
         session.refresh(job)
         enqueue_job_webhook(session, job)
     else:

@@ -12,9 +12,12 @@ from api.settings import get_settings
 
 @lru_cache
 def get_engine(url: str | None = None) -> Engine:
-    url = url or get_settings().database_url
+    settings = get_settings()
+    url = url or settings.database_url
+    pool = {"pool_size": settings.db_pool_size, "max_overflow": settings.db_max_overflow,
+            "pool_timeout": settings.db_pool_timeout_seconds}
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):  # type: ignore[no-untyped-def]
@@ -26,8 +29,7 @@ def get_engine(url: str | None = None) -> Engine:
         return engine
     # pre_ping: after a database restart, stale pooled connections are replaced instead of failing a request.
     # connect_timeout: an unreachable database gives a quick 503, not a hung request.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=10,
-                         connect_args={"connect_timeout": 5})
+    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **pool)
 
 
 def session_factory() -> sessionmaker[Session]:

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -15,6 +15,7 @@ from api.db import session_factory
 from api.errors import APIError
 from api.models import ApiKey
 from api.settings import Settings, get_settings
+from api.waiter import JobWaiter
 from core import RequestTokenizer
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,10 @@ def get_db() -> Iterator[Session]:
             log.warning("closing a session failed (database gone?): %s", exc.orig)
 
 
-SessionDep = Annotated[Session, Depends(get_db)]
+# scope="function": the session closes when the route function returns, not after the response is sent. A sync
+# route's response is serialized in a worker thread; a connection held until then is held while that thread is
+# waited for, and under a burst every pooled connection ended up held so (256 concurrent calls stalled).
+SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
@@ -56,9 +60,20 @@ def get_api_key(session: SessionDep,
     if credentials is None:
         raise APIError(401, "unauthorized", "missing API key (Authorization: Bearer ...)", challenge)
     key = find_api_key(session, credentials.credentials)
+    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
+    # serve other requests while this one waits for a thread (a burst of requests would then hold every
+    # connection while the threads that could use them wait for one).
+    session.commit()
     if key is None:
         raise APIError(401, "unauthorized", "invalid API key", challenge)
     return key
 
 
 CurrentKey = Annotated[ApiKey, Depends(get_api_key)]
+
+
+def get_job_waiter(request: Request) -> JobWaiter:
+    return request.app.state.job_waiter
+
+
+JobWaiterDep = Annotated[JobWaiter, Depends(get_job_waiter)]

@@ -6,11 +6,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas import ErrorBody
 from api.settings import get_settings
-from core import ScoringError
+from core import ERROR_CODES, ScoringError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         (409, "Conflict: `idempotency_conflict`, `job_finished`..."),
         (413, "`body_too_large`"),
         (422, "`invalid_input`: malformed JSON, wrong types, unknown fields"),
-        (503, "`unavailable`: the database is down; retry after `Retry-After` seconds"),
+        (500, "`internal_error`: a bug (the engine failed on the job at every attempt); the body names the job"),
+        (503, "`unavailable`: the database is down or busy, or `worker_lost`: workers kept dying on the job; "
+              "retry after `Retry-After` seconds"),
     )
 }
 
@@ -66,10 +69,22 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _unavailable() -> JSONResponse:
-    seconds = get_settings().retry_after_seconds
-    return error_response(503, "unavailable", "the database is unavailable; retry later",
-                          headers={"Retry-After": str(seconds)})
+def _retry_after() -> dict[str, str]:
+    return {"Retry-After": str(get_settings().retry_after_seconds)}
+
+
+def _unavailable(message: str = "the database is unavailable; retry later") -> JSONResponse:
+    return error_response(503, "unavailable", message, headers=_retry_after())
+
+
+def job_error(job_id: str, code: str, message: str) -> APIError:
+    """The HTTP error for a job that ended in error, as README's error table lists it: the engine's input
+    errors are the client's (400); workers dying on the job is retryable (503); anything else is a bug (500)."""
+    if code in ERROR_CODES:
+        return APIError(400, code, message, job_id=job_id)
+    if code == "worker_lost":
+        return APIError(503, code, message, _retry_after(), job_id=job_id)
+    return APIError(500, code, message, job_id=job_id)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -95,6 +110,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)
         return _unavailable()
+
+    # Every pooled connection is in use (a burst of requests): retryable, like an unavailable database.
+    @app.exception_handler(PoolTimeout)
+    async def _pool_exhausted(_: Request, exc: PoolTimeout) -> JSONResponse:
+        log.warning("database connection pool exhausted: %s", exc)
+        return _unavailable("the database is busy; retry later")
 
     # A value the database cannot hold (e.g. a NUL byte in an id or cursor) is the client's mistake.
     @app.exception_handler(DataError)

@@ -3,6 +3,7 @@
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
@@ -12,13 +13,18 @@ from api.metrics import Metrics, MetricsMiddleware
 from api.routes import batches, health, jobs, score
 from api.deps import get_request_tokenizer
 from api.settings import get_settings
+from api.waiter import JobWaiter
 
 
 @asynccontextmanager
-async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # Threads for the routes' blocking work. More than a few only fight over the GIL (the work is Python and
+    # short database calls), which starves the event loop: /healthz and waiting calls answer late.
+    anyio.to_thread.current_default_thread_limiter().total_tokens = get_settings().api_threads
     # Load the tokenizer before taking traffic, so the first request is not slow.
     await run_in_threadpool(get_request_tokenizer)
     yield
+    await app.state.job_waiter.stop()
 
 
 def create_app() -> FastAPI:
@@ -27,6 +33,7 @@ def create_app() -> FastAPI:
                   description="Batch scoring of (query, items, label_token_ids) with packed multi-item passes.")
     install_error_handlers(app)
     app.state.metrics = Metrics()
+    app.state.job_waiter = JobWaiter(settings.database_url, settings.score_poll_seconds)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, exempt_paths=("/batches",))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for router in (jobs.router, batches.router, score.router):

@@ -186,3 +186,15 @@ class Worker(Base):
     model: Mapped[str] = mapped_column(String(100))
     started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class CounterRow(Base):
+    """A running total kept as events happen (see api.metrics.count). A total is the sum over its shards: each
+    transaction adds to one shard chosen at random, so concurrent workers seldom wait on the same row."""
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    label: Mapped[str] = mapped_column(String(64), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)

@@ -12,6 +12,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/packscore"
+    # Threads that run the API's blocking work (validation, tokenization, database calls).
+    api_threads: int = 8
+    # Connections per process. Above API_THREADS plus a worker's threads, so a burst of requests waits for
+    # threads, not for connections; an exhausted pool answers 503 after DB_POOL_TIMEOUT_SECONDS.
+    db_pool_size: int = 20
+    db_max_overflow: int = 30
+    db_pool_timeout_seconds: float = 10.0
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Celery broker; defaults to REDIS_URL. Embedded mode uses "filesystem://".
     broker_url: str | None = None
@@ -45,10 +52,15 @@ class Settings(BaseSettings):
     # Tokens of batch requests a worker claims per drain round (unset: one packed pass). Queued interactive
     # jobs run before the next round, so smaller rounds mean lower interactive latency during a backfill.
     batch_round_tokens: int | None = None
+    # An upload still running this long after it began is failed (`upload_timeout`): by the API, or by a
+    # worker's sweeper if the API died with it.
+    batch_upload_timeout_seconds: float = 3600.0
     # Rows per database round trip while an upload streams in, and per page of streamed results.
     batch_chunk_rows: int = 1000
 
     score_timeout_seconds: float = 60.0
+    # How often the API looks for finished /v1/score jobs on SQLite (one query for all waiting calls);
+    # Postgres notifies instead.
     score_poll_seconds: float = 0.05
     retry_after_seconds: int = 5
 
@@ -56,6 +68,9 @@ class Settings(BaseSettings):
     webhook_retry_schedule: Annotated[list[float], NoDecode] = [1, 5, 30, 120, 600, 1800, 3600]
     webhook_timeout_seconds: float = 10.0
     webhook_poll_seconds: float = 1.0
+    # Delivery attempts in flight at once per worker, and at most this many of them to one host.
+    webhook_concurrency: int = 16
+    webhook_per_host: int = 4
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
 

@@ -1,5 +1,7 @@
 """Load runner for the job service: Poisson arrivals of a seeded, weighted small/medium/large mix of jobs at a
-bounded concurrency, for a duration; every job is followed (POST /jobs, then polled) to a terminal state.
+bounded concurrency, for a duration; every job is followed (POST /jobs, then polled) to a terminal state. A
+share of the requests (`--sync-share`) goes through the synchronous POST /v1/score instead; one that answers
+504 is followed by polling its `job_id`, never sent again. /healthz is timed throughout.
 
 Writes `<prefix>_requests.csv` (one row per request), `<prefix>_memory.csv` (RSS samples of the API and
 workers from /proc/<pid>/status) and `<prefix>_summary.json`: throughput in items/s, p50/p95/p99 latency
@@ -33,6 +35,10 @@ import httpx
 import numpy as np
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+# Scores agree within this relative tolerance and no absolute one: the tiny model's probabilities are about
+# 1.5e-5, so an absolute 1e-5 let a score off by half a nat pass. Relative 1e-4 on a probability is 1e-4 on
+# its log-probability (the contract's packed-vs-single bound).
+SCORE_RTOL = 1e-4
 RETRY_STATUSES = (502, 503, 504)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu the a of good bad yes no maybe").split()
@@ -62,6 +68,9 @@ class LoadConfig:
     # Succeeded jobs checked against the engine: -1 all, else a seeded sample of this many.
     verify: int = -1
     webhook_url: str | None = None
+    # Fraction of the requests sent to POST /v1/score (the rest: POST /jobs and polling).
+    sync_share: float = 0.0
+    healthz_interval_s: float = 0.5
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
@@ -70,6 +79,8 @@ class Record:
     seq: int
     kind: str
     n_items: int
+    sync: bool = False
+    sync_timeout: bool = False  # /v1/score answered 504: followed by polling
     started_s: float = 0.0
     latency_s: float | None = None
     outcome: str = "pending"  # ok, or an error kind
@@ -121,20 +132,23 @@ class Runner:
         self.cfg = cfg
         self.pids = pids
         self.client = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30,
-                                   limits=httpx.Limits(max_connections=cfg.concurrency + 4))
+                                   # a /v1/score call holds one while it waits; polls need others
+                                   limits=httpx.Limits(max_connections=2 * cfg.concurrency + 4))
         self.records: list[Record] = []
         self.memory: list[tuple[float, str, int, float]] = []  # (t, name, pid, rss MB)
+        self.healthz_s: list[float] = []
         self.t0 = 0.0
         self._done = threading.Event()
 
     # -- one request ------------------------------------------------------------------------------------
-    def _call(self, record: Record, method: str, path: str, deadline: float, **kwargs: object) -> httpx.Response:
-        """One API call, retried on connection errors and 502/503/504 until `deadline`."""
+    def _call(self, record: Record, method: str, path: str, deadline: float,
+              retry: tuple[int, ...] = RETRY_STATUSES, **kwargs: object) -> httpx.Response:
+        """One API call, retried on connection errors and `retry` statuses until `deadline`."""
         while True:
             wait = 0.5
             try:
                 response = self.client.request(method, path, **kwargs)
-                if response.status_code not in RETRY_STATUSES:
+                if response.status_code not in retry:
                     return response
                 wait = float(response.headers.get("Retry-After", wait))
                 failure = f"http_{response.status_code}"
@@ -151,12 +165,7 @@ class Runner:
         record.started_s = start - self.t0
         deadline = start + self.cfg.request_timeout_s
         try:
-            response = self._call(record, "POST", "/jobs", deadline, json=record.body,
-                                  headers={"Idempotency-Key": f"load-{self.cfg.tag}-{record.seq}"})
-            if response.status_code != 202:
-                raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
-            job = response.json()
-            record.job_id = job["id"]
+            job = self._submit_sync(record, deadline) if record.sync else self._submit(record, deadline)
             while job["status"] not in TERMINAL:
                 if time.monotonic() > deadline:
                     raise _Failed("timeout")
@@ -175,6 +184,40 @@ class Runner:
             record.outcome = str(exc)
         except Exception as exc:  # a bug in the service's answers (bad JSON...), counted, not fatal to the run
             record.outcome = f"client_{type(exc).__name__}"
+
+    def _submit(self, record: Record, deadline: float) -> dict:
+        response = self._call(record, "POST", "/jobs", deadline, json=record.body,
+                              headers={"Idempotency-Key": f"load-{self.cfg.tag}-{record.seq}"})
+        if response.status_code != 202:
+            raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
+        job = response.json()
+        record.job_id = job["id"]
+        return job
+
+    def _submit_sync(self, record: Record, deadline: float) -> dict:
+        """POST /v1/score; a 504 is followed as the job it names (sending it again would score it twice)."""
+        body = {k: v for k, v in record.body.items() if k not in ("metadata", "webhook_url")}
+        response = self._call(record, "POST", "/v1/score", deadline, retry=(502, 503), json=body,
+                              timeout=self.cfg.request_timeout_s)
+        if response.status_code == 504 and _error_code(response) == "timeout":
+            record.job_id = response.json()["error"]["job_id"]
+            record.sync_timeout = True
+            return {"status": "queued"}
+        if response.status_code != 200:
+            raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
+        out = response.json()
+        record.job_id = out["id"]
+        return {"status": "succeeded", "attempts": 1, "scores": out["scores"]}
+
+    def _time_healthz(self) -> None:
+        with httpx.Client(base_url=str(self.client.base_url), timeout=30) as client:
+            while not self._done.wait(self.cfg.healthz_interval_s):
+                start = time.monotonic()
+                try:
+                    client.get("/healthz")
+                except httpx.TransportError:
+                    pass  # the API is down (a chaos test): timed all the same
+                self.healthz_s.append(time.monotonic() - start)
 
     # -- memory -----------------------------------------------------------------------------------------
     def _sample_memory(self) -> None:
@@ -195,6 +238,8 @@ class Runner:
         self.t0 = time.monotonic()
         sampler = threading.Thread(target=self._sample_memory, daemon=True)
         sampler.start()
+        healthz = threading.Thread(target=self._time_healthz, daemon=True)
+        healthz.start()
         next_arrival = self.t0
 
         def worker(record: Record) -> None:
@@ -210,7 +255,8 @@ class Runner:
             if time.monotonic() - self.t0 >= cfg.duration_s:
                 break
             kind = rng.choices(kinds, weights)[0]
-            record = Record(seq=seq, kind=kind, n_items=cfg.sizes[kind], body=make_body(rng, kind, cfg, seq))
+            record = Record(seq=seq, kind=kind, n_items=cfg.sizes[kind], body=make_body(rng, kind, cfg, seq),
+                            sync=rng.random() < cfg.sync_share)
             slots.acquire()  # bounded concurrency: an arrival waits for a free slot
             self.records.append(record)
             thread = threading.Thread(target=worker, args=(record,), daemon=True)
@@ -220,6 +266,7 @@ class Runner:
             thread.join()
         self._done.set()
         sampler.join()
+        healthz.join()
         self.elapsed_s = time.monotonic() - self.t0
         self.client.close()
 
@@ -233,7 +280,7 @@ class Runner:
             expected = reference.score(b["query"], b["items"], b["label_token_ids"], b["apply_softmax"],
                                        b["item_first"])
             got = np.asarray(record.job["scores"], np.float64)
-            ok = got.shape == np.shape(expected) and np.allclose(got, expected, atol=1e-5, rtol=1e-4)
+            ok = scores_agree(got, expected)
             record.verified = "ok" if ok else "mismatch"
             if not ok:
                 record.outcome = "wrong_scores"
@@ -258,6 +305,12 @@ class Runner:
                                                                        99)), 1)
                                        for k in self.cfg.mix if any(r.kind == k for r in ok)},
             "http_retries": sum(r.http_retries for r in self.records),
+            "sync_requests": sum(r.sync for r in self.records),
+            "sync_ok": sum(r.sync and r.outcome == "ok" for r in self.records),
+            "sync_504": sum(r.sync_timeout for r in self.records),
+            "healthz_ms": {"max": round(max(self.healthz_s, default=0) * 1000, 1),
+                           "p99": round(float(np.percentile(self.healthz_s, 99)) * 1000 if self.healthz_s else 0, 1),
+                           "samples": len(self.healthz_s)},
             "job_attempts_over_1": sum(r.job_attempts > 1 for r in ok),
             "verified": sum(r.verified == "ok" for r in self.records),
             "mismatches": sum(r.verified == "mismatch" for r in self.records),
@@ -267,7 +320,7 @@ class Runner:
 
     def write(self, out: Path, prefix: str = "load") -> dict:
         out.mkdir(parents=True, exist_ok=True)
-        columns = ["seq", "kind", "n_items", "started_s", "latency_s", "outcome", "job_id", "job_status",
+        columns = ["seq", "kind", "n_items", "sync", "sync_timeout", "started_s", "latency_s", "outcome", "job_id", "job_status",
                    "job_attempts", "http_retries", "verified"]
         with open(out / f"{prefix}_requests.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -281,6 +334,10 @@ class Runner:
         summary = self.summary()
         (out / f"{prefix}_summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def scores_agree(got: np.ndarray, expected: np.ndarray) -> bool:
+    return got.shape == np.shape(expected) and bool(np.allclose(got, expected, rtol=SCORE_RTOL, atol=0))
 
 
 class _Failed(Exception):
@@ -337,6 +394,8 @@ def main() -> None:
     parser.add_argument("--mix", default="small=0.6,medium=0.3,large=0.1")
     parser.add_argument("--sizes", default="small=3,medium=30,large=200", help="items per request of each kind")
     parser.add_argument("--max-requests", type=int, default=100_000)
+    parser.add_argument("--sync-share", type=float, default=0.0,
+                        help="fraction of the requests sent to POST /v1/score instead of POST /jobs")
     parser.add_argument("--verify", type=int, default=-1, help="jobs checked against the engine (-1: all)")
     parser.add_argument("--sample-interval", type=float, default=5.0)
     parser.add_argument("--out", default="load-out")
@@ -345,6 +404,7 @@ def main() -> None:
     cfg = LoadConfig(duration_s=parse_duration(args.duration), seed=args.seed, rate=args.rate,
                      concurrency=args.concurrency, mix=parse_weights(args.mix),
                      sizes=parse_weights(args.sizes, int), max_requests=args.max_requests, verify=args.verify,
+                     sync_share=args.sync_share,
                      sample_interval_s=args.sample_interval)
     out = Path(args.out)
     if args.start_service:

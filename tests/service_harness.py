@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ import numpy as np
 from sqlalchemy import create_engine, make_url, text
 
 from core import Scorer
+from tests.load_runner import SCORE_RTOL
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -77,10 +78,13 @@ class Service:
     api: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
 
-    def cli(self, *args: str, log: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def cli(self, *args: str, log: str, env: dict[str, str] | None = None,
+            prefix: Sequence[str] = ()) -> subprocess.Popen:
+        """`packscore <args>`; `prefix`: a command to run it under, which ends by running its own arguments
+        (e.g. `unshare -m sh -c '...; exec "$@"' sh`)."""
         out = open(self.logs / log, "ab")
-        return subprocess.Popen([sys.executable, "-m", "packscore.cli", *args], env={**self.env, **(env or {})},
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*prefix, sys.executable, "-m", "packscore.cli", *args],
+                                env={**self.env, **(env or {})}, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
     def create_key(self, name: str) -> tuple[str, str]:
         created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", name], env=self.env,
@@ -103,8 +107,8 @@ class Service:
         self.api.terminate()
         self.api.wait(timeout=30)
 
-    def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen:
-        worker = self.cli("worker", log=f"worker{len(self.workers)}.log", env=env)
+    def start_worker(self, env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
+        worker = self.cli("worker", log=f"worker{len(self.workers)}.log", env=env, prefix=prefix)
         self.workers.append(worker)
         return worker
 
@@ -192,7 +196,7 @@ def wait_terminal(client: httpx.Client, job_ids: list[str], seconds: float = 120
 def assert_scores(job: dict, body: dict, reference: Scorer) -> None:
     expected = reference.score(body["query"], body["items"], body["label_token_ids"],
                                body.get("apply_softmax", False), body.get("item_first", False))
-    np.testing.assert_allclose(job["scores"], expected, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(job["scores"], expected, rtol=SCORE_RTOL, atol=0)
 
 
 class PrivateRedis:
@@ -262,19 +266,22 @@ class PrivatePostgres:
 
 def assert_exactly_once(database_url: str, job_ids: list[str], tag: str) -> None:
     """Every job of a load run (metadata.load_tag == tag) is one the clients know (retried submissions made no
-    second job), is terminal, and has at most one result row and at most one webhook message."""
+    second job), is terminal, has a result row if and only if it succeeded, with every item done, and at most
+    one webhook message."""
     engine = create_engine(database_url)
     try:
         with engine.connect() as conn:
             rows = conn.execute(text("SELECT id, status FROM jobs WHERE metadata->>'load_tag' = :tag"),
                                 {"tag": tag}).all()
-            duplicates = conn.execute(text(
-                "SELECT j.id, (SELECT count(*) FROM job_results r WHERE r.job_id = j.id),"
+            outcomes = conn.execute(text(
+                "SELECT j.id, j.status, j.items_done = j.items_total,"
+                " EXISTS (SELECT 1 FROM job_results r WHERE r.job_id = j.id),"
                 " (SELECT count(*) FROM webhook_deliveries w WHERE w.job_id = j.id)"
                 " FROM jobs j WHERE j.metadata->>'load_tag' = :tag"), {"tag": tag}).all()
     finally:
         engine.dispose()
     assert sorted(r.id for r in rows) == sorted(job_ids), "jobs in the database differ from the jobs clients got"
     assert all(r.status in TERMINAL for r in rows), [r for r in rows if r.status not in TERMINAL]
-    assert all(results <= 1 and hooks <= 1 for _, results, hooks in duplicates), \
-        [d for d in duplicates if d[1] > 1 or d[2] > 1]
+    wrong = [o for o in outcomes if (o.status == "succeeded") != o[3] or (o.status == "succeeded" and not o[2])
+             or o[4] > 1]
+    assert not wrong, f"(id, status, all items done, has a result, webhook messages): {wrong}"

@@ -14,6 +14,7 @@ from api.settings import get_settings
 from worker import drain as drain_module
 from worker.scorer import get_scorer
 from worker.webhooks import deliver_due
+from tests.load_runner import SCORE_RTOL
 
 
 def auth(key: str) -> dict[str, str]:
@@ -105,7 +106,7 @@ def test_upload_with_good_and_bad_lines(client, make_key, clean) -> None:  # typ
     for line in good:
         got = scored[line["custom_id"]]
         expected = scorer.score(line["query"], line["items"], line["label_token_ids"], line.get("apply_softmax", False))
-        np.testing.assert_allclose(got["scores"], expected, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(got["scores"], expected, rtol=SCORE_RTOL, atol=0)
         assert ("logprobs" in got) == line.get("return_logprobs", False)
     codes = sorted(line["error"]["code"] for line in errors)
     assert codes == sorted(["invalid_json", "invalid_json", "invalid_input", "invalid_input",

@@ -19,6 +19,7 @@ import pytest
 from core import Scorer
 from packscore.client import Client, PackscoreError
 from tests.service_harness import REPO, Service, running_service
+from tests.load_runner import SCORE_RTOL
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_backfill_interrupted_and_resumed(service: Service, reference: Scorer, t
     assert by_id["q0-c7"]["error"]["code"] == "empty_label_token_ids"
     for request in requests[8:1200:97]:
         expected = reference.score(request["query"], request["items"], request["label_token_ids"], True)
-        np.testing.assert_allclose(by_id[request["custom_id"]]["scores"], expected, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(by_id[request["custom_id"]]["scores"], expected, rtol=SCORE_RTOL, atol=0)
     with Client(service.base_url, service.key) as client:
         assert len(client.list_batches()["data"]) == 1
 

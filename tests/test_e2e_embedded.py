@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 
 from core import Scorer
+from tests.load_runner import SCORE_RTOL
 
 
 def test_embedded_service_scores(tmp_path: Path) -> None:
@@ -40,7 +41,7 @@ def test_embedded_service_scores(tmp_path: Path) -> None:
         response = httpx.post(f"{base}/v1/score", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
         assert response.status_code == 200, response.text
         expected = Scorer.from_pretrained("tiny-random").score(**body)
-        np.testing.assert_allclose(response.json()["scores"], expected, atol=1e-5)
+        np.testing.assert_allclose(response.json()["scores"], expected, rtol=SCORE_RTOL, atol=0)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -165,14 +165,30 @@ def test_worker_sigkilled_mid_pass_three_times(service: Service, reference: Scor
 
 def test_redis_restarted_during_load(service: Service, redis_server: PrivateRedis, reference: Scorer,  # type: ignore[no-untyped-def]
                                      webhook_receiver, tmp_path) -> None:
+    outages_seen = []
+
     def fault(runner: Runner) -> None:
         for _ in range(2):  # twice: whether a consumer goes deaf depends on what it was doing at the time
             time.sleep(SECONDS / 4)
             redis_server.stop()
-            time.sleep(3)
+            outages_seen.append(broker_reported_down(service, 3))
             redis_server.start()
 
     run_with_fault(service, reference, webhook_receiver, fault, tmp_path, seed=12)
+    # The fault happened: the service itself saw its broker gone each time (/readyz's broker check).
+    assert outages_seen == [True, True], outages_seen
+
+
+def broker_reported_down(service: Service, seconds: float) -> bool:
+    """Whether /readyz reports the broker unreachable within `seconds`; waits out the rest of `seconds`."""
+    start, seen = time.monotonic(), False
+    with service.http() as client:
+        while time.monotonic() - start < seconds:
+            if not seen:
+                checks = client.get("/readyz", timeout=5).json()["checks"]
+                seen = checks["broker"] is False
+            time.sleep(0.2)
+    return seen
 
 
 def test_api_restarted_during_load(service: Service, reference: Scorer, webhook_receiver,  # type: ignore[no-untyped-def]

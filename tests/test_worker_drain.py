@@ -11,6 +11,7 @@ from api.models import Job, JobResult, Pass, WebhookDelivery, utcnow
 from api.settings import get_settings
 from worker import drain as drain_module
 from worker.scorer import get_scorer
+from tests.load_runner import SCORE_RTOL
 
 
 def auth(key: str) -> dict[str, str]:
@@ -52,7 +53,7 @@ def test_jobs_coalesce_into_few_passes(client, make_key, empty_queue) -> None:  
         assert job["status"] == "succeeded"
         assert job["progress"] == {"items_done": len(body["items"]), "items_total": len(body["items"])}
         expected = scorer.score(body["query"], body["items"], body["label_token_ids"], body["apply_softmax"])
-        np.testing.assert_allclose(job["scores"], expected, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(job["scores"], expected, rtol=SCORE_RTOL, atol=0)
     with session_scope() as session:
         assert session.scalar(select(func.sum(Pass.n_items))) == sum(len(b["items"]) for b in bodies)
 

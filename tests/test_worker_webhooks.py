@@ -10,7 +10,7 @@ from standardwebhooks import Webhook
 
 from api.db import session_scope
 from api.models import WebhookDelivery
-from api.settings import get_settings
+from api.settings import Settings, get_settings
 from worker.webhooks import UnsafeURL, check_url, deliver_due, sign
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -131,3 +131,164 @@ def test_delivery_refuses_private_target(empty_queue, make_key) -> None:  # type
     row = _deliver_until_settled(delivery_id)
     assert row.status == "failed" and row.attempts == 1
     assert row.last_error.startswith("refused")
+
+
+# -- DNS pinning, DNS failures, concurrency ---------------------------------------------------------------------
+
+
+def _fake_dns(monkeypatch: pytest.MonkeyPatch, answer) -> list[str]:  # type: ignore[no-untyped-def]
+    """Patches socket.getaddrinfo: `answer(host, n)` (n: how many times `host` was looked up before) gives the IPv4
+    address, or None for the real resolver. Returns the log of patched look-ups."""
+    real, calls = socket.getaddrinfo, []
+
+    def getaddrinfo(host, port, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ip = answer(host, calls.count(host))
+        if ip is None:
+            return real(host, port, *args, **kwargs)
+        calls.append(host)
+        if isinstance(ip, Exception):
+            raise ip
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return calls
+
+
+def test_rebinding_name_cannot_reach_loopback(empty_queue, make_key, webhook_receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A public address on the first look-up, loopback on later ones: the guard vets the first answer and the
+    # connection must go to that very address, not to whatever a second look-up says.
+    calls = _fake_dns(monkeypatch, lambda host, n: ("93.184.216.34" if n == 0 else "127.0.0.1")
+                      if host == "rebind.example" else None)
+    port = webhook_receiver.server.server_address[1]
+    delivery_id, _ = _delivery(make_key, f"http://rebind.example:{port}/hook")
+    settings = Settings(webhook_allowlist=[], webhook_timeout_seconds=1)  # 93.184.216.34 is unreachable here
+    assert deliver_due(settings) == 1
+    assert webhook_receiver.requests == []
+    assert calls == ["rebind.example"]  # looked up once per attempt
+    with session_scope() as session:
+        row = session.get(WebhookDelivery, delivery_id)
+        assert (row.status, row.attempts) == ("pending", 1)
+        assert "93.184.216.34" in row.last_error
+
+
+def test_pinned_request_keeps_host_header_and_tls_name(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    _fake_dns(monkeypatch, lambda host, n: {"v4.example": "93.184.216.34",
+                                            "v6.example": "2606:2800:220:1:248:1893:25c8:1946"}.get(host))
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers["host"], request.extensions.get("sni_hostname")))
+        return httpx.Response(204)
+
+    real_client = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(**kw, transport=httpx.MockTransport(handler)))
+    settings = Settings(webhook_allowlist=[])
+    for url in ("https://v4.example:8443/hook?x=1", "http://v6.example/hook", "https://93.184.216.34/h"):
+        _delivery(make_key, url)
+        assert deliver_due(settings) == 1
+    assert seen == [
+        ("https://93.184.216.34:8443/hook?x=1", "v4.example:8443", "v4.example"),
+        ("http://[2606:2800:220:1:248:1893:25c8:1946]/hook", "v6.example", None),
+        ("https://93.184.216.34/h", "93.184.216.34", None),
+    ]
+
+
+def test_dns_failure_is_retried_on_the_schedule(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    from api.models import utcnow
+
+    # The resolver's answer for a name that does not resolve (patched: no dependence on this machine's DNS).
+    _fake_dns(monkeypatch, lambda host, n: socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+              if host == "nosuchhost.invalid" else None)
+    delivery_id, _ = _delivery(make_key, "http://nosuchhost.invalid/hook")
+    settings = Settings(webhook_retry_schedule=[60, 0.1, 0.1])
+    assert deliver_due(settings) == 1
+    with session_scope() as session:
+        row = session.get(WebhookDelivery, delivery_id)
+        assert (row.status, row.attempts) == ("pending", 1), row.last_error
+        assert row.next_attempt_at > utcnow() + timedelta(seconds=50)
+        assert "nosuchhost.invalid" in row.last_error and not row.last_error.startswith("refused")
+        row.next_attempt_at = utcnow()  # the first retry's time has come
+    deadline = time.monotonic() + 10
+    while True:
+        deliver_due(settings)
+        with session_scope() as session:
+            row = session.get(WebhookDelivery, delivery_id)
+            if row.status != "pending" or time.monotonic() > deadline:
+                break
+        time.sleep(0.05)
+    assert (row.status, row.attempts) == ("failed", 1 + len(settings.webhook_retry_schedule))
+
+
+class SlowReceiver:
+    """A WebhookReceiver that waits `delay` seconds before answering; counts the most requests it held at once."""
+
+    def __init__(self, delay: float) -> None:
+        from tests.conftest import WebhookReceiver
+
+        self.receiver = WebhookReceiver()
+        self.active = self.most = 0
+        inner = self.receiver._handler.do_POST
+
+        def do_post(handler) -> None:  # type: ignore[no-untyped-def]
+            with self.receiver.lock:
+                self.active += 1
+                self.most = max(self.most, self.active)
+            time.sleep(delay)
+            with self.receiver.lock:
+                self.active -= 1
+            inner(handler)
+
+        self.receiver._handler.do_POST = do_post
+        self.port = self.receiver.server.server_address[1]
+
+
+def test_slow_receiver_does_not_hold_up_others(empty_queue, make_key, webhook_receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host in ("slow.example", "fast.example") else None)
+    slow = SlowReceiver(delay=3)
+    try:
+        slow_ids = [_delivery(make_key, f"http://slow.example:{slow.port}/hook")[0] for _ in range(6)]
+        fast_port = webhook_receiver.server.server_address[1]
+        fast_id, _ = _delivery(make_key, f"http://fast.example:{fast_port}/hook")
+        settings = Settings(webhook_allowlist=["slow.example", "fast.example"], webhook_timeout_seconds=10)
+        start = time.monotonic()
+        runner = threading.Thread(target=deliver_due, args=(settings,))
+        runner.start()
+        while not webhook_receiver.requests and time.monotonic() - start < 2.5:
+            time.sleep(0.02)
+        fast_after = time.monotonic() - start
+        runner.join(timeout=60)
+        assert fast_after < 1.5, f"the fast receiver waited {fast_after:.1f}s behind the slow one"
+        assert slow.most == 4  # WEBHOOK_PER_HOST: at most 4 attempts at once to one host
+        with session_scope() as session:
+            assert {session.get(WebhookDelivery, i).status for i in [*slow_ids, fast_id]} == {"delivered"}
+    finally:
+        slow.receiver.close()
+
+
+def test_stopping_does_not_wait_past_its_timeout(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from worker.webhooks import Dispatcher
+
+    _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host == "slow.example" else None)
+    slow = SlowReceiver(delay=3)
+    try:
+        delivery_id, _ = _delivery(make_key, f"http://slow.example:{slow.port}/hook")
+        settings = Settings(webhook_allowlist=["slow.example"], webhook_timeout_seconds=10)
+        dispatcher = Dispatcher()
+        start = time.monotonic()
+        futures = dispatcher.dispatch(settings)
+        assert len(futures) == 1 and time.monotonic() - start < 1  # started, not waited for
+        assert dispatcher.stop(timeout=0.5) is False
+        assert time.monotonic() - start < 1.5
+        _delivery(make_key, f"http://slow.example:{slow.port}/hook")
+        assert dispatcher.dispatch(settings) == []  # stopped: nothing new starts
+        futures[0].result(timeout=15)  # the attempt in flight still ends and is recorded
+        with session_scope() as session:
+            assert session.get(WebhookDelivery, delivery_id).status == "delivered"
+    finally:
+        slow.receiver.close()

@@ -15,9 +15,10 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from api.batches import settle_batch
+from api.batches import expire_uploads, settle_batch
 from api.crud import PRIORITY_BATCH
 from api.db import session_scope
+from api.metrics import count, count_pass
 from api.models import Batch, Job, JobResult, Pass, Worker, utcnow
 from api.settings import Settings
 from core import PassResult, Scorer, ScoringError, TokenizedRequest
@@ -128,6 +129,7 @@ def _finish(session: Session, owner: str, job_id: str, status: str, *, logprobs:
                               .values(**values).returning(Job.webhook_url)).first()
     if changed is None:
         return False
+    count(session, "jobs_finished", label=status)
     if logprobs is not None:
         session.add(JobResult(job_id=job_id, n_labels=logprobs.shape[1],
                               logprobs=np.ascontiguousarray(logprobs, np.float32).tobytes()))
@@ -142,8 +144,10 @@ def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) ->
     """After each pass: record it, write progress and finished results, apply cancellations, drop lost leases."""
     touched = {part.request for part in result.scores}
     with session_scope() as session:
-        session.add(Pass(worker=owner, n_jobs=len(touched), n_items=sum(len(p.items) for p in result.scores),
+        n_items = sum(len(p.items) for p in result.scores)
+        session.add(Pass(worker=owner, n_jobs=len(touched), n_items=n_items,
                          tokens=result.tokens, padded_tokens=result.padded_tokens, seconds=result.seconds))
+        count_pass(session, n_items, result.tokens, result.seconds)
         open_ids = [r.job_id for r in running if not r.closed]
         state = dict(session.execute(select(Job.id, Job.cancel_requested).where(
             Job.id.in_(open_ids), Job.lease_owner == owner, Job.status == "running")).all())
@@ -231,6 +235,7 @@ def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, 
         job.status, job.items_done = "queued", 0
     job.lease_owner = job.lease_expires_at = None
     if job.status != "queued":
+        count(session, "jobs_finished", label=job.status)
         job.finished_at = utcnow()
         session.flush()
         enqueue_job_webhook(session, job)
@@ -297,6 +302,9 @@ def sweep(settings: Settings) -> bool:
         stale = now - timedelta(seconds=settings.sweep_interval_seconds)
         waiting = session.scalar(select(Job.id).where(Job.status == "queued", Job.created_at < stale).limit(1))
         session.execute(delete(Worker).where(Worker.last_seen_at < now - timedelta(days=1)))
+        for batch_id in expire_uploads(session, settings):
+            log.warning("batch %s was still uploading after %s s; failed", batch_id,
+                        settings.batch_upload_timeout_seconds)
     # A batch whose last request failed just now ends; in a transaction of its own, so that no job row lock
     # is held while the batch row is taken (cancel takes them the other way round).
     _settle(batch_ids)

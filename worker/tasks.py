@@ -27,7 +27,7 @@ from api.settings import get_settings
 from worker import drain as drain_module
 from worker.celery_app import DRAIN_TASK, app, kick_drain
 from worker.scorer import get_scorer
-from worker.webhooks import deliver_due
+from worker.webhooks import dispatch_due, stop_delivery
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def _maintain() -> None:
 
 
 def _deliver() -> None:
-    deliver_due(get_settings())
+    # Starts the due attempts that free slots allow, without waiting for them (they run in the webhook pool).
+    dispatch_due(get_settings())
 
 
 @worker_ready.connect
@@ -153,6 +154,9 @@ def _start(**_: object) -> None:
 @worker_shutdown.connect
 def _stop_loops(**_: object) -> None:
     _stop.set()
+    # No new webhook attempts; those in flight get up to their timeout to end and be recorded (the rest are
+    # retried once their lease expires).
+    stop_delivery(get_settings().webhook_timeout_seconds)
     lane = _batch_lane
     if lane is not None:
         lane.join(timeout=30)  # it releases its jobs at the next pass boundary

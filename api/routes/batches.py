@@ -1,18 +1,22 @@
 import json
+import logging
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from api import batches
 from api.deps import CurrentKey, RequestTokenizerDep, SessionDep, SettingsDep
 from api.errors import APIError
+from api.models import Batch
 from api.schemas import BatchCreate, BatchList, BatchOut
 from worker.celery_app import kick_drain
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/batches", tags=["batches"])
 
 _UPLOAD_DOC = {
@@ -29,11 +33,7 @@ async def _json_body(request: Request, limit: int) -> BatchCreate:
         body += data
         if len(body) > limit:
             raise APIError(413, "body_too_large", f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
-    try:
-        return BatchCreate.model_validate(json.loads(body))
-    except ValueError as exc:  # ValidationError is a ValueError too
-        message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
-        raise APIError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
+    return await run_in_threadpool(batches.parse_batch_body, bytes(body))
 
 
 @router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC)
@@ -65,25 +65,38 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
             raise APIError(422, "invalid_input", "metadata must be a JSON object")
     batch = await run_in_threadpool(batches.start_batch, session, key, request_tokenizer, settings, webhook_url, meta)
     ingest = batches.Ingest(session, batch, request_tokenizer, settings)
+    deadline = time.monotonic() + settings.batch_upload_timeout_seconds
     try:
         if body is not None:
             await run_in_threadpool(ingest.add_values, body.requests)
         else:
             async for lines in batches.jsonl_lines(request.stream(), settings):
+                if time.monotonic() > deadline:
+                    raise batches.upload_timeout()
                 await run_in_threadpool(ingest.add_lines, lines)
         batch = await run_in_threadpool(ingest.finish)
     except ClientDisconnect:
-        await run_in_threadpool(batches.fail_upload, session, batch,
-                                APIError(400, "upload_interrupted", "the client went away during the upload"))
+        await _fail_upload(session, batch, "upload_interrupted", "the client went away during the upload")
         raise
     except APIError as exc:
-        await run_in_threadpool(batches.fail_upload, session, batch, exc)
+        await _fail_upload(session, batch, exc.code, exc.message)
         exc.extra["batch_id"] = batch.id
+        raise
+    except Exception as exc:  # the database went away, or a bug: the batch must not stay `validating`
+        await _fail_upload(session, batch, "upload_failed",
+                           f"the upload failed on the server ({type(exc).__name__}); send it again")
         raise
     if ingest.queued:
         kick_drain()
     response.headers["Location"] = f"/batches/{batch.id}"
     return await run_in_threadpool(batches.read_batch, session, batch)
+
+
+async def _fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
+    try:
+        await run_in_threadpool(batches.fail_upload, session, batch, code, message)
+    except Exception as exc:  # the database is down: a worker's sweeper fails the batch after the timeout
+        log.warning("could not mark batch %s failed (%s): %s", batch.id, code, exc)
 
 
 @router.get("", response_model=BatchList)

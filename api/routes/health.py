@@ -12,8 +12,9 @@ from worker.celery_app import broker_reachable
 router = APIRouter(tags=["health"])
 
 
+# async: it answers on the event loop, even while every worker thread is busy.
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
     """The process is up."""
     return {"status": "ok"}
 

@@ -1,0 +1,344 @@
+"""The API under a burst of synchronous calls and when its database is short of connections (issue 12, items 1
+to 3): waiting /v1/score calls hold no thread and no connection and share one poll; an exhausted pool is a
+503 with Retry-After; every terminal job error maps to a status README documents."""
+
+import asyncio
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from sqlalchemy import create_engine, event, select, update
+from sqlalchemy.orm import sessionmaker
+
+from api import errors
+from api.db import get_engine, session_scope
+from api.deps import get_db
+from api.main import create_app
+from api.models import Job
+from api.settings import Settings, get_settings
+from core import ERROR_CODES
+from tests.service_harness import free_port
+
+BODY = {"query": "Is it true?", "items": ["yes", "no", "maybe", "never", "always"], "label_token_ids": [1, 2]}
+
+
+class InProcessServer:
+    """The app under a real uvicorn on a free port, in a thread of this process, so a test can count the
+    statements the API sends to the database."""
+
+    def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def test_waiting_score_calls_hold_no_thread_and_share_one_poll(database: str, make_key) -> None:  # type: ignore[no-untyped-def]
+    """64 concurrent /v1/score calls with no worker running: each waits its SCORE_TIMEOUT_SECONDS and gets 504
+    with its job id; meanwhile /healthz answers at once and the API sends a handful of statements, not a poll
+    per waiting call."""
+    key, _ = make_key()
+    app = create_app()
+    app.dependency_overrides[get_settings] = lambda: Settings(score_timeout_seconds=4)
+    statements: list[float] = []
+
+    def count(_conn, _cursor, statement, *_: object) -> None:  # type: ignore[no-untyped-def]
+        statements.append((time.monotonic(), statement[:60]))
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with InProcessServer(app) as base, ThreadPoolExecutor(64) as pool:
+            def call(i: int) -> httpx.Response:
+                return httpx.post(f"{base}/v1/score", json={**BODY, "query": f"Question {i}?"},
+                                  headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+            futures = [pool.submit(call, i) for i in range(64)]
+            _wait_for_queued(database, [f"Question {i}?" for i in range(64)])  # every call waits now
+            window_start = time.monotonic()
+            health = []
+            for _ in range(5):
+                t = time.monotonic()
+                assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+                health.append(time.monotonic() - t)
+                time.sleep(0.2)
+            window = time.monotonic() - window_start
+            in_window = [s for t, s in statements if window_start <= t <= window_start + window]
+            checked_out = engine.pool.checkedout()
+            responses = [f.result() for f in futures]
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert [r.status_code for r in responses] == [504] * 64, {r.status_code: r.text for r in responses}
+    job_ids = {r.json()["error"]["job_id"] for r in responses}
+    assert len(job_ids) == 64
+    assert max(health) < 1.0, health
+    # One poll a second for all 64 calls (Postgres notifies), where a poll per call made about 1,000 a second.
+    assert len(in_window) <= 5 * window, f"{len(in_window)} statements in {window:.1f} s, e.g. {in_window[:3]}"
+    assert checked_out <= 2, f"{checked_out} connections held by waiting calls"
+
+
+def _wait_for_queued(database_url: str, queries: list[str], seconds: float = 20) -> None:
+    """Through an engine of its own, so the counted statements are the API's only."""
+    engine = create_engine(database_url)
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            with engine.connect() as conn:
+                found = {r["query"] for (r,) in conn.execute(select(Job.request).where(Job.status == "queued"))}
+            if found >= set(queries):
+                return
+            assert time.monotonic() < deadline, f"{len(set(queries) - found)} jobs were not created in time"
+            time.sleep(0.1)
+    finally:
+        engine.dispose()
+
+
+def test_score_wakes_on_finish(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    """A waiting call answers as soon as its job ends, through the notification, not after a poll period."""
+    key, _ = make_key()
+    body = {**BODY, "query": "Wake me up?"}
+    result: dict = {}
+
+    def call() -> None:
+        result["response"] = client.post("/v1/score", json=body, headers={"Authorization": f"Bearer {key}"})
+        result["at"] = time.monotonic()
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    job_id = _queued_job(body["query"])
+    time.sleep(0.5)
+    ended = time.monotonic()
+    _end_job(job_id, "cancelled")
+    thread.join(timeout=30)
+    assert result["response"].status_code == 409
+    assert result["response"].json()["error"] == {"code": "cancelled", "message": f"job {job_id} was cancelled",
+                                                  "job_id": job_id}
+    assert result["at"] - ended < 0.5
+
+
+def _queued_job(query: str, seconds: float = 10) -> str:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with session_scope() as session:
+            for job_id, request in session.execute(select(Job.id, Job.request).where(Job.status == "queued")):
+                if request["query"] == query:
+                    return job_id
+        time.sleep(0.05)
+    raise AssertionError(f"no queued job for {query!r}")
+
+
+def _end_job(job_id: str, status: str, code: str | None = None) -> None:
+    """What a worker or the sweeper does when a job ends (the test plays the worker)."""
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status=status, error_code=code,
+                                                                  error_message=f"test: {code}"))
+
+
+@pytest.mark.parametrize("code, status", [("worker_lost", 503), ("internal_error", 500),
+                                          ("too_many_items", 400)])
+def test_score_maps_job_errors_to_documented_statuses(client, make_key, code: str, status: int) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    body = {**BODY, "query": f"Will it fail with {code}?"}
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault(
+        "response", client.post("/v1/score", json=body, headers={"Authorization": f"Bearer {key}"})))
+    thread.start()
+    job_id = _queued_job(body["query"])
+    _end_job(job_id, "failed", code)
+    thread.join(timeout=30)
+    response = result["response"]
+    assert response.status_code == status, response.text
+    assert response.json()["error"] == {"code": code, "message": f"test: {code}", "job_id": job_id}
+    if status == 503:
+        assert response.headers["Retry-After"] == str(get_settings().retry_after_seconds)
+    assert (status, code) in documented_errors()
+
+
+def test_exhausted_pool_is_503_with_retry_after(client, make_key, database: str) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    tiny = create_engine(database, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    sessions = sessionmaker(tiny, expire_on_commit=False)
+
+    def db():  # type: ignore[no-untyped-def]
+        with sessions() as session:
+            yield session
+
+    client.app.dependency_overrides[get_db] = db
+    held = tiny.connect()  # every connection of the pool is in use
+    try:
+        response = client.get("/jobs", headers={"Authorization": f"Bearer {key}"})
+    finally:
+        held.close()
+        client.app.dependency_overrides.pop(get_db)
+        tiny.dispose()
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "unavailable"
+    assert response.headers["Retry-After"] == str(get_settings().retry_after_seconds)
+
+
+def documented_errors() -> set[tuple[int, str]]:
+    """(status, code) pairs of README's error table."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### Errors", 1)[1].split("\n### ", 1)[0]
+    pairs = set()
+    for status, codes in re.findall(r"^\| (\d{3}) \| (.+?) \|", section, re.M):
+        pairs.update((int(status), code) for code in re.findall(r"`(\w+)`", codes))
+    return pairs
+
+
+def test_readme_documents_every_error_the_api_answers() -> None:
+    """Every (status, code) the API can answer is in README's table: the engine's codes, the job error mapping,
+    the generic HTTP codes and every APIError raised in api/."""
+    answered = {(400, code) for code in ERROR_CODES}
+    answered |= {(e.status, e.code) for e in (errors.job_error("j", c, "") for c in ("worker_lost", "internal_error"))}
+    answered |= {(status, code) for status, code in errors._HTTP_CODES.items()}
+    answered |= {(500, "internal_error"), (503, "unavailable")}
+    for path in (Path(__file__).parent.parent / "api").rglob("*.py"):
+        answered |= {(int(s), c) for s, c in re.findall(r'APIError\(\s*(\d{3}),\s*"(\w+)"', path.read_text())}
+    missing = answered - documented_errors()
+    assert not missing, f"README's error table lacks {sorted(missing)}"
+
+
+# -- batch uploads (items 7 and 8) --------------------------------------------------------------------------------
+
+def test_upload_that_dies_on_a_database_error_ends_failed(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy.exc import OperationalError
+
+    from api import batches
+
+    key, _ = make_key()
+
+    def database_gone(self, lines) -> None:  # type: ignore[no-untyped-def]
+        raise OperationalError("INSERT INTO jobs ...", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(batches.Ingest, "add_lines", database_gone)
+    body = json.dumps({"custom_id": "a", **BODY}).encode()
+    response = client.post("/batches", content=body, headers={"Authorization": f"Bearer {key}",
+                                                              "content-type": "application/jsonl"})
+    monkeypatch.undo()
+    assert response.status_code == 503, response.text
+    listed = client.get("/batches", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    assert [(b["status"], b["error"]["code"]) for b in listed] == [("failed", "upload_failed")]
+    assert "OperationalError" in listed[0]["error"]["message"]
+
+
+def test_sweeper_fails_an_upload_abandoned_by_its_api(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    """The API process died mid-upload: nothing but the sweeper can end the batch, which must not stay
+    `validating` (and uncancellable) for ever."""
+    from datetime import timedelta
+
+    from api.models import Batch, utcnow
+    from worker import drain as drain_module
+
+    key, _ = make_key()
+    settings = get_settings()
+    with session_scope() as session:
+        key_id = _key_id(session, key)
+        old = Batch(api_key_id=key_id, model="tiny-random",
+                    created_at=utcnow() - timedelta(seconds=settings.batch_upload_timeout_seconds + 5))
+        fresh = Batch(api_key_id=key_id, model="tiny-random")
+        session.add_all([old, fresh])
+        session.flush()
+        old_id, fresh_id = old.id, fresh.id
+    headers = {"Authorization": f"Bearer {key}"}
+    assert client.post(f"/batches/{old_id}/cancel", headers=headers).json()["error"]["code"] == "batch_validating"
+    drain_module.sweep(settings)
+    old_out = client.get(f"/batches/{old_id}", headers=headers).json()
+    assert (old_out["status"], old_out["error"]["code"]) == ("failed", "upload_timeout")
+    assert client.get(f"/batches/{fresh_id}", headers=headers).json()["status"] == "validating"
+    assert (408, "upload_timeout") in documented_errors()
+
+
+def _key_id(session, key: str) -> str:  # type: ignore[no-untyped-def]
+    from api.auth import find_api_key
+
+    return find_api_key(session, key).id
+
+
+def _split_seconds(line_bytes: int, chunk: int = 4096) -> float:
+    """Best of three: seconds to split one line of `line_bytes` that arrives in `chunk`-byte pieces."""
+    from api import batches
+
+    settings = Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
+    data = b"x" * line_bytes + b"\n"
+    pieces = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+
+    async def stream():  # type: ignore[no-untyped-def]
+        for piece in pieces:
+            yield piece
+
+    async def split() -> list:  # type: ignore[type-arg]
+        return [lines async for lines in batches.jsonl_lines(stream(), settings)]
+
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        out = asyncio.run(split())
+        best = min(best, time.perf_counter() - start)
+    assert out == [[data[:-1]]]
+    return best
+
+
+def test_line_splitting_is_linear() -> None:
+    """8x the bytes takes about 8x the time (it took 64x when every chunk copied the growing line)."""
+    small, large = _split_seconds(1 << 20), _split_seconds(8 << 20)
+    assert large / small < 24, f"1 MiB: {small * 1000:.1f} ms, 8 MiB: {large * 1000:.1f} ms"
+
+
+def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> None:  # type: ignore[no-untyped-def]
+    """A 24 MiB line (not JSON: an error line of its own) streams in while /healthz is asked: the API keeps
+    answering."""
+    key, _ = make_key()
+    app = create_app()
+    app.dependency_overrides[get_settings] = lambda: Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
+    line = b"x" * (24 << 20) + b"\n" + json.dumps({"custom_id": "small", **BODY}).encode()
+    with InProcessServer(app) as base:
+        done = threading.Event()
+        result: dict = {}
+
+        def upload() -> None:
+            result["response"] = httpx.post(f"{base}/batches", content=line, timeout=120,
+                                            headers={"Authorization": f"Bearer {key}",
+                                                     "content-type": "application/jsonl"})
+            done.set()
+
+        threading.Thread(target=upload).start()
+        slowest = 0.0
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx.get(f"{base}/healthz", timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+    assert result["response"].status_code == 201, result["response"].text
+    assert slowest < 1.0, f"/healthz took {slowest:.2f} s during the upload"
+
+
+def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ignore[no-untyped-def]
+    """The key lookup runs in a thread of its own, before the route's: holding its connection until then let a
+    burst of 256 calls hold every pooled connection while the threads that could use them waited for one."""
+    from fastapi.security import HTTPAuthorizationCredentials
+
+    from api.db import session_factory
+    from api.deps import get_api_key
+
+    key, _ = make_key()
+    with session_factory()() as session:
+        assert get_api_key(session, HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)).name == "test"
+        assert not session.in_transaction()

@@ -1,0 +1,110 @@
+"""/metrics reads running totals and live rows only: its cost does not grow with the history of passes, jobs
+and webhook deliveries (issue 12, item 9)."""
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.orm import sessionmaker
+
+from api.metrics import DatabaseCollector, count, count_pass
+from migrations import upgrade
+
+HISTORY = 200_000
+SCAN_NODES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Bitmap Index Scan"}
+
+
+def scrape(sessions) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    registry = CollectorRegistry()
+    registry.register(DatabaseCollector(sessions))
+    return {f"{sample.name}{json.dumps(sample.labels, sort_keys=True) if sample.labels else ''}": sample.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for sample in family.samples}
+
+
+def rows_read(plan: dict) -> float:
+    here = plan["Actual Rows"] * plan["Actual Loops"] if plan["Node Type"] in SCAN_NODES else 0
+    return here + sum(rows_read(child) for child in plan.get("Plans", []))
+
+
+def seed_history(conn, n: int) -> None:  # type: ignore[no-untyped-def]
+    """n finished jobs, n passes and n delivered webhooks, written straight to the tables (as years of
+    traffic would have left them), plus a few live rows."""
+    conn.execute(text("INSERT INTO api_keys (id, name, key_hash, webhook_secret, created_at) "
+                      "VALUES ('key_history', 'history', 'hash', 'secret', now())"))
+    job = ("INSERT INTO jobs (id, api_key_id, status, priority, model, request, return_logprobs, request_hash, "
+           "items_total, items_done, prompt_tokens, attempts, cancel_requested, created_at) "
+           "SELECT 'job_' || {prefix} || i, 'key_history', {status}, 0, 'm', '{{}}', false, '', 5, 5, 10, 0, false, "
+           "now() FROM generate_series(1, {n}) AS i")
+    conn.execute(text(job.format(prefix="'old'", status="'succeeded'", n=n)))
+    conn.execute(text(job.format(prefix="'live'", status="CASE WHEN i % 2 = 0 THEN 'queued' ELSE 'running' END",
+                                 n=7)))
+    conn.execute(text("INSERT INTO passes (worker, n_jobs, n_items, tokens, padded_tokens, seconds, created_at) "
+                      f"SELECT 'w', 1, 5, 100, 128, 0.2, now() FROM generate_series(1, {n})"))
+    conn.execute(text("INSERT INTO webhook_deliveries (id, api_key_id, url, payload, status, attempts, "
+                      "next_attempt_at, created_at) SELECT 'msg_' || i, 'key_history', 'http://x', '{}', "
+                      "CASE WHEN i <= 3 THEN 'pending' ELSE 'delivered' END, 1, now(), now() "
+                      f"FROM generate_series(1, {n}) AS i"))
+    conn.execute(text("ANALYZE"))
+
+
+def test_scrape_reads_no_history(database_factory, run_id: str) -> None:
+    with database_factory(f"packscore_metrics_{run_id}") as url:
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            seed_history(conn, HISTORY)
+        statements: list[tuple[str, dict]] = []
+
+        def record(conn, cursor, statement, params, context, many):  # type: ignore[no-untyped-def]
+            statements.append((statement, params))
+
+        event.listen(engine, "before_cursor_execute", record)
+        metrics = scrape(sessionmaker(engine))
+        event.remove(engine, "before_cursor_execute", record)
+        assert metrics['packscore_jobs{"status": "queued"}'] == 3
+        assert metrics['packscore_jobs{"status": "running"}'] == 4
+        assert metrics["packscore_webhook_deliveries_pending"] == 3
+
+        read = 0.0
+        with engine.connect() as conn:
+            for statement, params in [s for s in statements if s[0].lstrip().upper().startswith("SELECT")]:
+                plan = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}", params).scalar()
+                read += rows_read(plan[0]["Plan"])
+        engine.dispose()
+    # Live rows and a few hundred counter rows, not the 600,000 rows of history.
+    assert read < 2_000, f"a scrape read {read:.0f} rows"
+
+
+@pytest.fixture
+def sqlite_sessions(tmp_path):  # type: ignore[no-untyped-def]
+    url = f"sqlite:///{tmp_path / 'metrics.db'}"
+    upgrade(url)
+    engine = create_engine(url)
+    yield sessionmaker(engine)
+    engine.dispose()
+
+
+def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: ignore[no-untyped-def]
+    for n_items, seconds in ((3, 0.02), (40, 0.7), (40, 12.0)):
+        with sqlite_sessions.begin() as session:
+            count_pass(session, n_items, tokens=10 * n_items, seconds=seconds)
+            count(session, "jobs_finished", label="succeeded")
+    with sqlite_sessions() as session:
+        count_pass(session, 1000, tokens=1, seconds=1)
+        count(session, "jobs_finished", 5, label="failed")
+        session.rollback()
+        session.commit()  # nothing is left to write: the rolled-back counts are gone
+
+    metrics = scrape(sqlite_sessions)
+    assert metrics["packscore_passes_total"] == 3
+    assert metrics["packscore_pass_tokens_total"] == 830
+    assert metrics["packscore_pass_items_count"] == 3
+    assert metrics["packscore_pass_items_sum"] == 83
+    assert metrics['packscore_pass_items_bucket{"le": "4"}'] == 1
+    assert metrics['packscore_pass_items_bucket{"le": "64"}'] == 3
+    assert metrics['packscore_pass_seconds_bucket{"le": "1"}'] == 2
+    assert metrics['packscore_pass_seconds_bucket{"le": "+Inf"}'] == 3
+    assert metrics['packscore_jobs_finished_total{"status": "succeeded"}'] == 3
+    assert metrics['packscore_jobs_finished_total{"status": "failed"}'] == 0
