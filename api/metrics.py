@@ -91,7 +91,8 @@ class DatabaseCollector(Collector):
             pending_deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery)
                                                 .where(WebhookDelivery.status == "pending"))
             cutoff = utcnow() - timedelta(seconds=get_settings().worker_stale_seconds)
-            workers = session.scalar(select(func.count()).select_from(Worker).where(Worker.last_seen_at >= cutoff))
+            workers = dict(session.execute(select(Worker.attention, func.count()).where(Worker.last_seen_at >= cutoff)
+                                           .group_by(Worker.attention)).all())
 
         jobs = GaugeMetricFamily("packscore_jobs", "Jobs queued or running now", labels=["status"])
         for status in LIVE_JOB_STATUSES:
@@ -120,7 +121,12 @@ class DatabaseCollector(Collector):
         yield delivered
         yield CounterMetricFamily("packscore_webhook_attempts", "Webhook delivery attempts",
                                   value=totals.get(("webhook_attempts", ""), 0))
-        yield GaugeMetricFamily("packscore_workers", "Workers seen recently", value=workers)
+        yield GaugeMetricFamily("packscore_workers", "Workers seen recently", value=sum(workers.values()))
+        paths = GaugeMetricFamily("packscore_worker_attention", "Workers seen recently, by the attention path "
+                                  "their engine runs", labels=["path"])
+        for path, total in sorted(workers.items(), key=lambda kv: kv[0] or ""):
+            paths.add_metric([path or "unknown"], total)
+        yield paths
 
 
 class Metrics:

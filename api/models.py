@@ -186,6 +186,8 @@ class Worker(Base):
     model: Mapped[str] = mapped_column(String(100))
     started_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # The attention path its engine runs (core.scorer.Scorer.attention_path), e.g. "pallas-tpu" or "xla".
+    attention: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class CounterRow(Base):

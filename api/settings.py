@@ -2,7 +2,7 @@
 
 import json
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     max_tokens: int = 4_000_000
     # Tokens per packed pass (None: the engine's default for the backend).
     pass_tokens: int | None = None
+    # bfloat16 on accelerators (contract: within 5e-2 of float32); float32 on CPU, where bfloat16 is not faster.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto: Pallas kernels on TPU and GPU (the XLA path where a kernel does not compile), XLA on CPU.
+    attention: Literal["auto", "xla", "pallas"] = "auto"
     max_body_bytes: int = 32 * 1024 * 1024
     api_key_prefix: str = "psk_"
 

@@ -11,11 +11,19 @@ tiles it can see and their count. Both implementations below read only those
 tiles, so cost follows the visible tiles, never T x T:
 - `blocksparse_attention`: plain XLA (gathers the visible key tiles per query tile);
   the default on CPU.
-- `pallas_attention`: a Pallas kernel that loops over the visible key tiles of its
-  query tile and never loads the others; the default on GPU, `interpret=True` on CPU.
+- `pallas_attention`: the accelerator path, chosen per platform when the program is
+  lowered (`lax.platform_dependent`): on TPU `tpu_attention` (splash-attention form:
+  tables as scalar prefetch in SMEM, grid (query tiles, KV heads, table slots), K/V
+  tiles fetched by index maps that read the table); on CUDA `gpu_attention` (Mosaic
+  GPU: the tables drive `plgpu.emit_pipeline`); elsewhere the XLA path. A kernel that
+  does not compile on the device at hand is logged once and replaced by the XLA path
+  (`attention_path` tells which is in use). `interpret=True` (or a
+  `pltpu.InterpretParams`) runs the TPU kernel on the CPU.
 `dense_attention` is the O(T^2) reference the tests compare against.
 """
 
+import logging
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -161,60 +169,383 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
     return out.reshape(T, H, D)
 
 
-def _pallas_kernel(ids_ref, counts_ref, q_seq_ref, q_item_ref, q_pos_ref, k_seq_ref, k_item_ref, k_pos_ref,
-                   q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float):
-    i = pl.program_id(1)
-    q = q_ref[...].astype(jnp.float32) * scale  # [bq, D]
-    q_seq, q_item, q_pos = q_seq_ref[...], q_item_ref[...], q_pos_ref[...]
-    bq, d = q.shape
+# ---- Pallas kernels -----------------------------------------------------------------------
+#
+# Both kernels read the same host tables (`block_tables`), regridded on the device to the
+# kernel's own tile sizes (`kernel_tables`): a tile pair is listed when any of the table's
+# smaller tile pairs inside it is, so nothing visible is ever dropped, and the kernels mask
+# exactly inside a tile.
 
-    def visit_tile(j, carry):
-        m, l, acc = carry
-        start = pl.multiple_of(ids_ref[i, j] * block_k, block_k)
-        span = pl.ds(start, block_k)
-        k = k_ref[span, :].astype(jnp.float32)
-        v = v_ref[span, :].astype(jnp.float32)
-        mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None],
-                       k_seq_ref[span][None, :], k_item_ref[span][None, :], k_pos_ref[span][None, :])
-        s = jnp.where(mask, jnp.dot(q, k.T), _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * acc + jnp.dot(p, v)
+_LANES, _SUBLANES = 128, 8
+TPU_TILE_Q, TPU_TILE_K = 512, 512  # a grid step costs ~0.35 us on a TPU: large tiles amortize it
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
 
-    init = (jnp.full((bq,), _MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    # Only the tiles listed for this query tile are loaded: the loop bound is their count.
-    _, l, acc = jax.lax.fori_loop(0, counts_ref[i], visit_tile, init)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+log = logging.getLogger(__name__)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pick_tile(n: int, preferred: int, quantum: int) -> int:
+    """The largest multiple of `quantum` that is at most `preferred` (and n) and divides n."""
+    tile = max(min(preferred, n) // quantum * quantum, quantum)
+    while n % tile:
+        tile -= quantum
+    return tile
+
+
+def kernel_tables(tile_ids, tile_counts, block_q: int, block_k: int, tile_q: int, tile_k: int,
+                  q_len: int, kv_len: int):
+    """Regrids the host tables (tiles block_q x block_k) to the kernel's tiles tile_q x tile_k (a multiple or
+    a divisor of them each way).
+
+    q_len / kv_len are the padded lengths the kernel runs over (multiples of both tile sizes); rows of
+    padding query tiles see nothing. Returns (ids [q_len/tile_q, width], counts): per kernel query tile,
+    the visible kernel key tiles in ascending order, the row padded with its last id (a padded slot is
+    then the same block as the slot before it, which the pipeline does not fetch again).
+    """
+    rows, width = tile_ids.shape
+    nq_f, nk_f = q_len // block_q, kv_len // block_k
+    if rows < nq_f:
+        tile_ids = jnp.pad(tile_ids, ((0, nq_f - rows), (0, 0)))
+        tile_counts = jnp.pad(tile_counts, (0, nq_f - rows))
+    listed = jnp.arange(width)[None, :] < tile_counts[:, None]
+    cols = jnp.where(listed, tile_ids, nk_f)  # unlisted slots land in a dropped column
+    vis = jnp.zeros((nq_f, nk_f + 1), jnp.bool_).at[jnp.arange(nq_f)[:, None], cols].set(True)[:, :nk_f]
+    if tile_k >= block_k:
+        vis = vis.reshape(nq_f, kv_len // tile_k, tile_k // block_k).any(axis=2)
+    else:
+        vis = jnp.repeat(vis, block_k // tile_k, axis=1)
+    if tile_q >= block_q:
+        vis = vis.reshape(q_len // tile_q, tile_q // block_q, -1).any(axis=1)
+    else:
+        vis = jnp.repeat(vis, block_q // tile_q, axis=0)
+    nk = kv_len // tile_k
+    counts = vis.sum(axis=1, dtype=jnp.int32)
+    width_c = min(max(tile_q // block_q, 1) * width * max(block_k // tile_k, 1), nk)
+    order = jnp.argsort(jnp.logical_not(vis).astype(jnp.int32), axis=1, stable=True)[:, :width_c].astype(jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[:, None], axis=1)
+    ids = jnp.where(jnp.arange(width_c)[None, :] < counts[:, None], order, last)
+    return ids, counts
+
+
+def full_tiles(ids, q_meta, kv_meta, tile_q: int, tile_k: int):
+    """Per table slot: 1 where every query of the tile sees every key of the listed tile (a shared-prefix
+    tile under a tile of one sequence's later tokens), so the kernel can skip the mask there."""
+    q_seq, q_item, q_pos = (m.reshape(-1, tile_q) for m in q_meta)
+    k_seq, k_item, k_pos = (m.reshape(-1, tile_k) for m in kv_meta)
+    q_one_seq = (q_seq.min(axis=1) == q_seq.max(axis=1)) & (q_seq.min(axis=1) >= 0)
+    k_one_seq = (k_seq.min(axis=1) == k_seq.max(axis=1)) & (k_seq.min(axis=1) >= 0) & (k_item.max(axis=1) < 0)
+    full = (q_one_seq[:, None] & k_one_seq[None, :] & (q_seq[:, :1] == k_seq[:, 0][None, :])
+            & (k_pos.max(axis=1)[None, :] <= q_pos.min(axis=1)[:, None]))
+    return jnp.take_along_axis(full, ids, axis=1).astype(jnp.int32)
+
+
+def _padded_inputs(q, k, v, q_meta, kv_meta, q_len: int, kv_len: int):
+    """Pads queries (never visible to anyone) and keys (visible to no one) to the kernel's lengths."""
+    T, Tk = q.shape[0], k.shape[0]
+    if q_len > T:
+        q = jnp.pad(q, ((0, q_len - T), (0, 0), (0, 0)))
+        q_meta = tuple(jnp.pad(m, (0, q_len - T), constant_values=c) for m, c in zip(q_meta, (QUERY_PAD_SEQ, -1, 0)))
+    if kv_len > Tk:
+        k = jnp.pad(k, ((0, kv_len - Tk), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, kv_len - Tk), (0, 0), (0, 0)))
+        kv_meta = tuple(jnp.pad(m, (0, kv_len - Tk), constant_values=c) for m, c in zip(kv_meta, (KEY_PAD_SEQ, -1, 0)))
+    return q, k, v, q_meta, kv_meta
+
+
+def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref, k_meta_ref, q_ref, k_ref, v_ref,
+                o_ref, m_ref, l_ref, acc_ref, *, groups: int, width: int, scale: float):
+    """One (query tile, KV head, table slot) step. q_ref [G, tq, D] (the G query heads of this KV head),
+    k_ref/v_ref [tk, D] (the slot's key tile), q_*_ref [tq, 128] (ids broadcast over lanes),
+    k_meta_ref [8, tk] (rows: seq, item, pos). Scratch m/l [G, tq, 128], acc [G, tq, D] in float32."""
+    i, j = pl.program_id(0), pl.program_id(2)
+    tq, tk = q_ref.shape[1], k_ref.shape[0]
+    d = q_ref.shape[2]
+    reps = tk // _LANES
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def update(mask):
+        k = k_ref[...]
+        v = v_ref[...]
+        for g in range(groups):
+            s = jax.lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32) * scale  # [tq, tk]
+            if mask is not None:
+                s = jnp.where(mask, s, _MASKED)
+            m_prev, l_prev = m_ref[g], l_ref[g]  # [tq, 128], every lane the same
+            m_next = jnp.maximum(m_prev, s.max(axis=1)[:, None])
+            p = jnp.exp(s - jnp.tile(m_next, (1, reps)))
+            if mask is not None:  # a row with nothing visible yet has m = _MASKED and exp(0) = 1 here
+                p = jnp.where(mask, p, 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            l_ref[g] = alpha * l_prev + jax.lax.broadcast_in_dim(p.sum(axis=1), (tq, _LANES), (0,))
+            m_ref[g] = m_next
+            pv = jax.lax.dot_general(p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)  # [tq, D]
+            alpha_d = jnp.tile(alpha, (1, pl.cdiv(d, _LANES)))[:, :d]
+            acc_ref[g] = alpha_d * acc_ref[g] + pv
+
+    run = j < counts_ref[i]
+    full = full_ref[i * width + j] != 0
+
+    @pl.when(run & full)
+    def _unmasked():
+        update(None)
+
+    @pl.when(run & jnp.logical_not(full))
+    def _masked():
+        km = k_meta_ref[...]
+        k_seq, k_item, k_pos = km[0:1, :], km[1:2, :], km[2:3, :]  # [1, tk]
+        q_seq, q_item, q_pos = (jnp.tile(r[...], (1, reps)) for r in (q_seq_ref, q_item_ref, q_pos_ref))  # [tq, tk]
+        update(visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos))
+
+    @pl.when(j == width - 1)
+    def _write():  # also for a query tile that sees nothing (padding): zeros
+        for g in range(groups):
+            l = l_ref[g]
+            inv = 1.0 / jnp.where(l == 0.0, 1.0, l)
+            o_ref[g] = (acc_ref[g] * jnp.tile(inv, (1, pl.cdiv(d, _LANES)))[:, :d]).astype(o_ref.dtype)
+
+
+def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
+                  tile_q: int = TPU_TILE_Q, tile_k: int = TPU_TILE_K, interpret=False):
+    """The TPU kernel, in the form of splash attention: tables in SMEM (scalar prefetch), grid
+    (query tiles, KV heads, table slots), the slot's K/V tiles fetched by index maps that read the
+    table, online softmax in VMEM scratch. Same arguments and result as `blocksparse_attention`;
+    `interpret`: False (compile for a TPU), True or a `pltpu.InterpretParams` (run on the CPU)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    T, H, D = q.shape
+    Tk, Hkv, _ = k.shape
+    G = H // Hkv
+    quantum_q, quantum_k = math.lcm(block_q, _LANES), math.lcm(block_k, _LANES)
+    q_len, kv_len = _round_up(T, quantum_q), _round_up(Tk, quantum_k)
+    tq, tk = _pick_tile(q_len, tile_q, quantum_q), _pick_tile(kv_len, tile_k, quantum_k)
+    q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
+    ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tq, tk, q_len, kv_len)
+    full = full_tiles(ids, q_meta, kv_meta, tq, tk)
+    nq, width = ids.shape
+
+    q_lanes = [jax.lax.broadcast_in_dim(m.astype(jnp.int32), (q_len, _LANES), (0,)) for m in q_meta]
+    k_rows = jnp.zeros((_SUBLANES, kv_len), jnp.int32).at[:3].set(jnp.stack(kv_meta).astype(jnp.int32))
+    qh = q.transpose(1, 0, 2)  # [H, T, D]: heads h*G .. h*G+G-1 share KV head h
+    kh = k.transpose(1, 0, 2)  # [Hkv, Tk, D]
+    vh = v.transpose(1, 0, 2)
+
+    def kv_tile(i, h, j, ids_ref, counts_ref, full_ref):
+        return h, ids_ref[i * width + j], 0
+
+    q_meta_spec = pl.BlockSpec((tq, _LANES), lambda i, h, j, *_: (i, 0))
+    kernel = partial(_tpu_kernel, groups=G, width=width, scale=1.0 / float(np.sqrt(D)))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(nq, Hkv, width),
+            in_specs=[
+                q_meta_spec, q_meta_spec, q_meta_spec,
+                pl.BlockSpec((_SUBLANES, tk), lambda i, h, j, ids_ref, *_: (0, ids_ref[i * width + j])),
+                pl.BlockSpec((G, tq, D), lambda i, h, j, *_: (h, i, 0)),
+                pl.BlockSpec((None, tk, D), kv_tile),
+                pl.BlockSpec((None, tk, D), kv_tile),
+            ],
+            out_specs=pl.BlockSpec((G, tq, D), lambda i, h, j, *_: (h, i, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((G, tq, _LANES), jnp.float32),
+                pltpu.VMEM((G, tq, _LANES), jnp.float32),
+                pltpu.VMEM((G, tq, D), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        out_shape=jax.ShapeDtypeStruct((H, q_len, D), q.dtype),
+        interpret=interpret,
+        name="packed_attention_tpu",
+    )(ids.reshape(-1), counts, full.reshape(-1), *q_lanes, k_rows, qh, kh, vh)
+    return out.transpose(1, 0, 2)[:T]
+
+
+# ---- which kernel runs where --------------------------------------------------------------
+
+_HOST_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}  # jax.default_backend() -> lowering platform
+_kernel_ok: dict[tuple, bool] = {}
+_paths: dict[str, str] = {}  # lowering platform -> the attention path its programs use
+
+
+def attention_path(platform: str | None = None) -> str:
+    """The attention path that `pallas_attention` put into programs for `platform` (default: this host's),
+    e.g. for a worker's heartbeat or metrics: "pallas-tpu", "pallas-mosaic-gpu", "xla" (a kernel that
+    failed to compile here, or no kernel for this platform), or "none" before any pass was traced."""
+    backend = jax.default_backend()
+    platform = platform or _HOST_PLATFORM.get(backend, backend)
+    return _paths.get(platform, "xla" if _paths else "none")
+
+
+def _compiles_here(name: str, kernel, args) -> bool:
+    """Whether `kernel` compiles on this host's device for these shapes (probed once per shape, outside
+    the program being traced); a failure is logged once and the caller falls back to the XLA path."""
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    key = (name, str(jax.tree.structure(specs)), tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(specs)))
+    if key not in _kernel_ok:
+        try:
+            jax.jit(kernel).lower(*specs).compile()
+            _kernel_ok[key] = True
+        except Exception as exc:  # noqa: BLE001 - any compile failure means: serve with the XLA path
+            if not any(k[0] == name and not ok for k, ok in _kernel_ok.items()):
+                log.warning("attention kernel %s does not compile on this %s device (%s: %s); using the XLA "
+                            "block-sparse path", name, jax.default_backend(), type(exc).__name__, str(exc)[:2000])
+            _kernel_ok[key] = False
+    return _kernel_ok[key]
+
+
+def _choose(platform: str, name: str, kernel, fallback, args):
+    """The kernel for `platform`, unless this host is that platform and the kernel fails to compile here.
+    Lowering for another platform (ahead-of-time, core.aot) always keeps the kernel, so a kernel that
+    cannot compile fails there loudly."""
+    use_kernel = kernel is not None
+    if use_kernel and _HOST_PLATFORM.get(jax.default_backend()) == platform:
+        use_kernel = _compiles_here(name, kernel, args)
+    _paths[platform] = name if use_kernel else "xla"
+    return kernel if use_kernel else fallback
 
 
 @partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
 def pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
-                     interpret: bool = False):
-    """Pallas block-sparse attention; same arguments and result as `blocksparse_attention`."""
+                     interpret=False):
+    """Pallas block-sparse attention; same arguments and result as `blocksparse_attention`.
+
+    interpret=False: the kernel of the platform the program is lowered for (`lax.platform_dependent`):
+    the TPU kernel on TPU, the Mosaic GPU kernel on CUDA where it lowers (see `GPU_KERNEL`), else (and
+    on CPU) the XLA block-sparse path. interpret=True or a `pltpu.InterpretParams`: the TPU kernel run
+    on the CPU in interpret mode.
+    """
+    args = (q, k, v, tuple(q_meta), tuple(kv_meta), tile_ids, tile_counts)
+    if interpret:
+        return tpu_attention(*args, block_q, block_k, interpret=interpret)
+    xla = partial(blocksparse_attention, block_q=block_q, block_k=block_k)
+    tpu = _choose("tpu", "pallas-tpu", partial(tpu_attention, block_q=block_q, block_k=block_k), xla, args)
+    gpu = _choose("cuda", "pallas-mosaic-gpu", _gpu_kernel_for(q, k, block_q, block_k), xla, args)
+    return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=xla)
+
+
+def _gpu_kernel_for(q, k, block_q: int, block_k: int):
+    """The Mosaic GPU kernel where it applies (16-bit floats, head_dim a multiple of 64), else None (XLA)."""
+    if not GPU_KERNEL or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 64:
+        return None
+    return partial(gpu_attention, block_q=block_q, block_k=block_k)
+
+
+# ---- the Mosaic GPU kernel (H100) -----------------------------------------------------------
+
+GPU_KERNEL = True  # False: attention="auto" uses the XLA path on GPU
+GPU_TILE_Q, GPU_TILE_K = 64, 64  # one warpgroup's WGMMA rows; key tiles as the engine's tables
+
+
+def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
+                  tile_q: int = GPU_TILE_Q, tile_k: int = GPU_TILE_K, max_concurrent_steps: int = 2,
+                  interpret=None):
+    """The same tables driving a Mosaic GPU pipeline (bf16/f16, head_dim a multiple of 64): a CTA per
+    (query head, query tile) holds its Q tile in shared memory, and `plgpu.emit_pipeline` streams the
+    visible K/V tiles (its grid is the tile's count; the index maps read the table in global memory),
+    QK^T and PV on WGMMA, the online softmax in registers."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     T, H, D = q.shape
     Tk, Hkv, _ = k.shape
     G = H // Hkv
-    nq = T // block_q
+    dtype = q.dtype
+    quantum_q, quantum_k = math.lcm(block_q, tile_q), math.lcm(block_k, tile_k)
+    q_len, kv_len = _round_up(T, quantum_q), _round_up(Tk, quantum_k)
+    q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
+    ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tile_q, tile_k, q_len, kv_len)
+    nq, width = ids.shape
+    scale = 1.0 / float(np.sqrt(D))
+    q_rows = jnp.stack(q_meta).astype(jnp.int32)  # [3, T]: seq, item, pos
+    k_rows = [m.astype(jnp.int32) for m in kv_meta]
     qh = q.transpose(1, 0, 2)  # [H, T, D]
     kh = k.transpose(1, 0, 2)  # [Hkv, Tk, D]
     vh = v.transpose(1, 0, 2)
-    whole = lambda shape: pl.BlockSpec(shape, lambda h, i: (0,) * len(shape))
-    q_tile_meta = pl.BlockSpec((block_q,), lambda h, i: (i,))
-    kernel = partial(_pallas_kernel, block_k=block_k, scale=1.0 / float(np.sqrt(D)))
-    out = pl.pallas_call(
-        kernel,
-        grid=(H, nq),
-        in_specs=[
-            whole(tile_ids.shape), whole(tile_counts.shape),
-            q_tile_meta, q_tile_meta, q_tile_meta,
-            whole((Tk,)), whole((Tk,)), whole((Tk,)),
-            pl.BlockSpec((None, block_q, D), lambda h, i: (h, i, 0)),
-            pl.BlockSpec((None, Tk, D), lambda h, i: (h // G, 0, 0)),
-            pl.BlockSpec((None, Tk, D), lambda h, i: (h // G, 0, 0)),
+    tiling = plgpu.TilingTransform((8, 64 * 2 // jnp.dtype(dtype).itemsize))
+    swizzle = plgpu.SwizzleTransform(128)
+    row = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
+    col = plgpu.Layout.WGMMA.reduce(0)  # one value per key column
+    # GPU interpret mode (tests) runs neither plgpu.load nor layout casts; both only fix register layouts.
+    load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+
+    def body(ids_ref, counts_ref, qm_ref, ks_ref, ki_ref, kp_ref, q_ref, k_ref, v_ref, o_ref,
+             qo_smem, qm_smem, barriers):
+        h, i = jax.lax.axis_index("heads"), jax.lax.axis_index("q_tiles")
+        kv_head = jax.lax.div(h, jnp.int32(G))
+        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(i * tile_q, tile_q)], qo_smem, barriers.at[0])
+        for r in range(3):
+            plgpu.copy_gmem_to_smem(qm_ref.at[r, pl.ds(i * tile_q, tile_q)], qm_smem.at[r], barriers.at[1 + r])
+        for r in range(4):
+            plgpu.barrier_wait(barriers.at[r])
+        q_seq, q_item, q_pos = (load(qm_smem.at[r], row) for r in range(3))
+        by_row = lambda x: jax.lax.broadcast_in_dim(x, (tile_q, tile_k), [0])
+        by_col = lambda x: jax.lax.broadcast_in_dim(x, (tile_q, tile_k), [1])
+
+        def step(_, k_smem, v_smem, ks_smem, ki_smem, kp_smem, carry):
+            acc, m_i, l_i = carry
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                return acc_ref[...]
+            if interpret:  # GPU interpret mode's wgmma takes no transposed operand
+                s = jax.lax.dot_general(qo_smem[...], k_smem[...], _NT, preferred_element_type=jnp.float32) * scale
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((tile_q, tile_k), jnp.float32)) * scale
+            k_seq, k_item, k_pos = (load(r, col) for r in (ks_smem, ki_smem, kp_smem))
+            mask = ((by_row(q_seq) == by_col(k_seq)) & ((by_col(k_item) < 0) | (by_col(k_item) == by_row(q_item)))
+                    & (by_col(k_pos) <= by_row(q_pos)))
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp(m_i - m_new)
+            p = jnp.where(mask, jnp.exp(s - by_row(m_new)), 0.0)
+            l_i = l_i * alpha + p.sum(axis=1)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem)
+                return acc_ref[...]
+            if interpret:  # nor a register operand
+                pv_out = jax.lax.dot_general(p.astype(dtype), v_smem[...], _NN, preferred_element_type=jnp.float32)
+            else:
+                pv_out = pl.run_scoped(pv, plgpu.ACC((tile_q, D), jnp.float32))
+            acc = acc * jax.lax.broadcast_in_dim(alpha, (tile_q, D), [0]) + pv_out
+            return acc, m_new, l_i
+
+        key_tile = lambda j: ids_ref[i * width + j]
+        kv_spec = plgpu.BlockSpec((tile_k, D), lambda j: (key_tile(j), 0), transforms=(tiling, swizzle))
+        meta_spec = plgpu.BlockSpec((tile_k,), lambda j: (key_tile(j),))
+        init = (cast(jnp.zeros((tile_q, D), jnp.float32), plgpu.Layout.WGMMA),
+                cast(jnp.full((tile_q,), _MASKED, jnp.float32), row), cast(jnp.zeros((tile_q,), jnp.float32), row))
+        acc, _, l_i = plgpu.emit_pipeline(
+            step, grid=(counts_ref[i],), in_specs=[kv_spec, kv_spec, meta_spec, meta_spec, meta_spec],
+            max_concurrent_steps=max_concurrent_steps, init_carry=init,
+        )(k_ref.at[kv_head], v_ref.at[kv_head], ks_ref, ki_ref, kp_ref)
+        l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # a row that sees nothing (padding) gets zeros
+        qo_smem[...] = (acc / jax.lax.broadcast_in_dim(l_i, (tile_q, D), [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[h, pl.ds(i * tile_q, tile_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((H, q_len, D), dtype),
+        scratch_types=[
+            plgpu.SMEM((tile_q, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((3, tile_q), jnp.int32),
+            plgpu.Barrier(num_barriers=4),
         ],
-        out_specs=pl.BlockSpec((None, block_q, D), lambda h, i: (h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((H, T, D), q.dtype),
+        grid=(H, nq),
+        grid_names=("heads", "q_tiles"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(tile_ids, tile_counts, *q_meta, *kv_meta, qh, kh, vh)
-    return out.transpose(1, 0, 2)
+    )(ids.reshape(-1), counts, q_rows, *k_rows, qh, kh, vh)
+    return out.transpose(1, 0, 2)[:T]

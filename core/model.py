@@ -1,89 +1,141 @@
-"""Llama-family / Qwen3 decoder as plain functions over a weights pytree.
+"""Llama-family / Qwen3 decoder as Flax NNX modules, one module per block.
 
-Weights (see `core.weights` for loading) are a dict; per-layer tensors are stacked on a
-leading layer axis so the layers run under one `lax.scan` (one compiled layer body):
+`CausalLM` holds the weights (see `core.weights` for loading them into it). The decoder
+layers are one `DecoderLayer` whose parameters carry a leading layer axis, so the stack
+runs under one `lax.scan` (one compiled layer body). Matrices are (in, out): x @ w; q/k/v
+and gate/up are fused for larger matmuls. Parameter shapes, for L layers:
   embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
-  layers: attn_norm [L, D], wqkv [L, D, q+2kv], wo [L, q, D], mlp_norm [L, D],
-          w_gate_up [L, D, 2F], w_down [L, F, D], and for Qwen3 q_norm, k_norm [L, head_dim].
-Matrices are (in, out): x @ w. q/k/v and gate/up are fused for larger matmuls.
+  layers: attn_norm [L, D], attn.wqkv [L, D, q+2kv], attn.wo [L, q, D], mlp_norm [L, D],
+          mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and for Qwen3 attn.q_norm, attn.k_norm [L, head_dim].
 """
 
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from core.config import ModelConfig
 
-Weights = dict
 # attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D]) -> [T,H,D]; closes over the pass metadata.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As Hugging Face: normalize in float32, cast back, then scale.
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def apply_rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Non-interleaved RoPE (Hugging Face layout: rotate halves). x [T, heads, head_dim]."""
+    """Non-interleaved RoPE (Hugging Face layout: rotate halves), in float32. x [T, heads, head_dim]."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+def dense(x: jax.Array, w: nnx.Param) -> jax.Array:
     """x @ w in the weights' dtype with float32 accumulation and a float32 result."""
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.dot(x.astype(w.dtype), w[...], preferred_element_type=jnp.float32)
 
 
-def forward_layer(config: ModelConfig, layer: Weights, x: jax.Array, positions: jax.Array,
-                  cache_k: jax.Array, cache_v: jax.Array, attention: AttentionFn):
-    """One decoder block over the pass's new tokens x [T, D]; keys also cover the cached
-    context (cache_k/v [C, Hkv, hd], C may be 0). Returns (x, new k, new v)."""
-    T = x.shape[0]
-    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    qkv = dense(h, layer["wqkv"]).astype(cache_k.dtype)
-    q = qkv[:, : config.q_size].reshape(T, config.num_heads, config.head_dim)
-    k = qkv[:, config.q_size: config.q_size + config.kv_size].reshape(T, config.num_kv_heads, config.head_dim)
-    v = qkv[:, config.q_size + config.kv_size:].reshape(T, config.num_kv_heads, config.head_dim)
-    if config.qk_norm:
-        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
-    q = apply_rotary_embedding(q, positions, config.rope_theta)
-    k = apply_rotary_embedding(k, positions, config.rope_theta)
-    attn = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
-    x = x + dense(attn.reshape(T, config.q_size), layer["wo"])
-    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-    gate, up = jnp.split(dense(h, layer["w_gate_up"]), 2, axis=-1)
-    x = x + dense(jax.nn.silu(gate) * up, layer["w_down"])
-    return x, k, v
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # As Hugging Face: normalize in float32, cast back, then scale.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
 
 
-def forward(config: ModelConfig, weights: Weights, tokens: jax.Array, positions: jax.Array,
-            cache_k: jax.Array, cache_v: jax.Array, score_rows: jax.Array, attention: AttentionFn):
-    """Runs the pass and returns (logits [S, V] float32 at score_rows only, k, v [L, T, Hkv, hd]).
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        c = config
+        self.config = c
+        self.wqkv = nnx.Param(jnp.zeros((c.hidden_size, c.q_size + 2 * c.kv_size), dtype))
+        self.wo = nnx.Param(jnp.zeros((c.q_size, c.hidden_size), dtype))
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    cache_k/v [L, C, Hkv, hd] hold keys/values computed by an earlier pass (a shared
-    prefix reused across chunks); the new tokens attend to them through `attention`.
-    """
-    # The residual stream stays float32 whatever the weights' dtype (bfloat16 weights
-    # with a bfloat16 residual drift past the 5e-2 logprob tolerance).
-    x = weights["embed"][tokens].astype(jnp.float32)
+    def __call__(self, h: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                 attention: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """h [T, D] normed; keys also cover the cached context (cache_k/v [C, Hkv, hd], C may be 0).
+        Returns (output [T, D] float32, this pass's k, v in the cache's dtype)."""
+        c, T = self.config, h.shape[0]
+        # Norm and rotation in float32; q, k and v are rounded to the cache's dtype once, at the end.
+        qkv = dense(h, self.wqkv)
+        q = qkv[:, : c.q_size].reshape(T, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(cache_v.dtype)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary_embedding(q, positions, c.rope_theta).astype(cache_k.dtype)
+        k = apply_rotary_embedding(k, positions, c.rope_theta).astype(cache_k.dtype)
+        out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
+        return dense(out.reshape(T, c.q_size), self.wo), k, v
 
-    def step(x, layer_and_cache):
-        layer, ck, cv = layer_and_cache
-        x, k, v = forward_layer(config, layer, x, positions, ck, cv, attention)
-        return x, (k, v)
 
-    x, (k, v) = jax.lax.scan(step, x, (weights["layers"], cache_k, cache_v))
-    h = rms_norm(x[score_rows], weights["final_norm"], config.rms_norm_eps)
-    head = weights.get("lm_head", weights["embed"])  # [V, D]; tied models reuse the embedding
-    logits = jnp.einsum("sd,vd->sv", h.astype(head.dtype), head, preferred_element_type=jnp.float32)
-    return logits, k, v
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.w_gate_up = nnx.Param(jnp.zeros((config.hidden_size, 2 * config.intermediate_size), dtype))
+        self.w_down = nnx.Param(jnp.zeros((config.intermediate_size, config.hidden_size), dtype))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        gate, up = jnp.split(dense(h, self.w_gate_up), 2, axis=-1)
+        return dense(jax.nn.silu(gate) * up, self.w_down)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn = Attention(config, dtype)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                 attention: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+        out, k, v = self.attn(self.attn_norm(x), positions, cache_k, cache_v, attention)
+        x = x + out
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32):
+        self.config = config
+        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+        # One layer's modules with every parameter stacked over the layers (created under vmap).
+        self.layers = nnx.vmap(lambda _: DecoderLayer(config, dtype), in_axes=0, out_axes=0)(
+            jnp.arange(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.embed.dtype
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                 score_rows: jax.Array, attention: AttentionFn, keep_kv: bool = True):
+        """Runs the pass and returns (logits [S, V] float32 at score_rows only, (k, v) [L, T, Hkv, hd] each, or
+        None without keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
+
+        cache_k/v [L, C, Hkv, hd] hold keys/values computed by an earlier pass (a shared prefix reused
+        across chunks); the new tokens attend to them through `attention`.
+        """
+        # The residual stream stays float32 whatever the weights' dtype (bfloat16 weights
+        # with a bfloat16 residual drift past the 5e-2 logprob tolerance).
+        x = self.embed[...][tokens].astype(jnp.float32)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def step(x, state_and_cache):
+            state, ck, cv = state_and_cache
+            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, attention)
+            return x, ((k, v) if keep_kv else None)
+
+        x, kv = jax.lax.scan(step, x, (layer_state, cache_k, cache_v))
+        h = self.final_norm(x[score_rows])
+        head = self.lm_head if hasattr(self, "lm_head") else self.embed  # [V, D]; tied models reuse the embedding
+        logits = jnp.einsum("sd,vd->sv", h.astype(head.dtype), head[...], preferred_element_type=jnp.float32)
+        return logits, kv

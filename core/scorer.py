@@ -10,15 +10,15 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import logsumexp
+from flax import nnx
 
 from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.model import forward
+from core.model import CausalLM
 from core.packing import PackedSequence, PassPlan, build_pass, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
-from core.weights import load_gguf, load_hf_dir, random_weights
+from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
 
@@ -39,13 +39,37 @@ class PassResult:
     shape_key: tuple  # the padded shapes that select the compiled program
 
 
+def _score_labels(requests: Sequence[TokenizedRequest], arrays) -> np.ndarray:
+    """Per score row, its request's label ids [S, width]; the width is a power of two (a compile key), rows
+    padded with their first label, padding rows with label 0."""
+    widths = [len(requests[r].label_token_ids) for r, _ in arrays.owners]
+    width = 1 << (max(widths, default=1) - 1).bit_length()
+    labels = np.zeros((len(arrays.score_rows), width), np.int32)
+    for row, (r, _) in enumerate(arrays.owners):
+        ids = requests[r].label_token_ids
+        labels[row] = list(ids) + [ids[0]] * (width - len(ids))
+    return labels
+
+
+def _collect_scores(requests: Sequence[TokenizedRequest], arrays, logprobs: np.ndarray) -> list[ItemScores]:
+    by_request: dict[int, list[int]] = {}
+    for row, (r, _) in enumerate(arrays.owners):
+        by_request.setdefault(r, []).append(row)
+    return [ItemScores(r, np.asarray([arrays.owners[i][1] for i in rows]),
+                       logprobs[rows, :len(requests[r].label_token_ids)].astype(np.float64))
+            for r, rows in by_request.items()]
+
+
 def _default_attention() -> str:
     return "xla" if jax.default_backend() == "cpu" else "pallas"
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "block_q", "block_k"))
-def _run_pass(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, *,
-              config: ModelConfig, impl: str, block_q: int, block_k: int):
+@partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv"))
+def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
+              *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool):
+    """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
+    against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
+    log-probabilities leave the device, not [S, vocab] logits."""
     def attention(q, k, v):
         if impl == "dense":
             return attn.dense_attention(q, k, v, q_meta, kv_meta)
@@ -54,17 +78,20 @@ def _run_pass(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, 
         return attn.pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q=block_q, block_k=block_k,
                                      interpret=impl == "pallas-interpret")
 
-    logits, k, v = forward(config, weights, tokens, q_meta[2], cache_k, cache_v, score_rows, attention)
-    return logits, k, v
+    model = nnx.merge(model_def, model_state)
+    logits, kv = model(tokens, q_meta[2], cache_k, cache_v, score_rows, attention, keep_kv)
+    logprobs = jnp.take_along_axis(logits, score_labels, axis=1) - jax.nn.logsumexp(logits, axis=1, keepdims=True)
+    return logprobs, kv
 
 
 class Scorer:
     """Scores (query, items, label_token_ids) with one model. See README and score-semantics.md."""
 
-    def __init__(self, config: ModelConfig, weights: dict, tokenizer, *, name: str, dtype: str = "float32",
+    def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int = 128, block_k: int = 64,
                  prefix_cache_bytes: int = 256 << 20, **limits):
-        """`limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
+        """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
+        already built (in its own dtype). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
@@ -76,11 +103,23 @@ class Scorer:
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q, block_k
-        self.weights = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), weights)
+        self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
+        self.dtype = self.model.dtype  # a model passed in keeps its own
+        self._model_def, self._model_state = nnx.split(self.model)
         self.prefix_cache_bytes = prefix_cache_bytes
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
         self._prefix_cache: OrderedDict[tuple[int, ...], tuple[jax.Array, jax.Array]] = OrderedDict()
         self._engine_lock = threading.Lock()
+
+    @property
+    def attention_path(self) -> str:
+        """The attention that runs: "xla", "dense" or "pallas-interpret" as set; for "pallas", the kernel in
+        the programs compiled so far ("pallas-tpu", "pallas-mosaic-gpu", or "xla" where the kernel failed to
+        compile on this device or the platform has none), or "pallas" before the first pass."""
+        if self.attention != "pallas":
+            return self.attention
+        path = attn.attention_path()
+        return "pallas" if path == "none" else path
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2-135m", **kwargs) -> "Scorer":
@@ -150,42 +189,29 @@ class Scorer:
             self._prefix_cache.move_to_end(seq.prefix)
             cached.append(self._prefix_cache[seq.prefix])
         arrays = build_pass(plan, self.block_q, self.block_k)
-        # Keys/values always come back (one program per shape, not two); they are kept only as asked.
-        logits, k, v = self._execute(arrays, cached)
+        labels = _score_labels(requests, arrays)
+        # Keys/values come out of the pass only when it keeps a prefix (a second program for such shapes).
+        keep_kv = any(seq.keep_prefix for seq in plan.sequences)
+        logprobs, kv = self._execute(arrays, cached, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
-                self._remember_prefix(seq.prefix, k[:, lo:hi], v[:, lo:hi])
-        return PassResult(self._collect_scores(requests, arrays, logits), arrays.real_tokens, len(arrays.tokens),
-                          time.perf_counter() - start, arrays.shape_key)
+                self._remember_prefix(seq.prefix, kv[0][:, lo:hi], kv[1][:, lo:hi])
+        return PassResult(_collect_scores(requests, arrays, logprobs), arrays.real_tokens, len(arrays.tokens),
+                          time.perf_counter() - start, arrays.shape_key + (labels.shape[1], keep_kv))
 
-    def _execute(self, arrays, cached: list[tuple[jax.Array, jax.Array]]):
+    def _execute(self, arrays, cached: list[tuple[jax.Array, jax.Array]], labels: np.ndarray, keep_kv: bool):
         c = self.config
         empty = jnp.zeros((c.num_layers, 0, c.num_kv_heads, c.head_dim), self.dtype)
         pad = ((0, 0), (0, arrays.cache_len - sum(k.shape[1] for k, _ in cached)), (0, 0), (0, 0))
         cache_k = jnp.pad(jnp.concatenate([empty] + [k for k, _ in cached], axis=1), pad)
         cache_v = jnp.pad(jnp.concatenate([empty] + [v for _, v in cached], axis=1), pad)
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
-        logits, k, v = _run_pass(
-            self.weights, jnp.asarray(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta),
+        logprobs, kv = _run_pass(
+            self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta),
             jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), cache_k, cache_v,
-            jnp.asarray(arrays.score_rows), config=c, impl=self.attention, block_q=self.block_q,
-            block_k=self.block_k)
-        return np.asarray(logits), k, v
-
-    @staticmethod
-    def _collect_scores(requests: list[TokenizedRequest], arrays, logits: np.ndarray) -> list[ItemScores]:
-        n = len(arrays.owners)
-        rows = logits[:n].astype(np.float64)
-        lse = logsumexp(rows, axis=1)
-        by_request: dict[int, list[int]] = {}
-        for row, (r, _) in enumerate(arrays.owners):
-            by_request.setdefault(r, []).append(row)
-        out = []
-        for r, row_ids in by_request.items():
-            labels = np.asarray(requests[r].label_token_ids)
-            lp = rows[np.ix_(row_ids, labels)] - lse[row_ids, None]
-            out.append(ItemScores(r, np.asarray([arrays.owners[i][1] for i in row_ids]), lp))
-        return out
+            jnp.asarray(arrays.score_rows), jnp.asarray(labels), model_def=self._model_def, impl=self.attention,
+            block_q=self.block_q, block_k=self.block_k, keep_kv=keep_kv)
+        return np.asarray(logprobs), kv
 
     # ---- one-request convenience API --------------------------------------------------
 

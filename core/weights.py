@@ -1,15 +1,20 @@
-"""Weight conversion: GGUF files and Hugging Face directories into the pytree of `core.model`.
+"""Weight conversion: GGUF files and Hugging Face directories into `core.model.CausalLM`.
 
 Loaders produce per-layer matrices in the Hugging Face layout (out, in); `stack_weights`
-transposes, fuses and stacks them for the model.
+transposes, fuses and stacks them into the tree of the model's parameters; `load_model`
+puts them into the modules.
 """
 
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from core.config import ModelConfig
+from core.model import CausalLM
 
 # Per-layer tensors by Hugging Face suffix (model.layers.N.<suffix>.weight).
 _HF_LAYER = {
@@ -28,25 +33,25 @@ _GGUF_LAYER = {
 
 def stack_weights(config: ModelConfig, embed: np.ndarray, final_norm: np.ndarray, layers: list[dict],
                   lm_head: np.ndarray | None = None) -> dict:
-    """Model pytree (NumPy float32) from Hugging Face-layout matrices."""
+    """The tree of `core.model.CausalLM`'s parameters (NumPy float32) from Hugging Face-layout matrices."""
     def stacked(fn):
         return np.stack([fn(layer) for layer in layers]).astype(np.float32)
 
     out = {
         "embed": embed.astype(np.float32),
-        "final_norm": final_norm.astype(np.float32),
+        "final_norm": {"weight": final_norm.astype(np.float32)},
         "layers": {
-            "attn_norm": stacked(lambda l: l["attn_norm"]),
-            "wqkv": stacked(lambda l: np.concatenate([l["q"], l["k"], l["v"]]).T),
-            "wo": stacked(lambda l: l["o"].T),
-            "mlp_norm": stacked(lambda l: l["mlp_norm"]),
-            "w_gate_up": stacked(lambda l: np.concatenate([l["gate"], l["up"]]).T),
-            "w_down": stacked(lambda l: l["down"].T),
+            "attn_norm": {"weight": stacked(lambda l: l["attn_norm"])},
+            "attn": {"wqkv": stacked(lambda l: np.concatenate([l["q"], l["k"], l["v"]]).T),
+                     "wo": stacked(lambda l: l["o"].T)},
+            "mlp_norm": {"weight": stacked(lambda l: l["mlp_norm"])},
+            "mlp": {"w_gate_up": stacked(lambda l: np.concatenate([l["gate"], l["up"]]).T),
+                    "w_down": stacked(lambda l: l["down"].T)},
         },
     }
     if config.qk_norm:
-        out["layers"]["q_norm"] = stacked(lambda l: l["q_norm"])
-        out["layers"]["k_norm"] = stacked(lambda l: l["k_norm"])
+        out["layers"]["attn"]["q_norm"] = {"weight": stacked(lambda l: l["q_norm"])}
+        out["layers"]["attn"]["k_norm"] = {"weight": stacked(lambda l: l["k_norm"])}
     if lm_head is not None and not config.tie_word_embeddings:
         out["lm_head"] = lm_head.astype(np.float32)
     return out
@@ -149,3 +154,26 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict:
     embed = rng.normal(0.0, 0.1, size=(config.vocab_size, D)).astype(np.float32)
     lm_head = None if config.tie_word_embeddings else normal(config.vocab_size, D)
     return stack_weights(config, embed, norm(D), layers, lm_head)
+
+
+def load_model(config: ModelConfig, weights: dict, dtype=jnp.float32) -> CausalLM:
+    """The model's modules holding `weights` (the tree of `stack_weights`, as NumPy) cast to `dtype`. Every
+    parameter must be given, with its shape; nothing is allocated twice (the modules are built abstract)."""
+    model = nnx.eval_shape(lambda: CausalLM(config, dtype))
+
+    def fill(module, tree: dict, path: str) -> None:
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                fill(getattr(module, name), value, f"{path}{name}.")
+                continue
+            param = getattr(module, name)
+            if tuple(param.shape) != value.shape:
+                raise ValueError(f"weight {path}{name} has shape {value.shape}, the model wants {tuple(param.shape)}")
+            param.set_value(jnp.asarray(value, dtype))
+
+    fill(model, weights, "")
+    missing = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+               if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if missing:
+        raise ValueError(f"weights missing for {missing}")
+    return model

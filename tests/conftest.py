@@ -34,6 +34,9 @@ TEST_ENV = {
     "LEASE_SECONDS": "3",
     "SWEEP_INTERVAL_SECONDS": "0.5",
     "SCORE_TIMEOUT_SECONDS": "30",
+    # libtpu is installed for the compile-only TPU tests (tests/test_aot.py, which unset this): without it,
+    # every JAX process of the suite would probe for a TPU and contend for libtpu's lockfile.
+    "JAX_PLATFORMS": "cpu",
 }
 os.environ.update(TEST_ENV)
 

@@ -35,7 +35,7 @@ def test_packed_matches_single_and_every_attention_impl(tiny):
     items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 5, 17)]
     single = tiny.logprobs(query, items, [3, 9], mode="single")
     for impl in ("xla", "dense", "pallas-interpret"):
-        other = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", attention=impl)
+        other = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", attention=impl)
         assert np.abs(other.logprobs(query, items, [3, 9]) - single).max() <= 1e-4, impl
 
 
@@ -89,14 +89,14 @@ def test_empty_items_and_order(tiny):
     ((None, ["a"], [1]), "invalid_input"),
 ])
 def test_error_codes(tiny, args, code):
-    limited = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500)
+    limited = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500)
     with pytest.raises(ScoringError) as err:
         limited.logprobs(*args)
     assert err.value.code == code and code in ERROR_CODES
 
 
 def test_sequence_longer_than_the_model_takes_is_too_many_tokens(tiny):
-    limited = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", max_sequence_tokens=512)
+    limited = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_sequence_tokens=512)
     with pytest.raises(ScoringError) as err:
         limited.tokenize([1] * 400, [[2] * 200], [1])
     assert err.value.code == "too_many_tokens"
@@ -182,7 +182,7 @@ def test_many_cached_prefixes_in_one_pass_and_eviction(tiny):
             for _ in range(6)]
     expected = [tiny.logprobs(list(r.query), [list(t) for t in r.items], [4, 5], mode="single") for r in reqs]
     for cache_bytes in (tiny.prefix_cache_bytes, 1):  # 1 byte: every prefix is evicted at once
-        scorer = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", pass_tokens=512,
+        scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=512,
                         prefix_cache_bytes=cache_bytes)
         for round_ in range(2):
             got = [np.full((r.n_items, 2), np.nan) for r in reqs]
@@ -202,7 +202,7 @@ def test_prefixes_evicted_between_planning_and_running(tiny):
     reqs = [tiny.tokenize(rng.integers(5, 49152, 40).tolist(), [rng.integers(5, 49152, 3).tolist()] * 2, [4])
             for _ in range(2)]
     expected = [tiny.logprobs(list(r.query), [list(t) for t in r.items], [4], mode="single") for r in reqs]
-    scorer = Scorer(tiny.config, tiny.weights, tiny.tokenizer, name="tiny", pass_tokens=512)
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=512)
     list(scorer.iter_passes(reqs))
     plans = list(plan_passes(reqs, 512, is_cached=scorer._prefix_cache.__contains__))
     assert [len([s for s in p.sequences if s.prefix_cached]) for p in plans] == [2]

@@ -108,3 +108,17 @@ def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: 
     assert metrics['packscore_pass_seconds_bucket{"le": "+Inf"}'] == 3
     assert metrics['packscore_jobs_finished_total{"status": "succeeded"}'] == 3
     assert metrics['packscore_jobs_finished_total{"status": "failed"}'] == 0
+
+
+def test_workers_report_their_attention_path(database: str) -> None:
+    from api.settings import get_settings
+    from worker.drain import heartbeat
+
+    heartbeat("worker-metrics-tpu", "tiny-random", get_settings(), "pallas-tpu")
+    heartbeat("worker-metrics-xla", "tiny-random", get_settings(), "xla")
+    heartbeat("worker-metrics-xla", "tiny-random", get_settings(), "xla")  # an update, not a second worker
+    metrics = scrape(None)
+    assert metrics['packscore_worker_attention{"path": "pallas-tpu"}'] >= 1
+    assert metrics['packscore_worker_attention{"path": "xla"}'] >= 1
+    assert metrics["packscore_workers"] == sum(v for k, v in metrics.items()
+                                               if k.startswith("packscore_worker_attention"))

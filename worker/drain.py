@@ -276,16 +276,18 @@ def _settle(batch_ids: set[str]) -> None:
                 settle_batch(session, batch_id)
 
 
-def heartbeat(owner: str, model: str, settings: Settings) -> None:
-    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz)."""
+def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None) -> None:
+    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz), with the
+    attention path its engine runs (for /metrics)."""
     now = utcnow()
     with session_scope() as session:
         if active_jobs:
             session.execute(update(Job).where(Job.id.in_(list(active_jobs)), Job.lease_owner == owner,
                                               Job.status == "running")
                             .values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
-        if not session.execute(update(Worker).where(Worker.id == owner).values(last_seen_at=now)).rowcount:
-            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now))
+        if not session.execute(update(Worker).where(Worker.id == owner)
+                               .values(last_seen_at=now, attention=attention)).rowcount:
+            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention))
 
 
 def sweep(settings: Settings) -> bool:

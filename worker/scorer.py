@@ -9,4 +9,5 @@ from core import Scorer
 @lru_cache(maxsize=1)
 def get_scorer() -> Scorer:
     settings = get_settings()
-    return Scorer.from_pretrained(settings.model, pass_tokens=settings.pass_tokens, **settings.request_limits)
+    return Scorer.from_pretrained(settings.model, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
+                                  attention=settings.attention, **settings.request_limits)

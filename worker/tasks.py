@@ -125,7 +125,7 @@ def _every(seconds: float, step: Callable[[], None]) -> None:
 
 def _maintain() -> None:
     settings = get_settings()
-    drain_module.heartbeat(WORKER_ID, settings.model, settings)
+    drain_module.heartbeat(WORKER_ID, settings.model, settings, get_scorer().attention_path)
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
@@ -143,8 +143,8 @@ def _deliver() -> None:
 @worker_ready.connect
 def _start(**_: object) -> None:
     settings = get_settings()
-    get_scorer()  # load before consuming: the first drain should not pay for it
-    drain_module.heartbeat(WORKER_ID, settings.model, settings)
+    scorer = get_scorer()  # load before consuming: the first drain should not pay for it
+    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path)
     for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds)):
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
     kick_drain()  # jobs may have queued while no worker ran

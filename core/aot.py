@@ -1,0 +1,278 @@
+"""Ahead-of-time build of the engine's pass program for an accelerator, from shapes alone.
+
+    python -m core.aot --target tpu-v6e|tpu-v5e|cuda-h100 --model qwen3-0.6b|smollm2-135m \
+        --pass-tokens 16384 --dtype bfloat16|float32
+
+Builds the program one pass runs (the whole model forward with the Pallas attention kernel, as
+`core.scorer` jits it) with no weights materialized: every argument is a `jax.ShapeDtypeStruct`.
+- TPU: compiled by the real TPU compiler (XLA and Mosaic) on the compile-only devices of the
+  `libtpu` package (`jax.experimental.topologies`); no TPU is needed. Stage "compiled".
+- CUDA (H100): `jax.export` for platform "cuda", which runs Mosaic GPU's lowering and its checks
+  (shared memory among them); compiling needs a GPU. Stage "lowered".
+Prints one JSON line and exits 0, or prints the error and exits 1.
+
+The pass laid out is the seeds' accelerator contract (a 2,000-token query, 500 items of 20 tokens),
+padded to --pass-tokens. `items_per_second_roofline` is an estimate: the contract's items per
+second that the chip's published peak FLOP/s and HBM bandwidth allow for this program's work
+(no overlap losses, no host time); the peaks used are printed with it.
+"""
+
+import os
+
+# libtpu takes a lockfile per process; a compile-only client needs no exclusive TPU access.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from core import attention as attn  # noqa: E402
+from core.config import ModelConfig  # noqa: E402
+from core.model import CausalLM  # noqa: E402
+from core.packing import PassArrays, build_pass, plan_passes, round_up_bucket  # noqa: E402
+from core.requests import TokenizedRequest  # noqa: E402
+
+# Published peaks per chip (dense bf16 FLOP/s, HBM bytes/s); see shared/model-notes.md.
+TARGETS = {
+    "tpu-v6e": {"platform": "tpu", "topology": "v6e:2x2", "chip": "TPU v6e", "peak_flops": 918e12,
+                "peak_hbm_bytes_per_s": 1640e9},
+    "tpu-v5e": {"platform": "tpu", "topology": "v5e:2x2", "chip": "TPU v5e", "peak_flops": 197e12,
+                "peak_hbm_bytes_per_s": 819e9},
+    "cuda-h100": {"platform": "cuda", "chip": "H100 SXM", "peak_flops": 989e12, "peak_hbm_bytes_per_s": 3350e9},
+}
+
+MODELS = {
+    # Qwen3-0.6B's shape (random weights stand in for it on accelerators).
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                              head_dim=128, intermediate_size=3072, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                              qk_norm=True, tie_word_embeddings=True, max_position_embeddings=40960),
+    # The bundled SmolLM2-135M-Instruct (the GGUF's metadata; tests/test_aot.py checks they agree).
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                                head_dim=64, intermediate_size=1536, rope_theta=100000.0,
+                                rms_norm_eps=float(np.float32(1e-5)),  # as the GGUF stores it
+                                qk_norm=False, tie_word_embeddings=True, max_position_embeddings=8192),
+}
+
+# The seeds' accelerator contract: one request = a 2,000-token query and 500 items of 20 tokens.
+CONTRACT = {"query_tokens": 2000, "items": 500, "item_tokens": 20}
+BLOCK_Q, BLOCK_K = 128, 64  # the engine's table tiles (Scorer defaults)
+LABEL_WIDTH = 2  # label ids per score row (a yes/no pair), as core.scorer pads them
+
+
+def model_specs(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and its parameters as shapes, as the engine builds it (nothing is allocated)."""
+    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype)))
+
+
+def contract_request(index: int = 0) -> TokenizedRequest:
+    q, n, m = CONTRACT["query_tokens"], CONTRACT["items"], CONTRACT["item_tokens"]
+    query = tuple(1000 + index * q + t for t in range(q))  # distinct queries: requests do not share a prefix
+    return TokenizedRequest(query, tuple(tuple(range(5, 5 + m)) for _ in range(n)), (1,))
+
+
+def pad_pass(arrays: PassArrays, tokens: int) -> PassArrays:
+    """The same pass laid out in a program of exactly `tokens` tokens (padding sees nothing and is seen by no one)."""
+    T = len(arrays.tokens)
+    if tokens < T:
+        raise ValueError(f"the pass needs {T} tokens, more than {tokens}")
+    C = arrays.cache_len
+    grow = lambda a, fill: np.concatenate([a, np.full(tokens - len(a), fill, np.int32)])
+    q_meta = attn.TokenMeta(grow(arrays.q_meta.seq, attn.QUERY_PAD_SEQ), grow(arrays.q_meta.item, -1),
+                            grow(arrays.q_meta.pos, 0))
+    kv_meta = attn.TokenMeta(
+        np.concatenate([arrays.kv_meta.seq[:C], grow(arrays.kv_meta.seq[C:], attn.KEY_PAD_SEQ)]),
+        np.concatenate([arrays.kv_meta.item[:C], grow(arrays.kv_meta.item[C:], -1)]),
+        np.concatenate([arrays.kv_meta.pos[:C], grow(arrays.kv_meta.pos[C:], 0)]))
+    ids, counts = attn.block_tables(q_meta, kv_meta, BLOCK_Q, BLOCK_K)
+    n_rows = len(arrays.owners)
+    S = next(size for size in (max(8, tokens // 16), max(8, tokens // 4), tokens) if size >= n_rows)
+    return PassArrays(tokens=grow(arrays.tokens, 0), q_meta=q_meta, kv_meta=kv_meta,
+                      tile_ids=attn.pad_tables(ids, round_up_bucket(ids.shape[1], 1, steps_per_octave=2)),
+                      tile_counts=counts, score_rows=np.concatenate([arrays.score_rows[:n_rows],
+                                                                     np.zeros(S - n_rows, np.int32)]),
+                      owners=arrays.owners, cache_len=C, prefix_spans=arrays.prefix_spans)
+
+
+def contract_passes(pass_tokens: int) -> list[PassArrays]:
+    """The passes the engine runs for one contract request at this pass size, each padded to `pass_tokens`
+    (a pass longer than that, which the planner allows for one long sequence, keeps its own length)."""
+    plans = plan_passes([contract_request()], pass_tokens)
+    return [pad_pass(a, max(pass_tokens, len(a.tokens))) for a in (build_pass(p, BLOCK_Q, BLOCK_K) for p in plans)]
+
+
+def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None) -> tuple:
+    """The pass program's arguments as shapes (with `sharding` where given)."""
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    i32 = lambda a: spec(np.shape(a), jnp.int32)
+    meta = lambda m: (i32(m.seq), i32(m.item), i32(m.pos))
+    cache = spec((config.num_layers, arrays.cache_len, config.num_kv_heads, config.head_dim), dtype)
+    weights = jax.tree.map(lambda s: spec(s.shape, s.dtype), model_specs(config, dtype)[1])
+    labels = spec((len(arrays.score_rows), LABEL_WIDTH), jnp.int32)
+    return (weights, i32(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta), i32(arrays.tile_ids),
+            i32(arrays.tile_counts), cache, cache, i32(arrays.score_rows), labels)
+
+
+def pass_program(config: ModelConfig, dtype):
+    """The function one pass runs: `core.scorer`'s jitted pass with the Pallas attention path."""
+    from core.scorer import _run_pass
+
+    model_def = model_specs(config, dtype)[0]
+
+    def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels):
+        # The contract's request fits one pass and keeps no prefix: no keys/values come out.
+        return _run_pass(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows,
+                         score_labels, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
+    return run
+
+
+def count_kernels(text: str, platform: str) -> int:
+    """Mosaic custom calls in a program's StableHLO text (a kernel inside the layer loop appears once)."""
+    target = "tpu_custom_call" if platform == "tpu" else "mosaic_gpu"
+    return len(re.findall(rf"custom_call @{target}\w*\(", text))
+
+
+def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform: str) -> dict:
+    """FLOPs and HBM bytes one contract request needs in these passes, counted from the program's shapes
+    and the attention tables (what the kernel visits, masked work included): an estimate for a roofline.
+
+    FLOPs: every projection and MLP matmul for every token of the padded pass, the attention tile pairs
+    the kernel visits (QK^T and PV), the LM head at the score rows. Bytes: every weight read once per pass,
+    per layer the activations a fused XLA program reads and writes (residual, q/k/v, attention output,
+    MLP input/hidden/output), and the kernel's Q/K/V/O tile traffic.
+    """
+    c, item = config, jnp.dtype(dtype).itemsize
+    flops = hbm = 0.0
+    for arrays in passes:
+        T, S = len(arrays.tokens), len(arrays.score_rows)
+        Tk = len(arrays.kv_meta.seq)
+        per_token = 2 * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                         + 3 * c.hidden_size * c.intermediate_size)
+        if platform == "tpu":
+            tq, tk = (attn._pick_tile(attn._round_up(n, 128), t, 128)
+                      for n, t in ((T, attn.TPU_TILE_Q), (Tk, attn.TPU_TILE_K)))
+        else:
+            tq, tk = attn.GPU_TILE_Q, attn.GPU_TILE_K
+        q_len, kv_len = attn._round_up(T, max(tq, 128)), attn._round_up(Tk, max(tk, 128))
+        ids, counts = attn.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), BLOCK_Q,
+                                         BLOCK_K, tq, tk, q_len, kv_len)
+        pairs = int(np.asarray(counts).sum())  # (query tile, key tile) pairs per query head
+        attn_flops = c.num_layers * c.num_heads * pairs * 4 * tq * tk * c.head_dim
+        flops += c.num_layers * per_token * T + attn_flops + 2 * c.hidden_size * c.vocab_size * S
+        weights = sum(np.prod(s.shape) for s in jax.tree.leaves(model_specs(c, dtype)[1])) * item
+        act_per_token = (2 * 4 * c.hidden_size  # residual in/out (float32), twice per layer
+                         + 2 * (c.q_size + 2 * c.kv_size) * item + 2 * c.q_size * item  # qkv, attention out
+                         + (2 * c.intermediate_size * 2 + c.intermediate_size) * 4)  # gate/up out, hidden
+        # The TPU kernel reads a K/V tile once for the query heads that share it; the GPU kernel once per query head.
+        kv_reads = c.num_kv_heads if platform == "tpu" else c.num_heads
+        kernel_bytes = (kv_reads * pairs * 2 * tk * c.head_dim * item  # K and V tiles of each visited pair
+                        + c.num_heads * (q_len // tq) * 2 * tq * c.head_dim * item)  # Q in, O out
+        hbm += weights + c.num_layers * (act_per_token * T + kernel_bytes)
+    return {"flops": flops, "hbm_bytes": hbm}
+
+
+def roofline(config: ModelConfig, target: dict, passes: list[PassArrays], dtype) -> dict:
+    work = work_estimate(config, passes, dtype, target["platform"])
+    compute_s = work["flops"] / target["peak_flops"]
+    memory_s = work["hbm_bytes"] / target["peak_hbm_bytes_per_s"]
+    seconds = max(compute_s, memory_s)
+    return {
+        "items_per_second_roofline": round(CONTRACT["items"] / seconds, 1),
+        "roofline": {
+            "estimate": True,
+            "contract": dict(CONTRACT, model="qwen3-0.6b", dtype="bfloat16"),
+            "chip": target["chip"],
+            "peak_flops": target["peak_flops"],
+            "peak_hbm_bytes_per_s": target["peak_hbm_bytes_per_s"],
+            "passes_per_request": len(passes),
+            "flops_per_request": work["flops"],
+            "hbm_bytes_per_request": work["hbm_bytes"],
+            "bound": "compute" if compute_s >= memory_s else "memory",
+            "seconds_per_request": seconds,
+            "note": "an estimate from published peaks, not a measurement (the seeds measured sglang-jax on "
+                    "one TPU v6e: 506.6 items/s)",
+        },
+    }
+
+
+def build(target_name: str, model: str, pass_tokens: int, dtype_name: str) -> dict:
+    target = TARGETS[target_name]
+    config = MODELS[model]
+    dtype = jnp.dtype(dtype_name)
+    passes = contract_passes(pass_tokens)
+    main = max(passes, key=lambda a: len(a.tokens))
+    program = pass_program(config, dtype)
+    start = time.perf_counter()
+    out = {"target": target_name, "model": model, "pass_tokens": len(main.tokens), "dtype": dtype_name}
+    if target["platform"] == "tpu":
+        from jax.experimental import topologies
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        topology = topologies.get_topology_desc(target["topology"], "tpu")
+        mesh = Mesh(np.asarray(topology.devices[:1]), ("chip",))
+        args = program_args(config, main, dtype, NamedSharding(mesh, PartitionSpec()))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            lowered = jax.jit(program).trace(*args).lower(lowering_platforms=("tpu",))
+            compiled = lowered.compile()
+        text = lowered.as_text()
+        cost = compiled.cost_analysis() or {}
+        if isinstance(cost, list):
+            cost = cost[0] if cost else {}
+        mem = compiled.memory_analysis()
+        out.update(stage="compiled", device_kind=topology.devices[0].device_kind,
+                   pallas_kernels=count_kernels(text, "tpu"),
+                   flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"))
+        if mem is not None:
+            out["memory"] = {
+                "argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+                "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+                "generated_code_bytes": mem.generated_code_size_in_bytes,
+                "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes}
+    else:
+        from jax import export
+
+        exported = export.export(jax.jit(program), platforms=[target["platform"]])(*program_args(config, main, dtype))
+        text = exported.mlir_module()
+        out.update(stage="lowered", pallas_kernels=count_kernels(text, "cuda"), flops=None, bytes_accessed=None,
+                   attention_path=attn.attention_path("cuda"))
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    kernel_expected = target["platform"] == "tpu" or attn._gpu_kernel_for(
+        jax.ShapeDtypeStruct((1, 1, config.head_dim), dtype), None, BLOCK_Q, BLOCK_K) is not None
+    if kernel_expected and out["pallas_kernels"] < 1:
+        raise RuntimeError(f"the {target_name} program has no Pallas kernel: {out}")
+    if out["flops"] is not None:
+        out["xla_cost_note"] = ("XLA's cost analysis counts the layer loop's body once and a Pallas kernel as "
+                                "nothing; the roofline uses the estimate below")
+    out.update(roofline(MODELS["qwen3-0.6b"], target, passes, jnp.bfloat16))
+    if (model, dtype_name) != ("qwen3-0.6b", "bfloat16"):
+        own = roofline(config, target, passes, dtype)
+        out["items_per_second_roofline_this_model"] = own["items_per_second_roofline"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=sorted(TARGETS), required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
+    parser.add_argument("--pass-tokens", type=int, default=16384)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = parser.parse_args(argv)
+    try:
+        result = build(args.target, args.model, args.pass_tokens, args.dtype)
+    except Exception as exc:  # noqa: BLE001 - report any failure as a failed build
+        print(json.dumps({"target": args.target, "model": args.model, "pass_tokens": args.pass_tokens,
+                          "stage": "failed", "error": f"{type(exc).__name__}: {exc}"[:4000]}), flush=True)
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The pass program built ahead of time for the accelerators, on this CPU-only machine (python -m core.aot).
+
+- TPU v6e and v5e: the real TPU compiler (XLA and Mosaic) on libtpu's compile-only devices compiles the
+  whole pass program, Pallas kernel included, at the accelerator pass size. libtpu is a test dependency
+  (pyproject's `aot` extra, installed by `make test`); without it, or if a compile fails, these tests fail.
+- H100: `jax.export` for CUDA runs Mosaic GPU's lowering and its checks (shared memory among them).
+Each build runs `python -m core.aot` in a subprocess: the CLI as shipped, and libtpu kept out of this process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import aot
+from core.config import ModelConfig
+from core.weights import load_model, random_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloat16") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the suite's "cpu" hides libtpu
+    proc = subprocess.run([sys.executable, "-m", "core.aot", "--target", target, "--model", model,
+                           "--pass-tokens", str(pass_tokens), "--dtype", dtype],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, \
+        f"core.aot failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("target", ["tpu-v6e", "tpu-v5e"])
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "smollm2-135m"])
+def test_tpu_compiles_the_pass_program_with_the_kernel(target, model):
+    out = build(target, model)
+    assert out["stage"] == "compiled"
+    assert out["pass_tokens"] == 16384
+    assert out["pallas_kernels"] >= 1
+    assert out["flops"] > 0 and out["bytes_accessed"] > 0
+    assert out["memory"]["peak_bytes"] > 0
+    assert out["items_per_second_roofline"] > 0 and out["roofline"]["estimate"] is True
+    assert out["roofline"]["peak_flops"] == aot.TARGETS[target]["peak_flops"]
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "smollm2-135m"])
+def test_cuda_lowers_the_pass_program_with_the_mosaic_gpu_kernel(model):
+    out = build("cuda-h100", model)
+    assert out["stage"] == "lowered"
+    assert out["pallas_kernels"] >= 1
+    assert out["attention_path"] == "pallas-mosaic-gpu"
+
+
+def test_a_failed_build_exits_non_zero(monkeypatch, capsys):
+    def fails(*args):
+        raise RuntimeError("Mosaic failed to compile TPU kernel")
+    monkeypatch.setattr(aot, "build", fails)
+    assert aot.main(["--target", "tpu-v6e", "--model", "qwen3-0.6b"]) == 1
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["stage"] == "failed" and "Mosaic" in out["error"]
+
+
+@pytest.mark.parametrize("qk_norm,tied", [(False, True), (True, True), (True, False)])
+def test_weight_shapes_are_the_engines(qk_norm, tied):
+    config = ModelConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=48, qk_norm=qk_norm, tie_word_embeddings=tied)
+    shapes = lambda state: [(jax.tree_util.keystr(path), leaf.shape)
+                            for path, leaf in jax.tree_util.tree_leaves_with_path(state)]
+    real = shapes(nnx.state(load_model(config, random_weights(config))))
+    assert real == shapes(aot.model_specs(config, np.float32)[1])
+
+
+def test_smollm2_shape_is_the_bundled_gguf():
+    from core.requests import ModelSource
+
+    assert ModelSource.resolve("smollm2-135m").config() == aot.MODELS["smollm2-135m"]
+
+
+def test_contract_layout():
+    (arrays,) = aot.contract_passes(16384)  # one contract request fits one pass of 16,384 tokens
+    assert len(arrays.tokens) == 16384 and arrays.real_tokens == 2000 + 500 * 20
+    assert len(arrays.owners) == 500

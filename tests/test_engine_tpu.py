@@ -1,0 +1,213 @@
+"""The accelerator attention kernels against the dense reference, on the CPU.
+
+- The TPU kernel (core.attention.tpu_attention) runs in TPU interpret mode, which simulates HBM, VMEM,
+  SMEM and the pipeline's DMAs, with the race detector on and out-of-bounds reads raising; memory is
+  filled with NaN, so an output block the kernel never writes shows up.
+- The Mosaic GPU kernel (core.attention.gpu_attention) runs in GPU interpret mode, which runs one block
+  of its grid and has no WGMMA on register or transposed operands: the tables, the pipeline's index maps,
+  the masking and the online softmax are checked, the WGMMA calls are not (see tests/test_aot.py for
+  its lowering).
+Layouts are random: several sequences, cached prefixes, 0 to 300 items of lengths 0, 1 and long, padding.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental.pallas import tpu as pltpu
+
+from core import attention as A
+from core.packing import PackedSequence, PassPlan, build_pass
+
+STRICT = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+
+
+def layout(rng, sequences: int, max_items: int, lengths=(0, 1, 1, 2, 5, 33), prefix=(1, 300)) -> PassPlan:
+    seqs = []
+    for r in range(sequences):
+        n = int(rng.integers(0, max_items + 1))
+        sizes = rng.choice(lengths, size=n)
+        items = [(r, i, tuple(range(int(s)))) for i, s in enumerate(sizes) if s]
+        empty = [(r, i) for i, s in enumerate(sizes) if not s]
+        cached = bool(rng.integers(0, 2)) and n > 0  # (the engine runs no pass for a cached prefix alone)
+        seqs.append(PackedSequence(tuple(range(int(rng.integers(*prefix)))), cached, items=items,
+                                   scored_at_prefix_end=empty))
+    return PassPlan(seqs)
+
+
+def inputs(arrays, heads, kv_heads, dim, dtype, seed):
+    rng = np.random.default_rng(seed)
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
+               for shape in ((T, heads, dim), (Tk, kv_heads, dim), (Tk, kv_heads, dim)))
+    meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
+    return q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), jnp.asarray(arrays.tile_ids), jnp.asarray(
+        arrays.tile_counts)
+
+
+def reference(q, k, v, qm, km):
+    f32 = lambda x: x.astype(jnp.float32)
+    return np.asarray(A.dense_attention(f32(q), f32(k), f32(v), qm, km))
+
+
+def run_tpu(arrays, tile=128, heads=4, kv_heads=2, dim=64, dtype=jnp.float32, seed=0):
+    args = inputs(arrays, heads, kv_heads, dim, dtype, seed)
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+    out = A.tpu_attention(*args, 128, 64, tile_q=tile, tile_k=tile, interpret=STRICT)
+    out = np.asarray(out.astype(jnp.float32))
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+    return out, reference(*args[:5])
+
+
+def check(arrays, out, ref, tol):
+    real = arrays.q_meta.seq >= 0
+    assert np.isfinite(out).all()  # every output block was written (memory starts as NaN)
+    assert np.abs(out[real] - ref[real]).max() < tol
+    assert (out[~real] == 0).all()  # padding rows see nothing: zeros, not garbage
+
+
+# (seed, sequences, max items, item lengths, prefix lengths)
+LAYOUTS = [
+    (0, 1, 0, (0, 1, 33), (1, 300)),  # no items (a query scored alone)
+    (1, 3, 20, (0, 1, 1, 2, 5, 33), (1, 300)),
+    (2, 2, 60, (0, 1, 1, 2, 5, 33), (100, 400)),
+    (3, 1, 4, (150, 400), (130, 260)),  # long items, longer than a tile
+    (4, 3, 40, (1, 20), (200, 600)),
+]
+
+
+@pytest.mark.parametrize("seed,sequences,max_items,lengths,prefix", LAYOUTS)
+def test_tpu_kernel_random_layouts_match_dense(seed, sequences, max_items, lengths, prefix):
+    arrays = build_pass(layout(np.random.default_rng(seed), sequences, max_items, lengths, prefix), 128, 64)
+    out, ref = run_tpu(arrays, seed=seed)
+    check(arrays, out, ref, 2e-5)
+
+
+def test_tpu_kernel_three_hundred_one_token_items_and_padding():
+    items = [(0, i, (7,)) for i in range(300)]
+    plan = PassPlan([PackedSequence(tuple(range(290)), items=items, prefix_cached=True),
+                     PackedSequence((1, 2, 3), items=[(1, 0, (4, 5))])])
+    arrays = build_pass(plan, 128, 64)
+    assert arrays.cache_len > 0 and len(arrays.tokens) > arrays.real_tokens
+    out, ref = run_tpu(arrays, seed=9)
+    check(arrays, out, ref, 2e-5)
+
+
+def test_tpu_kernel_default_tiles_bfloat16_and_the_unmasked_fast_path():
+    """The kernel's own tile size (512) over the engine's tables, bf16 as on a TPU, GQA 3:1 with head_dim 64
+    (SmolLM2) ; the layout has tiles that need no mask (prefix keys under one sequence's items)."""
+    rng = np.random.default_rng(5)
+    items = [(0, i, tuple(range(int(n)))) for i, n in enumerate(rng.integers(0, 25, 90))]
+    arrays = build_pass(PassPlan([PackedSequence(tuple(range(1100)), items=items)]), 128, 64)
+    args = inputs(arrays, 6, 2, 64, jnp.bfloat16, 5)
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    ids, counts = A.kernel_tables(args[5], args[6], 128, 64, 512, 512, A._round_up(T, 512), A._round_up(Tk, 512))
+    qm, km = A._padded_inputs(*args[:5], A._round_up(T, 512), A._round_up(Tk, 512))[3:]
+    full = np.asarray(A.full_tiles(ids, qm, km, 512, 512))
+    listed = np.arange(ids.shape[1])[None] < np.asarray(counts)[:, None]
+    assert (full & listed).any() and (~full & listed).any()  # both paths of the kernel run
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+    out = np.asarray(A.tpu_attention(*args, 128, 64, interpret=STRICT).astype(jnp.float32))
+    assert not tpu_interpreter.races.races_found
+    check(arrays, out, reference(*args[:5]), 3e-2)
+
+
+def test_tpu_kernel_tables_from_smaller_host_tiles():
+    """The engine's tables may use tiles smaller than the kernel's (here 32 x 16, and T not a multiple of
+    128): the kernel regrids them and pads the pass, dropping nothing."""
+    arrays = build_pass(layout(np.random.default_rng(7), 2, 30), 32, 16)
+    args = inputs(arrays, 4, 2, 64, jnp.float32, 7)
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+    out = np.asarray(A.tpu_attention(*args, 32, 16, tile_q=128, tile_k=128, interpret=STRICT))
+    check(arrays, out, reference(*args[:5]), 2e-5)
+
+
+def test_kernel_tables_never_drop_a_visible_pair():
+    regrid = jax.jit(A.kernel_tables, static_argnums=(2, 3, 4, 5, 6, 7))
+    for seed in range(3):
+        arrays = build_pass(layout(np.random.default_rng(seed), 3, 80), 128, 64)
+        q, kv = arrays.q_meta, arrays.kv_meta
+        mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+        T, Tk = mask.shape
+        for tq, tk in ((128, 128), (512, 512), (64, 64), (256, 128)):
+            q_len, kv_len = A._round_up(T, max(tq, 128)), A._round_up(Tk, max(tk, 128))
+            ids, counts = regrid(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), 128, 64,
+                                 tq, tk, q_len, kv_len)
+            ids, counts = np.asarray(ids), np.asarray(counts)
+            padded = np.zeros((q_len, kv_len), bool)
+            padded[:T, :Tk] = mask
+            tiles = padded.reshape(q_len // tq, tq, kv_len // tk, tk).any(axis=(1, 3))
+            for i in range(len(counts)):
+                listed = ids[i, : counts[i]]
+                assert set(np.flatnonzero(tiles[i])) <= set(listed.tolist())
+                assert (np.diff(listed) > 0).all()  # ascending, no repeats
+                assert (ids[i, counts[i]:] == (listed[-1] if counts[i] else 0)).all()  # padded: no new fetch
+
+
+def test_interpret_mode_catches_a_bad_table(monkeypatch):
+    """The checks are live: a kernel table entry past the last key tile is an out-of-bounds read, not a
+    silent clamp. (The host tables cannot carry one through: regridding drops ids out of range.)"""
+    regrid = A.kernel_tables
+
+    def corrupted(*a, **kw):
+        ids, counts = regrid(*a, **kw)
+        return ids.at[0, 0].set(a[-1] // a[5] + 3), counts  # kv_len // tile_k + 3
+    monkeypatch.setattr(A, "kernel_tables", corrupted)
+    arrays = build_pass(layout(np.random.default_rng(1), 1, 5), 128, 64)
+    args = inputs(arrays, 2, 1, 64, jnp.float32, 1)
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+    with pytest.raises(Exception, match="(?i)out.of.bounds|bounds"):
+        jax.block_until_ready(A.tpu_attention(*args, 128, 64, tile_q=128, tile_k=128, interpret=STRICT))
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("dim,seed,cached", [(64, 0, True), (128, 1, False), (64, 2, False)])
+def test_gpu_kernel_in_gpu_interpret_mode(dim, seed, cached):
+    """One block (GPU interpret mode runs one): a 64-token query tile over a cached prefix and/or its own."""
+    rng = np.random.default_rng(seed)
+    prefix = tuple(range(int(rng.integers(20, 200) if cached else rng.integers(5, 25))))
+    budget = 64 - (0 if cached else len(prefix))
+    items, used = [], 0
+    while used < budget - 12:
+        n = int(rng.choice([0, 1, 3, 11]))
+        items.append((0, len(items), tuple(range(n))))
+        used += n
+    plan = PassPlan([PackedSequence(prefix, cached, items=[it for it in items if it[2]],
+                                    scored_at_prefix_end=[(0, it[1]) for it in items if not it[2]])])
+    arrays = build_pass(plan, 64, 64)
+    assert len(arrays.tokens) == 64
+    args = inputs(arrays, 1, 1, dim, jnp.bfloat16, seed)
+    out = A.gpu_attention(*args, 64, 64, interpret=InterpretGPUParams(detect_races=True))
+    out = np.asarray(out.astype(jnp.float32))
+    check(arrays, out, reference(*args[:5]), 3e-2)
+
+
+def test_engine_pallas_on_cpu_is_the_xla_path(caplog):
+    """attention="pallas" lowered for the CPU runs the XLA block-sparse path (lax.platform_dependent)."""
+    arrays = build_pass(layout(np.random.default_rng(3), 2, 10), 128, 64)
+    args = inputs(arrays, 4, 2, 16, jnp.float32, 3)
+    out = np.asarray(A.pallas_attention(*args, block_q=128, block_k=64))
+    xla = np.asarray(A.blocksparse_attention(*args, 128, 64))
+    assert np.array_equal(out, xla)
+    assert A.attention_path() == "xla"
+
+
+def test_a_kernel_that_does_not_compile_here_falls_back_once(monkeypatch, caplog):
+    """On a device whose compiler rejects the kernel, the program gets the XLA path and one warning."""
+    monkeypatch.setattr(A, "_HOST_PLATFORM", {"cpu": "tpu"})  # pretend this CPU is a TPU: Mosaic cannot compile
+    monkeypatch.setattr(A, "_kernel_ok", {})
+    A.pallas_attention.clear_cache()  # trace again: the choice is made when a program is traced
+    arrays = build_pass(layout(np.random.default_rng(4), 2, 10), 128, 64)
+    with caplog.at_level(logging.WARNING, logger="core.attention"):
+        for heads in (4, 6):  # two shapes: two probes, one warning
+            args = inputs(arrays, heads, 2, 16, jnp.float32, 4)
+            out = np.asarray(A.pallas_attention(*args, block_q=128, block_k=64))
+            assert np.abs(out - reference(*args[:5]))[arrays.q_meta.seq >= 0].max() < 2e-5
+    warnings = [r for r in caplog.records if "does not compile" in r.getMessage()]
+    assert len(warnings) == 1 and "pallas-tpu" in warnings[0].getMessage()
+    assert A.attention_path("tpu") == "xla"
+    A.pallas_attention.clear_cache()
