@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,12 +79,19 @@ def serve(args: argparse.Namespace) -> None:
         migrate()
         _embedded_key()
         child = subprocess.Popen(worker_command())
+        # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default action would
+        # then end this process without the `finally` below and leave the worker running. Raise instead.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
     finally:
         if child is not None:
-            child.terminate()
-            child.wait(timeout=30)
+            child.terminate()  # warm shutdown: a pass in progress finishes, unless it takes too long
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()  # its jobs' leases expire and they run again
+                child.wait()
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
 
 
-def test_embedded_service_scores(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # Ctrl-C; `kill` and process managers
+def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,7 +45,7 @@ def test_embedded_service_scores(tmp_path: Path) -> None:
         expected = Scorer.from_pretrained("tiny-random").score(**body)
         np.testing.assert_allclose(response.json()["scores"], expected, rtol=SCORE_RTOL, atol=0)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
