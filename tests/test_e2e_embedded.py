@@ -17,7 +17,8 @@ from core import Scorer
 from tests.load_runner import SCORE_RTOL
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # Ctrl-C; `kill` and process managers
+# Ctrl-C, and what `kill` and process managers send.
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
     with socket.socket() as s:
