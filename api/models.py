@@ -56,6 +56,7 @@ class Job(Base):
         Index("ix_jobs_batch_claim", "batch_id", "status", "query_key", "id"),
         # Batch results are streamed in pages by id.
         Index("ix_jobs_batch_results", "batch_id", "id"),
+        Index("ix_jobs_finished", "finished_at"),  # retention
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
@@ -166,6 +167,7 @@ class Pass(Base):
     """One packed forward pass run by a worker; /metrics aggregates these across all workers."""
 
     __tablename__ = "passes"
+    __table_args__ = (Index("ix_passes_created", "created_at"),)  # retention
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     worker: Mapped[str] = mapped_column(String(200))

@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     # An upload still running this long after it began is failed (`upload_timeout`): by the API, or by a
     # worker's sweeper if the API died with it.
     batch_upload_timeout_seconds: float = 3600.0
+
+    # Retention (worker/retention.py): finished jobs, their results and webhook deliveries, and finished batches
+    # are deleted this long after they finished (as the OpenAI Batch API keeps files); passes after their own.
+    result_ttl_days: float = 30.0
+    pass_history_days: float = 7.0
+    retention_chunk_rows: int = 1000
+    retention_interval_seconds: float = 60.0
     # Rows per database round trip while an upload streams in, and per page of streamed results.
     batch_chunk_rows: int = 1000
 

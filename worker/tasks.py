@@ -1,5 +1,5 @@
 """Celery glue: the `drain` task, the batch lane and the worker's background loops (heartbeat + sweeper,
-webhook delivery).
+webhook delivery, retention).
 
 Run with `packscore worker` (`celery worker --pool solo`): one process per accelerator, no fork after JAX
 has started; the model is loaded once per process, before the worker consumes.
@@ -21,11 +21,12 @@ from collections.abc import Callable
 from celery.signals import worker_ready, worker_shutdown
 from sqlalchemy import delete
 
-from api.db import session_scope
+from api.db import session_factory, session_scope
 from api.models import Worker
 from api.settings import get_settings
 from worker import drain as drain_module
 from worker.celery_app import DRAIN_TASK, app, kick_drain
+from worker.retention import prune
 from worker.scorer import get_scorer
 from worker.webhooks import dispatch_due, stop_delivery
 
@@ -135,6 +136,12 @@ def _maintain() -> None:
         threading.Thread(target=_drain, name="sweeper-drain", daemon=True).start()
 
 
+def _prune() -> None:
+    pruned = prune(session_factory(), get_settings())
+    if pruned.rows:
+        log.info("retention deleted %s", pruned.rows)
+
+
 def _deliver() -> None:
     # Starts the due attempts that free slots allow, without waiting for them (they run in the webhook pool).
     dispatch_due(get_settings())
@@ -145,7 +152,8 @@ def _start(**_: object) -> None:
     settings = get_settings()
     scorer = get_scorer()  # load before consuming: the first drain should not pay for it
     drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path)
-    for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds)):
+    for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
+                          (_prune, settings.retention_interval_seconds)):
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
     kick_drain()  # jobs may have queued while no worker ran
     log.info("worker %s ready (model %s)", WORKER_ID, settings.model)
