@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # auto: Pallas kernels on TPU and GPU (the XLA path where a kernel does not compile), XLA on CPU.
     attention: Literal["auto", "xla", "pallas"] = "auto"
+    # Compiled pass programs a worker keeps in memory (least recently used go first; each holds tens of MB).
+    max_programs: int = 16
+    # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
+    compile_cache_dir: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     api_key_prefix: str = "psk_"
 

@@ -84,14 +84,40 @@ def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache
     return logprobs, kv
 
 
+class _Programs:
+    """The compiled pass programs of this process, least recently used first. At most `limit` stay resident:
+    a worker serving varied traffic must not keep every shape it ever met. An evicted program is compiled
+    again when needed, or loaded from JAX's persistent compilation cache where one is set."""
+
+    def __init__(self) -> None:
+        self.resident: OrderedDict[tuple, jax.stages.Compiled] = OrderedDict()
+        self.compiles = 0
+
+    def get(self, limit: int, args: tuple, statics: dict) -> jax.stages.Compiled:
+        key = (jax.tree.structure(args), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)),
+               tuple(sorted(statics.items())))
+        program = self.resident.pop(key, None)
+        if program is None:
+            program = _run_pass.lower(*args, **statics).compile()
+            self.compiles += 1
+        self.resident[key] = program
+        while len(self.resident) > limit:
+            self.resident.popitem(last=False)
+        return program
+
+
+_PROGRAMS = _Programs()
+
+
 class Scorer:
     """Scores (query, items, label_token_ids) with one model. See README and score-semantics.md."""
 
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int = 128, block_k: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, **limits):
+                 prefix_cache_bytes: int = 256 << 20, max_programs: int = 16, **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
-        already built (in its own dtype). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
+        already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
+        used go first). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
@@ -107,6 +133,7 @@ class Scorer:
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
         self._prefix_cache: OrderedDict[tuple[int, ...], tuple[jax.Array, jax.Array]] = OrderedDict()
         self._engine_lock = threading.Lock()
@@ -143,8 +170,13 @@ class Scorer:
 
     @property
     def compiled_programs(self) -> int:
-        """How many distinct pass programs have been compiled (bounded by the shape buckets in use)."""
-        return _run_pass._cache_size()
+        """How many pass programs this process has compiled (or loaded from the persistent cache) so far."""
+        return _PROGRAMS.compiles
+
+    @property
+    def resident_programs(self) -> int:
+        """How many compiled pass programs this process holds now (at most `max_programs`)."""
+        return len(_PROGRAMS.resident)
 
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
         """Validates a request and tokenizes it as score-semantics.md says; raises ScoringError."""
@@ -206,11 +238,12 @@ class Scorer:
         cache_k = jnp.pad(jnp.concatenate([empty] + [k for k, _ in cached], axis=1), pad)
         cache_v = jnp.pad(jnp.concatenate([empty] + [v for _, v in cached], axis=1), pad)
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
-        logprobs, kv = _run_pass(
-            self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta),
-            jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), cache_k, cache_v,
-            jnp.asarray(arrays.score_rows), jnp.asarray(labels), model_def=self._model_def, impl=self.attention,
-            block_q=self.block_q, block_k=self.block_k, keep_kv=keep_kv)
+        args = (self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta),
+                jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), cache_k, cache_v,
+                jnp.asarray(arrays.score_rows), jnp.asarray(labels))
+        statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
+                   "block_k": self.block_k, "keep_kv": keep_kv}
+        logprobs, kv = _PROGRAMS.get(self.max_programs, args, statics)(*args)
         return np.asarray(logprobs), kv
 
     # ---- one-request convenience API --------------------------------------------------

@@ -18,6 +18,7 @@ def _embedded_environment() -> None:
     os.environ.setdefault("DATABASE_URL", f"sqlite:///{(EMBEDDED_DIR / 'packscore.db').resolve()}")
     os.environ.setdefault("BROKER_URL", "filesystem://")
     os.environ.setdefault("BROKER_DIR", str((EMBEDDED_DIR / "broker").resolve()))
+    os.environ.setdefault("COMPILE_CACHE_DIR", str((EMBEDDED_DIR / "compile-cache").resolve()))
 
 
 def migrate(args: argparse.Namespace | None = None) -> None:

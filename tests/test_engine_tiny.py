@@ -213,3 +213,24 @@ def test_prefixes_evicted_between_planning_and_running(tiny):
         got[part.request][part.items] = part.logprobs
     for g, e in zip(got, expected):
         assert np.abs(g - e).max() <= 1e-4
+
+
+def test_resident_programs_are_capped_least_recently_used_first(tiny):
+    capped = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=2)
+    rng = np.random.default_rng(11)
+    # Three requests of three pass shapes (token counts in different buckets).
+    requests = [capped.tokenize(rng.integers(5, 400, 4).tolist(),
+                                [rng.integers(5, 400, 3).tolist() for _ in range(n)], [1]) for n in (2, 40, 150)]
+
+    def run(request) -> list[tuple]:
+        capped.clear_prefix_cache()  # the same passes each time, not passes against a cached query
+        return [result.shape_key for result in capped.iter_passes([request])]
+
+    assert len({shape for request in requests for shape in run(request)}) == 3
+    assert capped.resident_programs == 2
+    before = capped.compiled_programs
+    run(requests[2])  # the most recent shape is still resident
+    assert capped.compiled_programs == before
+    run(requests[0])  # the least recent one was evicted: compiled again
+    assert capped.compiled_programs == before + 1
+    assert capped.resident_programs == 2

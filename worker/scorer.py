@@ -2,6 +2,8 @@
 
 from functools import lru_cache
 
+import jax
+
 from api.settings import get_settings
 from core import Scorer
 
@@ -9,5 +11,9 @@ from core import Scorer
 @lru_cache(maxsize=1)
 def get_scorer() -> Scorer:
     settings = get_settings()
+    if settings.compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", settings.compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
     return Scorer.from_pretrained(settings.model, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
-                                  attention=settings.attention, **settings.request_limits)
+                                  attention=settings.attention, max_programs=settings.max_programs,
+                                  **settings.request_limits)
