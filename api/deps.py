@@ -45,7 +45,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 def get_request_tokenizer() -> RequestTokenizer:
     """The engine's validation and tokenization without its weights: the API never loads the model."""
     settings = get_settings()
-    return RequestTokenizer.from_pretrained(settings.model, **settings.request_limits)
+    return RequestTokenizer.from_pretrained(settings.model, settings.model_cache_dir, **settings.request_limits)
 
 
 # The API tokenizes every request to validate it with the engine's own rules and error codes.

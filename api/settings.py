@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     max_programs: int = 16
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
     compile_cache_dir: str | None = None
+    # A GGUF model's converted tokenizer and dequantized weights, kept so that restarts skip the conversion.
+    model_cache_dir: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     api_key_prefix: str = "psk_"
 

@@ -149,13 +149,15 @@ class Scorer:
         return "pallas" if path == "none" else path
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str = "smollm2-135m", **kwargs) -> "Scorer":
-        """A bundled model name ("smollm2-135m", "tiny-random"), a .gguf file or a Hugging Face directory."""
-        source = ModelSource.resolve(name_or_path)
+    def from_pretrained(cls, name_or_path: str = "smollm2-135m", cache_dir: str | None = None,
+                        **kwargs) -> "Scorer":
+        """A bundled model name ("smollm2-135m", "tiny-random"), a .gguf file or a Hugging Face directory.
+        `cache_dir`: where a GGUF's converted tokenizer and weights are kept across restarts."""
+        source = ModelSource.resolve(name_or_path, cache_dir)
         if source.kind == "tiny-random":
             config, weights = TINY_CONFIG, random_weights(TINY_CONFIG, seed=0)
         elif source.kind == "gguf":
-            config, weights = load_gguf(source.path)
+            config, weights = load_gguf(source.path, source.cached("weights"))
         else:
             config, weights = load_hf_dir(source.path)
         return cls(config, weights, source.tokenizer(), name=source.name, **kwargs)

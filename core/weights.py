@@ -5,6 +5,7 @@ transposes, fuses and stacks them into the tree of the model's parameters; `load
 puts them into the modules.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from flax import nnx
 
 from core.config import ModelConfig
 from core.model import CausalLM
+from core.requests import write_atomically
 
 # Per-layer tensors by Hugging Face suffix (model.layers.N.<suffix>.weight).
 _HF_LAYER = {
@@ -97,8 +99,41 @@ def gguf_config(path: str | Path) -> ModelConfig:
     return _config_from_gguf_reader(gguf.GGUFReader(str(path)))
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
-    """Reads and dequantizes a llama or qwen3 GGUF file."""
+def load_gguf(path: str | Path, cache: Path | None = None) -> tuple[ModelConfig, dict]:
+    """Reads and dequantizes a llama or qwen3 GGUF file. With `cache` (a folder), the dequantized weights are
+    read from there (memory-mapped .npy files) if an earlier call wrote them, and written there if not."""
+    if cache is not None and cache.is_dir():
+        return ModelConfig(**json.loads((cache / "config.json").read_text())), _read_tree(cache)
+    config, weights = _dequantize_gguf(path)
+    if cache is not None:
+        def write(folder: Path) -> None:
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+            _write_tree(folder, weights)
+        write_atomically(cache, write)
+    return config, weights
+
+
+def _write_tree(folder: Path, tree: dict, prefix: str = "") -> None:
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            _write_tree(folder, value, f"{prefix}{name}.")
+        else:
+            np.save(folder / f"{prefix}{name}.npy", value)
+
+
+def _read_tree(folder: Path) -> dict:
+    tree: dict = {}
+    for file in folder.glob("*.npy"):
+        *parents, leaf = file.stem.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = np.load(file, mmap_mode="r")
+    return tree
+
+
+def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))

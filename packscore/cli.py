@@ -19,6 +19,7 @@ def _embedded_environment() -> None:
     os.environ.setdefault("BROKER_URL", "filesystem://")
     os.environ.setdefault("BROKER_DIR", str((EMBEDDED_DIR / "broker").resolve()))
     os.environ.setdefault("COMPILE_CACHE_DIR", str((EMBEDDED_DIR / "compile-cache").resolve()))
+    os.environ.setdefault("MODEL_CACHE_DIR", str((EMBEDDED_DIR / "model-cache").resolve()))
 
 
 def migrate(args: argparse.Namespace | None = None) -> None:

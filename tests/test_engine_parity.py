@@ -1,6 +1,7 @@
 """The bundled SmolLM2 model: packed vs single mode vs Hugging Face transformers (PyTorch), with the
 tolerances of score-semantics.md, on text and token inputs."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -143,3 +144,24 @@ def test_isolation_on_the_real_model(scorer):
     lp = scorer.logprobs(query, other, [PARIS, 11])
     keep = np.arange(len(items)) != 3
     assert np.abs(lp[keep] - base[keep]).max() <= 1e-5
+
+
+def test_converted_model_cache_gives_the_same_model(tmp_path, scorer):
+    """A restart reads the GGUF's converted tokenizer and dequantized weights from MODEL_CACHE_DIR."""
+    from core.requests import ModelSource
+    from core.weights import load_gguf
+
+    source = ModelSource.resolve("smollm2-135m", tmp_path)
+    text = "Question: which city is the capital of France? Answer: ünïcode 🙂"
+    assert source.tokenizer()(text)["input_ids"] == scorer.tokenizer(text)["input_ids"]
+    assert (source.cached("tokenizer") / "tokenizer.json").is_file()  # written by the first call
+    assert source.tokenizer()(text)["input_ids"] == scorer.tokenizer(text)["input_ids"]  # read back
+    config, weights = load_gguf(source.path, source.cached("weights"))  # converts and writes
+    again_config, again = load_gguf(source.path, source.cached("weights"))  # reads
+    assert again_config == config == scorer.config
+    flat = lambda tree: {str(p): np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+    assert flat(again).keys() == flat(weights).keys()
+    assert all(np.array_equal(flat(again)[k], v) for k, v in flat(weights).items())
+    cached = Scorer.from_pretrained("smollm2-135m", tmp_path)
+    args = ("The capital of France is", [" Paris", " the city of"], [PARIS])
+    assert np.array_equal(cached.logprobs(*args), scorer.logprobs(*args))

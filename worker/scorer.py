@@ -14,6 +14,6 @@ def get_scorer() -> Scorer:
     if settings.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", settings.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
-    return Scorer.from_pretrained(settings.model, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
+    return Scorer.from_pretrained(settings.model, settings.model_cache_dir, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
                                   attention=settings.attention, max_programs=settings.max_programs,
                                   **settings.request_limits)
