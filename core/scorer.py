@@ -101,8 +101,12 @@ class _Programs:
             program = _run_pass.lower(*args, **statics).compile()
             self.compiles += 1
         self.resident[key] = program
-        while len(self.resident) > limit:
-            self.resident.popitem(last=False)
+        if len(self.resident) > limit:
+            while len(self.resident) > limit:
+                self.resident.popitem(last=False)
+            # JAX's own caches (traces, lowerings, executables) keep every program ever compiled: clearing
+            # them is what frees an evicted one. The resident programs are held here and stay usable.
+            jax.clear_caches()
         return program
 
 
