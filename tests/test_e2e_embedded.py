@@ -45,6 +45,7 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
         assert response.status_code == 200, response.text
         expected = Scorer.from_pretrained("tiny-random").score(**body)
         np.testing.assert_allclose(response.json()["scores"], expected, rtol=SCORE_RTOL, atol=0)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".packscore", "serve.log"]  # nothing else left here
     finally:
         proc.send_signal(stop)
         try:

@@ -19,8 +19,10 @@ def make_celery(settings: Settings) -> Celery:
     if settings.celery_broker_url.startswith("filesystem"):
         folder = Path(settings.broker_dir).resolve()
         folder.mkdir(parents=True, exist_ok=True)
-        # One folder serves as both ends: the API writes messages, the worker reads them.
-        transport = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+        # One folder serves as both ends: the API writes messages, the worker reads them. The exchange table
+        # goes there too (kombu's default is ./control, in whatever folder the service was started from).
+        transport = {"data_folder_in": str(folder), "data_folder_out": str(folder),
+                     "control_folder": str(folder / "control")}
     elif settings.broker_key_prefix:
         transport["global_keyprefix"] = settings.broker_key_prefix
     app.conf.update(
