@@ -22,8 +22,10 @@ PRIORITY_JOB = 0
 PRIORITY_BATCH = -10
 
 
-def _request_hash(body: ScoreInput) -> str:
-    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+def _request_hash(body: ScoreInput, rerank: dict | None) -> str:
+    # Without `kind`: a body's hash is the same as before JobCreate had one.
+    fields = body.model_dump(mode="json", exclude={"kind"})
+    canonical = json.dumps({**fields, "rerank": rerank} if rerank else fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -35,11 +37,20 @@ def _find_idempotent(session: Session, key: ApiKey, idempotency_key: str, reques
     return job
 
 
+def job_request(body: ScoreInput, rerank: dict | None = None) -> dict:
+    """A job's stored request: what the worker scores, and for a rerank job how to present its scores."""
+    request = body.model_dump(mode="json", include={"query", "items", "label_token_ids", "apply_softmax",
+                                                    "item_first"})
+    return {**request, "rerank": rerank} if rerank else request
+
+
 def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenizer: RequestTokenizer, settings: Settings, *,
-               priority: int = PRIORITY_JOB, idempotency_key: str | None = None) -> tuple[Job, bool]:
+               priority: int = PRIORITY_JOB, idempotency_key: str | None = None,
+               rerank: dict | None = None) -> tuple[Job, bool]:
     """Validates and stores a queued job; returns (job, created). An Idempotency-Key replay returns the
-    earlier job with created=False."""
-    request_hash = _request_hash(body)
+    earlier job with created=False. `rerank` (api/rerank.py) makes it a rerank job: kept with the request,
+    it says how to present the scores."""
+    request_hash = _request_hash(body, rerank)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= 255:
             raise APIError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
@@ -60,8 +71,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
         api_key_id=key.id,
         priority=priority,
         model=request_tokenizer.model_name,
-        request=body.model_dump(mode="json", include={"query", "items", "label_token_ids", "apply_softmax",
-                                                      "item_first"}),
+        request=job_request(body, rerank),
         return_logprobs=getattr(body, "return_logprobs", False),
         metadata_=getattr(body, "metadata", None),
         webhook_url=webhook_url,
@@ -90,12 +100,16 @@ def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     return job
 
 
+def read_logprobs(session: Session, job: Job) -> np.ndarray | None:
+    """A succeeded job's [items, labels] log-probabilities."""
+    result = session.get(JobResult, job.id) if job.status == "succeeded" else None
+    if result is None:
+        return None
+    return np.frombuffer(result.logprobs, np.float32).reshape(job.items_total, result.n_labels)
+
+
 def read_job(session: Session, job: Job, with_scores: bool = True) -> JobOut:
-    logprobs = None
-    if with_scores and job.status == "succeeded":
-        result = session.get(JobResult, job.id)
-        if result is not None:
-            logprobs = np.frombuffer(result.logprobs, np.float32).reshape(job.items_total, result.n_labels)
+    logprobs = read_logprobs(session, job) if with_scores else None
     delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.job_id == job.id)
                               .order_by(WebhookDelivery.created_at.desc()).limit(1))
     return job_out(job, logprobs, delivery)

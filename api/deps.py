@@ -14,6 +14,7 @@ from api.auth import find_api_key
 from api.db import session_factory
 from api.errors import APIError
 from api.models import ApiKey
+from api.rerank import RerankPrompt, rerank_prompt, template_for
 from api.settings import Settings, get_settings
 from api.waiter import JobWaiter
 from core import RequestTokenizer
@@ -50,6 +51,17 @@ def get_request_tokenizer() -> RequestTokenizer:
 
 # The API tokenizes every request to validate it with the engine's own rules and error codes.
 RequestTokenizerDep = Annotated[RequestTokenizer, Depends(get_request_tokenizer)]
+
+
+@lru_cache(maxsize=1)
+def get_rerank_prompt() -> RerankPrompt:
+    """RERANK_TEMPLATE for the served model, with its labels' token ids from the tokenizer."""
+    settings = get_settings()
+    template = template_for(settings.rerank_template, settings.model, settings.model_cache_dir)
+    return rerank_prompt(template, get_request_tokenizer())
+
+
+RerankPromptDep = Annotated[RerankPrompt, Depends(get_rerank_prompt)]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
 

@@ -2,10 +2,12 @@
 
 import json
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag,
+                      field_validator, model_validator)
+from sqlalchemy import Row
 
 from api.models import Job, WebhookDelivery
 from core import scores_from_logprobs
@@ -13,17 +15,7 @@ from core import scores_from_logprobs
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
-class ScoreInput(BaseModel):
-    """The scoring request of score-semantics.md. Types are loose on purpose where the engine gives the
-    precise error code (mixed text/ids, empty lists, out-of-range ids)."""
-
-    query: str | list[StrictInt]
-    items: list[str | list[StrictInt]]
-    label_token_ids: list[StrictInt]
-    apply_softmax: StrictBool = False
-    item_first: StrictBool = False
-    model: str | None = None
-
+class _ValidUnicode(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: object) -> object:
@@ -37,8 +29,22 @@ class ScoreInput(BaseModel):
         return data
 
 
+class ScoreInput(_ValidUnicode):
+    """The scoring request of score-semantics.md. Types are loose on purpose where the engine gives the
+    precise error code (mixed text/ids, empty lists, out-of-range ids)."""
+
+    query: str | list[StrictInt]
+    items: list[str | list[StrictInt]]
+    label_token_ids: list[StrictInt]
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
+    model: str | None = None
+
+
 class JobCreate(ScoreInput):
     model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["score"] = "score"
 
     return_logprobs: StrictBool = False
     webhook_url: str | None = Field(default=None, max_length=2048)
@@ -46,11 +52,13 @@ class JobCreate(ScoreInput):
 
 
 class ScoreRequest(ScoreInput):
-    """/v1/score as in vLLM and SGLang: `text_1` is accepted for `query`, and a single item may be a string."""
+    """/v1/score as in vLLM and SGLang: `text_1` and `text_2` are accepted for `query` and `items`, and a single
+    item may be a string."""
 
     model_config = ConfigDict(extra="ignore")
 
     query: str | list[StrictInt] = Field(validation_alias=AliasChoices("query", "text_1"))
+    items: list[str | list[StrictInt]] = Field(validation_alias=AliasChoices("items", "text_2"))
 
     @field_validator("items", mode="before")
     @classmethod
@@ -70,6 +78,62 @@ class ScoreResponse(BaseModel):
     created: int
     model: str
     scores: list[list[float]]
+    usage: Usage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankInput(_ValidUnicode):
+    """/v1/rerank as Cohere, Jina and vLLM define it (api/rerank.py says how it is scored)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    # None or 0 (vLLM's default): every document.
+    top_n: StrictInt | None = Field(default=None, ge=0)
+    return_documents: StrictBool = True
+    # The task, in Qwen3-Reranker's words; the template's default when unset.
+    instruction: str | None = None
+
+
+class RerankRequest(RerankInput):
+    model_config = ConfigDict(extra="ignore")
+
+
+class RerankJobCreate(RerankInput):
+    """POST /jobs with `"kind": "rerank"`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["rerank"]
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    metadata: dict[str, Any] | None = None
+
+
+def _job_kind(value: object) -> str:
+    kind = value.get("kind", "score") if isinstance(value, dict) else getattr(value, "kind", "score")
+    return kind if kind in ("score", "rerank") else "score"  # an unknown kind fails JobCreate's Literal
+
+
+# The body of POST /jobs: a scoring request, or a rerank request with "kind": "rerank".
+JobBody = Annotated[Annotated[JobCreate, Tag("score")] | Annotated[RerankJobCreate, Tag("rerank")],
+                    Discriminator(_job_kind)]
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    object: Literal["rerank"] = "rerank"
+    created: int
+    model: str
+    results: list[RerankResult]
     usage: Usage
 
 
@@ -102,6 +166,7 @@ class WebhookState(BaseModel):
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
+    kind: Literal["score", "rerank"] = "score"
     status: JobStatus
     model: str
     progress: Progress
@@ -112,6 +177,8 @@ class JobOut(BaseModel):
     usage: Usage
     scores: list[list[float]] | None = None
     logprobs: list[list[float]] | None = None
+    # A rerank job's answer, as /v1/rerank gives it (its scores are [P(yes), P(no)] per document, in order).
+    results: list[RerankResult] | None = None
     error: ErrorInfo | None = None
     webhook_url: str | None
     webhook: WebhookState | None = None
@@ -129,14 +196,39 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value else None
 
 
+def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
+    """A rerank job's results from its [documents, (yes, no)] log-probabilities: most relevant first."""
+    rerank = request["rerank"]
+    relevance = scores_from_logprobs(logprobs, True)[:, 0] if len(logprobs) else np.zeros(0)
+    order = np.argsort(-relevance, kind="stable")[: rerank["top_n"] or None]
+    # The stored items are the documents followed by the template's suffix; they are not stored twice.
+    return [RerankResult(index=int(i), relevance_score=float(relevance[i]),
+                         document=RerankDocument(text=request["items"][i].removesuffix(rerank["suffix"]))
+                         if rerank["return_documents"] else None) for i in order]
+
+
+def route_body(job: "Job | Row", logprobs: np.ndarray) -> "ScoreResponse | RerankResponse":
+    """What the synchronous route (/v1/score or /v1/rerank) answers for a succeeded job. `job` is a Job or a
+    row of its columns id, created_at, model, request and prompt_tokens."""
+    usage = Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens)
+    created = int(job.created_at.replace(tzinfo=UTC).timestamp())
+    if "rerank" in job.request:
+        return RerankResponse(id=job.id, created=created, model=job.model,
+                              results=rerank_results(job.request, logprobs), usage=usage)
+    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage,
+                         scores=scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist())
+
+
 def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDelivery | None = None) -> JobOut:
     """The public view of a job; `logprobs` ([items, labels]) only for a succeeded job whose scores are shown."""
-    scores = raw = None
+    scores = raw = results = None
     if logprobs is not None:
         scores = scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist()
         raw = np.asarray(logprobs, np.float64).tolist() if job.return_logprobs else None
+        results = rerank_results(job.request, logprobs) if "rerank" in job.request else None
     return JobOut(
         id=job.id,
+        kind="rerank" if "rerank" in job.request else "score",
         status=job.status,
         model=job.model,
         progress=Progress(items_done=job.items_done, items_total=job.items_total),
@@ -147,6 +239,7 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
         usage=Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens),
         scores=scores,
         logprobs=raw,
+        results=results,
         error=ErrorInfo(code=job.error_code, message=job.error_message or "") if job.error_code else None,
         webhook_url=job.webhook_url,
         webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
@@ -157,21 +250,35 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
 BatchStatus = Literal["validating", "in_progress", "cancelling", "completed", "cancelled", "failed"]
 
 
+def _no_nul(value: str) -> str:
+    # The database cannot store NUL in a text column; one such line must not fail the whole upload.
+    if "\x00" in value:
+        raise ValueError("custom_id must not contain NUL characters")
+    return value
+
+
+CustomId = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_no_nul)]
+
+
 class BatchLine(ScoreInput):
     """One line of a batch file: a scoring request (as for POST /jobs) with the caller's `custom_id`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    custom_id: str = Field(min_length=1, max_length=256)
+    custom_id: CustomId
     return_logprobs: StrictBool = False
 
-    @field_validator("custom_id")
-    @classmethod
-    def _no_nul(cls, value: str) -> str:
-        # The database cannot store NUL in a text column; one such line must not fail the whole upload.
-        if "\x00" in value:
-            raise ValueError("custom_id must not contain NUL characters")
-        return value
+
+class OpenAIBatchLine(BaseModel):
+    """One line of an OpenAI Batch API input file (vLLM's run-batch reads the same): the body of a POST to one
+    of the synchronous routes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: CustomId
+    method: str
+    url: str
+    body: dict[str, Any]
 
 
 class BatchCreate(BaseModel):

@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     # Rows per database round trip while an upload streams in, and per page of streamed results.
     batch_chunk_rows: int = 1000
 
+    # How /v1/rerank turns a query and documents into a scoring request (api/rerank.py): "auto" (Qwen3-Reranker's
+    # template for Qwen3 models, "smollm2" for others), a built-in name ("qwen3-reranker", "smollm2"), or a JSON
+    # object {"prefix", "suffix", "instruction", "labels": [yes, no]} whose prefix holds {instruction} and {query}.
+    rerank_template: str = "auto"
+
     score_timeout_seconds: float = 60.0
     # How often the API looks for finished /v1/score jobs on SQLite (one query for all waiting calls);
     # Postgres notifies instead.

@@ -3,19 +3,26 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 
 from api import crud
-from api.deps import CurrentKey, RequestTokenizerDep, SessionDep, SettingsDep
-from api.schemas import JobCreate, JobList, JobOut, JobStatus
+from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
+from api.schemas import JobBody, JobCreate, JobList, JobOut, JobStatus
 from worker.celery_app import kick_drain
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
 @router.post("", status_code=202, response_model=JobOut)
-def create_job(body: JobCreate, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep, settings: SettingsDep,
-               response: Response,
+def create_job(body: JobBody, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
+               settings: SettingsDep, prompt: RerankPromptDep, response: Response,
                idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobOut:
-    """Queue a scoring job. The same Idempotency-Key with the same body returns the same job; with another body, 409."""
-    job, created = crud.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key)
+    """Queue a scoring job, or with `"kind": "rerank"` a rerank job (the body of /v1/rerank; its `results` are
+    what /v1/rerank answers). The same Idempotency-Key with the same body returns the same job; with another
+    body, 409."""
+    rerank = None
+    if body.kind == "rerank":
+        score_input, rerank = prompt.score_input(body)
+        body = JobCreate(**score_input.model_dump(), webhook_url=body.webhook_url, metadata=body.metadata)
+    job, created = crud.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key,
+                                   rerank=rerank)
     if created:
         kick_drain()
     else:

@@ -3,38 +3,59 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import crud
-from api.deps import CurrentKey, JobWaiterDep, RequestTokenizerDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, JobWaiterDep, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
 from api.errors import APIError, job_error
-from api.models import Job
-from api.schemas import ErrorBody, ScoreRequest, ScoreResponse, Usage
+from api.models import ApiKey, Job
+from api.schemas import (ErrorBody, RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse,
+                         route_body)
+from api.settings import Settings
+from api.waiter import JobWaiter
+from core import RequestTokenizer
 from worker.celery_app import kick_drain
 
 router = APIRouter(tags=["score"])
 
+_TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; poll GET /jobs/{job_id}"}}
 
-@router.post("/v1/score", response_model=ScoreResponse,
-             responses={504: {"model": ErrorBody, "description": "`timeout`: still running; poll GET /jobs/{job_id}"}})
+
+@router.post("/v1/score", response_model=ScoreResponse, responses=_TIMEOUT)
+@router.post("/score", response_model=ScoreResponse, responses=_TIMEOUT, include_in_schema=False)
 async def score(body: ScoreRequest, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
                 settings: SettingsDep, waiter: JobWaiterDep) -> ScoreResponse:
     """Synchronous scoring with the request and response of vLLM's and SGLang's /v1/score. It runs as a
     high-priority job through the same queue and workers; past SCORE_TIMEOUT_SECONDS it answers 504 with the
     job id (poll GET /jobs/{id}). While it waits it holds neither a thread nor a database connection."""
+    return await _run(body, None, key, session, request_tokenizer, settings, waiter)
+
+
+@router.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=_TIMEOUT)
+@router.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=_TIMEOUT,
+             include_in_schema=False)
+async def rerank(body: RerankRequest, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
+                 settings: SettingsDep, waiter: JobWaiterDep, prompt: RerankPromptDep) -> RerankResponse:
+    """Rerank as Cohere, Jina and vLLM define it: documents sorted by relevance to the query, P(yes) of the
+    RERANK_TEMPLATE prompt against P(no). Runs like /v1/score (same queue, same timeout)."""
+    score_input, rerank_spec = prompt.score_input(body)
+    return await _run(score_input, rerank_spec, key, session, request_tokenizer, settings, waiter)
+
+
+async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session,
+               request_tokenizer: RequestTokenizer, settings: Settings,
+               waiter: JobWaiter) -> ScoreResponse | RerankResponse:
     job, _ = await run_in_threadpool(crud.create_job, session, key, body, request_tokenizer, settings,
-                                     priority=crud.PRIORITY_SYNC)
+                                     priority=crud.PRIORITY_SYNC, rerank=rerank)
     await run_in_threadpool(kick_drain)
     if not await waiter.wait(job.id, settings.score_timeout_seconds):
         raise APIError(504, "timeout", f"job {job.id} is not finished yet; poll GET /jobs/{job.id}", job_id=job.id)
     return await run_in_threadpool(_response, session, job)
 
 
-def _response(session: Session, job: Job) -> ScoreResponse:
+def _response(session: Session, job: Job) -> ScoreResponse | RerankResponse:
     session.refresh(job)
-    out = crud.read_job(session, job)
+    logprobs = crud.read_logprobs(session, job)
     session.commit()  # the connection goes back to the pool now, not when the response has been sent
-    if out.status == "cancelled":
+    if job.status == "cancelled":
         raise APIError(409, "cancelled", f"job {job.id} was cancelled", job_id=job.id)
-    if out.error is not None:
-        raise job_error(job.id, out.error.code, out.error.message)
-    return ScoreResponse(id=job.id, created=int(job.created_at.timestamp()), model=job.model,
-                         scores=out.scores or [], usage=Usage(prompt_tokens=job.prompt_tokens,
-                                                              total_tokens=job.prompt_tokens))
+    if job.error_code is not None or logprobs is None:
+        raise job_error(job.id, job.error_code or "internal_error", job.error_message or "")
+    return route_body(job, logprobs)
