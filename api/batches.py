@@ -4,32 +4,41 @@ results, and settling a batch once none of its requests is left to run (the API 
 A batch's requests are jobs (`batch_id` set, priority PRIORITY_BATCH), so the worker's leases, sweeper and
 exactly-once result writes cover them as they cover interactive jobs. A bad line becomes a job that failed
 at upload, so its error is a result line like any other.
+
+A line is either a job's fields with a `custom_id` or an OpenAI Batch API line (`custom_id`, `method`, `url`,
+`body`: a POST to /v1/score or /v1/rerank); each line says which it is, so one file may mix them.
 """
 
 import hashlib
 import json
 from datetime import timedelta
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from pydantic import ValidationError
-from sqlalchemy import case, exists, func, insert, select, update
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import Row, case, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from api.crud import PRIORITY_BATCH
+from api.crud import PRIORITY_BATCH, job_request
 from api.db import session_factory
 from api.errors import APIError
 from api.metrics import count
 from api.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, WebhookDelivery,
                         new_id, utcnow)
-from api.schemas import BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, Progress, WebhookState, _utc
+from api.rerank import RerankPrompt
+from api.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
+                         RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results, route_body)
 from api.settings import Settings
 from core import RequestTokenizer, ScoringError, scores_from_logprobs
 from worker.webhooks import UnsafeURL, check_url, enqueue_webhook
 
+ModelT = TypeVar("ModelT", bound=BaseModel)
 # With this many lines read and none of them a JSON object, the upload is not JSONL: stop reading it.
 NOT_JSONL_AFTER_LINES = 1000
+# The routes an OpenAI Batch line may POST to, and the body each takes.
+OPENAI_URLS = {"/v1/score": ScoreRequest, "/score": ScoreRequest, "/v1/rerank": RerankRequest,
+               "/rerank": RerankRequest}
 
 
 def upload_timeout() -> APIError:
@@ -66,10 +75,12 @@ class Ingest:
     """Turns the lines of one upload into job rows, inserted a chunk at a time in one transaction (committed
     by `finish`), so the API holds one chunk, never the batch."""
 
-    def __init__(self, session: Session, batch: Batch, request_tokenizer: RequestTokenizer, settings: Settings) -> None:
+    def __init__(self, session: Session, batch: Batch, request_tokenizer: RequestTokenizer, settings: Settings,
+                 rerank_prompt: RerankPrompt) -> None:
         self.session = session
         self.batch = batch
         self.request_tokenizer = request_tokenizer
+        self.rerank_prompt = rerank_prompt
         self.settings = settings
         self.lines = 0  # every line, blank ones included (line numbers in error messages)
         self.total = 0  # requests: non-blank lines
@@ -134,28 +145,38 @@ class Ingest:
     def _validate(self, value: Any) -> dict:
         if not isinstance(value, dict):
             raise _LineError("invalid_input", "the line is not a JSON object")
-        try:
-            line = BatchLine.model_validate(value)
-        except ValidationError as exc:
-            where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"]
-                              for e in exc.errors()[:5])
-            raise _LineError("invalid_input", where) from None
-        digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
+        rerank = None
+        if {"method", "url", "body"} & value.keys():
+            line = _parse(OpenAIBatchLine, value)
+            if line.method.upper() != "POST":
+                raise _LineError("method_not_allowed", f"method {line.method!r}: only POST is served")
+            if line.url not in OPENAI_URLS:
+                raise _LineError("unknown_url", f"url {line.url!r} is not one of {', '.join(OPENAI_URLS)}")
+            body = _parse(OPENAI_URLS[line.url], line.body, "body")
+            custom_id, return_logprobs = line.custom_id, False
+            if isinstance(body, RerankRequest):
+                body, rerank = self.rerank_prompt.score_input(body)
+        else:
+            body = _parse(BatchLine, value)
+            custom_id, return_logprobs = body.custom_id, body.return_logprobs
+        digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         if digest in self._seen:
-            raise _LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} appears on an earlier line")
+            raise _LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
         self._seen.add(digest)
-        if line.model is not None and line.model != self.request_tokenizer.model_name:
-            raise _LineError("unknown_model", f"model {line.model!r} is not served here")
+        return self._request(body, custom_id, return_logprobs, rerank)
+
+    def _request(self, body: ScoreInput, custom_id: str, return_logprobs: bool, rerank: dict | None) -> dict:
+        if body.model is not None and body.model != self.request_tokenizer.model_name:
+            raise _LineError("unknown_model", f"model {body.model!r} is not served here")
         try:
-            tokenized = self.request_tokenizer.tokenize(line.query, line.items, line.label_token_ids, line.item_first)
+            tokenized = self.request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
         except ScoringError as exc:
             raise _LineError(exc.code, exc.message) from None
         self.queued += 1
-        request = line.model_dump(mode="json", include={"query", "items", "label_token_ids", "apply_softmax",
-                                                        "item_first"})
-        query_key = hashlib.blake2b(json.dumps(line.query).encode(), digest_size=16).hexdigest()
-        return {"status": "queued", "custom_id": line.custom_id, "request": request, "return_logprobs": line.return_logprobs,
-                "items_total": tokenized.n_items, "prompt_tokens": tokenized.prompt_tokens, "query_key": query_key}
+        query_key = hashlib.blake2b(json.dumps(body.query).encode(), digest_size=16).hexdigest()
+        return {"status": "queued", "custom_id": custom_id, "request": job_request(body, rerank),
+                "return_logprobs": return_logprobs, "items_total": tokenized.n_items,
+                "prompt_tokens": tokenized.prompt_tokens, "query_key": query_key}
 
     def _flush(self) -> None:
         if self._rows:
@@ -179,6 +200,15 @@ class Ingest:
         self.session.commit()
         self.session.refresh(self.batch)
         return self.batch
+
+
+def _parse(schema: type[ModelT], value: Any, where: str = "") -> ModelT:
+    try:
+        return schema.model_validate(value)
+    except ValidationError as exc:
+        message = "; ".join(f"{'.'.join(map(str, (where, *e['loc']) if where else e['loc']))}: {e['msg']}"
+                            if e["loc"] or where else e["msg"] for e in exc.errors()[:5])
+        raise _LineError("invalid_input", message) from None
 
 
 def fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
@@ -335,34 +365,70 @@ def cancel_batch(session: Session, batch: Batch) -> Batch:
     return batch
 
 
-def iter_results(batch_id: str, page_rows: int) -> Iterator[bytes]:
+def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterator[bytes]:
     """The finished requests as JSONL, read from the database a page at a time (each page its own short
-    transaction, so a long download neither holds a snapshot nor the batch in memory)."""
+    transaction, so a long download neither holds a snapshot nor the batch in memory). `openai`: OpenAI
+    Batch API output lines instead of this service's own."""
     after = ""
     while True:
         with session_factory()() as session:
             rows = session.execute(
                 select(Job.id, Job.custom_id, Job.status, Job.error_code, Job.error_message, Job.items_total,
-                       Job.return_logprobs, Job.request, JobResult.n_labels, JobResult.logprobs)
+                       Job.return_logprobs, Job.request, Job.model, Job.created_at, Job.prompt_tokens,
+                       JobResult.n_labels, JobResult.logprobs)
                 .outerjoin(JobResult, JobResult.job_id == Job.id)
                 .where(Job.batch_id == batch_id, Job.status.in_(TERMINAL_STATUSES), Job.id > after)
                 .order_by(Job.id).limit(page_rows)).all()
         if not rows:
             return
         out = []
-        for job_id, custom_id, status, code, message, n_items, with_logprobs, request, n_labels, blob in rows:
-            line: dict[str, Any] = {"custom_id": custom_id, "scores": None}
-            if status == "succeeded" and blob is not None:
-                logprobs = np.frombuffer(blob, np.float32).reshape(n_items, n_labels)
-                line["scores"] = scores_from_logprobs(logprobs, request.get("apply_softmax", False)).tolist()
-                if with_logprobs:
-                    line["logprobs"] = np.asarray(logprobs, np.float64).tolist()
-            elif status == "cancelled":
-                line["error"] = {"code": "cancelled", "message": "the batch was cancelled before this request ran"}
+        for row in rows:
+            logprobs = None
+            if row.status == "succeeded" and row.logprobs is not None:
+                logprobs = np.frombuffer(row.logprobs, np.float32).reshape(row.items_total, row.n_labels)
+            if row.status == "cancelled":
+                error = {"code": "cancelled", "message": "the batch was cancelled before this request ran"}
+            elif logprobs is None:
+                error = {"code": row.error_code or "internal_error", "message": row.error_message or ""}
             else:
-                line["error"] = {"code": code or "internal_error", "message": message or ""}
+                error = None
+            line = _openai_line(row, logprobs, error) if openai else _line(row, logprobs, error)
             out.append(json.dumps(line, separators=(",", ":")) + "\n")
         yield "".join(out).encode()
-        after = rows[-1][0]
+        after = rows[-1].id
         if len(rows) < page_rows:
             return
+
+
+def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
+    """This service's result line: `{"custom_id", "scores", "logprobs"?, "results"? (rerank), "error"?}`."""
+    line: dict[str, Any] = {"custom_id": row.custom_id, "scores": None}
+    if logprobs is not None:
+        line["scores"] = scores_from_logprobs(logprobs, row.request.get("apply_softmax", False)).tolist()
+        if row.return_logprobs:
+            line["logprobs"] = np.asarray(logprobs, np.float64).tolist()
+        if "rerank" in row.request:
+            line["results"] = [r.model_dump(exclude_none=True) for r in rerank_results(row.request, logprobs)]
+    else:
+        line["error"] = error
+    return line
+
+
+# The status the synchronous route would have answered for a request that failed with this code.
+_LINE_ERROR_STATUS = {"unknown_url": 404, "method_not_allowed": 405, "worker_lost": 503, "internal_error": 500}
+
+
+def _openai_line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
+    """The OpenAI Batch API's output line. As there, a request the route answered has `response` (an error
+    answer too, with its status and `{"error": ...}` body) and `error` null; one that never ran (cancelled)
+    has `response` null and `error` set."""
+    line: dict[str, Any] = {"id": row.id, "custom_id": row.custom_id, "response": None, "error": None}
+    if logprobs is not None:
+        body = route_body(row, logprobs).model_dump(mode="json", exclude_none=True)
+        line["response"] = {"status_code": 200, "request_id": row.id, "body": body}
+    elif row.status == "cancelled":
+        line["error"] = error
+    else:
+        line["response"] = {"status_code": _LINE_ERROR_STATUS.get(error["code"], 400), "request_id": row.id,
+                            "body": {"error": error}}
+    return line

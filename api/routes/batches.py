@@ -1,7 +1,7 @@
 import json
 import logging
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from api import batches
-from api.deps import CurrentKey, RequestTokenizerDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
 from api.errors import APIError
 from api.models import Batch
 from api.schemas import BatchCreate, BatchList, BatchOut
@@ -38,14 +38,15 @@ async def _json_body(request: Request, limit: int) -> BatchCreate:
 
 @router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC)
 async def create_batch(request: Request, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
-                       settings: SettingsDep, response: Response,
+                       settings: SettingsDep, prompt: RerankPromptDep, response: Response,
                        webhook_url: Annotated[str | None, Query(max_length=2048)] = None,
                        metadata: Annotated[str | None, Query(description="a JSON object, echoed back")] = None,
                        ) -> BatchOut:
     """Create a batch from a JSONL file sent as the raw body (one request per line, each with a `custom_id`;
     `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
-    "webhook_url", "metadata"}`. The upload is validated line by line as it streams in: a bad line becomes an
-    error result of its own. An upload with no JSON object line is a 400."""
+    "webhook_url", "metadata"}`. A line is a job's fields, or an OpenAI Batch API line (`method`, `url`:
+    /v1/score or /v1/rerank, `body`). The upload is validated line by line as it streams in: a bad line
+    becomes an error result of its own. An upload with no JSON object line is a 400."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > settings.batch_max_bytes:
         raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
@@ -64,7 +65,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
         if metadata is not None and not isinstance(meta, dict):
             raise APIError(422, "invalid_input", "metadata must be a JSON object")
     batch = await run_in_threadpool(batches.start_batch, session, key, request_tokenizer, settings, webhook_url, meta)
-    ingest = batches.Ingest(session, batch, request_tokenizer, settings)
+    ingest = batches.Ingest(session, batch, request_tokenizer, settings, prompt)
     deadline = time.monotonic() + settings.batch_upload_timeout_seconds
     try:
         if body is not None:
@@ -114,11 +115,14 @@ def get_batch(batch_id: str, key: CurrentKey, session: SessionDep) -> BatchOut:
 
 @router.get("/{batch_id}/results", response_class=StreamingResponse,
             responses={200: {"content": {"application/jsonl": {}}}})
-def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings: SettingsDep) -> StreamingResponse:
-    """JSONL, one line per finished request: `{"custom_id", "scores", "logprobs"?, "error"?}`. While the
-    batch runs, the requests finished so far (call again for more); complete once the batch has ended."""
+def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings: SettingsDep,
+                  format: Literal["packscore", "openai"] = "packscore") -> StreamingResponse:
+    """JSONL, one line per finished request: `{"custom_id", "scores", "logprobs"?, "results"?, "error"?}`, or
+    with `format=openai` the OpenAI Batch API's `{"id", "custom_id", "response": {"status_code", "request_id",
+    "body"}, "error"}`. While the batch runs, the requests finished so far (call again for more); complete
+    once the batch has ended."""
     batch = batches.get_batch(session, key, batch_id)
-    return StreamingResponse(batches.iter_results(batch.id, settings.batch_chunk_rows),
+    return StreamingResponse(batches.iter_results(batch.id, settings.batch_chunk_rows, format == "openai"),
                              media_type="application/jsonl", headers={"Batch-Status": batch.status})
 
 
