@@ -96,10 +96,10 @@ def _upload_chunks(path: Path, done: set[str]):  # type: ignore[no-untyped-def]
     return chunks
 
 
-def _download(client: Client, batch_id: str, out: IO[bytes], done: set[str], wanted: set[str]) -> None:
+def _download(client: Client, batch_id: str, out: IO[bytes], done: set[str], wanted: set[str], format: str) -> None:
     """Appends the batch's finished results that the output lacks. Cancelled requests are not written: a
     re-run submits them again."""
-    for result in client.iter_batch_results(batch_id):
+    for result in client.iter_batch_results(batch_id, format=format):
         custom_id = result.get("custom_id")
         if custom_id in done or custom_id not in wanted or (result.get("error") or {}).get("code") == "cancelled":
             continue
@@ -109,7 +109,7 @@ def _download(client: Client, batch_id: str, out: IO[bytes], done: set[str], wan
 
 
 def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wanted: set[str], bar: ProgressBar,
-            poll: float) -> str:
+            poll: float, format: str) -> str:
     """Polls the batch until it ends, appending results as they come; returns its final status. Partial
     downloads (so an interruption keeps most of the work) are spaced out so they cost little."""
     base = len(done & wanted)
@@ -120,7 +120,7 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
         terminal = batch["status"] in TERMINAL_BATCH
         if terminal or time.monotonic() - last_download >= max(10 * poll, 20 * cost):
             started = time.monotonic()
-            _download(client, batch_id, out, done, wanted)
+            _download(client, batch_id, out, done, wanted, format)
             last_download, cost = time.monotonic(), time.monotonic() - started
         bar.show(max(len(done & wanted), base + counts["succeeded"] + counts["failed"]), batch["status"])
         if terminal:
@@ -128,9 +128,11 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
         time.sleep(poll)
 
 
-def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: float = 1.0,
+def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: float = 1.0, format: str = "packscore",
                  stderr: IO[str] = sys.stderr) -> int:
-    """Runs the backfill to the end; returns how many results (of all the input's requests) are in the output."""
+    """Runs the backfill to the end; returns how many results (of all the input's requests) are in the output.
+    `format`: the results' lines, this service's own ("packscore") or OpenAI Batch output lines ("openai");
+    both carry the custom_id that resuming keys on."""
     ids = read_input_ids(input_path)
     wanted = set(ids)
     done = read_done(out_path)
@@ -155,7 +157,7 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
                 bar.show(len(done & wanted), "uploading")
                 batch_id = client.create_batch(_upload_chunks(input_path, done))["id"]
                 state.write_text(batch_id + "\n")
-            status = _follow(client, batch_id, out, done, wanted, bar, poll)
+            status = _follow(client, batch_id, out, done, wanted, bar, poll, format)
             if wanted - done and status != "completed":
                 raise BackfillError(f"batch {batch_id} ended {status} with {len(wanted - done)} requests not done; "
                                     "run the same command again to submit them")

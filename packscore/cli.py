@@ -1,4 +1,4 @@
-"""`packscore serve | worker | migrate | create-key | score | submit | backfill`."""
+"""`packscore serve | worker | migrate | create-key | score | rerank | submit | backfill`."""
 
 import argparse
 import json
@@ -132,6 +132,18 @@ def score(args: argparse.Namespace) -> None:
     _print_table(body["items"], body["label_token_ids"], out["scores"])
 
 
+def rerank(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        out = client.rerank(args.query, args.document, top_n=args.top_n, instruction=args.instruction)
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+        return
+    print(f"{'rank':>4}  {'index':>5}  {'relevance':>9}  document")
+    for rank, result in enumerate(out["results"], 1):
+        text = json.dumps(result["document"]["text"], ensure_ascii=False)[:60]
+        print(f"{rank:>4}  {result['index']:>5}  {result['relevance_score']:>9.4f}  {text}")
+
+
 def submit(args: argparse.Namespace) -> None:
     body = _request_body(args)
     body.update(return_logprobs=args.logprobs, webhook_url=args.webhook_url,
@@ -151,7 +163,7 @@ def backfill(args: argparse.Namespace) -> None:
 
     try:
         with _client(args) as client:
-            run_backfill(client, Path(args.input), Path(args.out), poll=args.poll)
+            run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
     except (BackfillError, PackscoreError) as exc:
         print(f"\npackscore backfill: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -201,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("score", parents=[connection, request], help="score one request, print a table")
     p.set_defaults(func=score)
 
+    p = commands.add_parser("rerank", parents=[connection], help="rank documents by relevance to a query (/v1/rerank)")
+    p.add_argument("--query", required=True)
+    p.add_argument("--document", action="append", required=True, help="repeat for each document")
+    p.add_argument("--top-n", type=int, help="only the N most relevant")
+    p.add_argument("--instruction", help="the task, in the template's words (default: the template's)")
+    p.add_argument("--json", action="store_true", help="print the API's answer as JSON instead of a table")
+    p.set_defaults(func=rerank)
+
     p = commands.add_parser("submit", parents=[connection, request], help="submit one job, print it as JSON")
     p.add_argument("--wait", action="store_true", help="wait until the job has finished")
     p.add_argument("--poll", type=float, default=0.5)
@@ -215,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="JSONL: one request per line, each with a unique custom_id")
     p.add_argument("--out", required=True, help="results JSONL; appended to, custom_ids in it are skipped")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between progress checks")
+    p.add_argument("--format", choices=("packscore", "openai"), default="packscore",
+                   help="result lines: this service's own, or OpenAI Batch API output lines")
     p.set_defaults(func=backfill)
     return parser
 

@@ -1,15 +1,18 @@
-"""A synchronous Python client (httpx) for the packscore API: /v1/score, jobs and batches.
+"""Python clients (httpx) for the packscore API: /v1/score, /v1/rerank, jobs and batches. `Client` is
+synchronous; `AsyncClient` has the same methods as coroutines, for callers that fan out from asyncio. Each call
+is defined once (`_Calls`); the two clients differ only in how they send it and wait.
 
 Every call backs off and retries on 429 and 503 (honouring Retry-After) and on connection failures, so a
 long backfill rides out a restarting service.
 """
 
+import asyncio
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -54,20 +57,127 @@ def _raise_for_error(response: httpx.Response) -> None:
         raise PackscoreError(response.status_code, "http_error", response.text[:500]) from None
 
 
-class Client:
+Content = Callable[[], Iterable[bytes] | AsyncIterable[bytes]]
+R = TypeVar("R")
+
+
+class _Calls(Generic[R]):
+    """The API's calls, each built once: `_call` sends it and gives its JSON answer (Client), or an awaitable
+    of it (AsyncClient)."""
+
+    max_retries: int
+    max_backoff: float
+    _on_retry: Callable[[str], None] | None
+
+    def _call(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
+              **kwargs: Any) -> R:
+        raise NotImplementedError
+
+    def _retry_wait(self, method: str, attempt: int, response: httpx.Response | None = None,
+                    error: httpx.TransportError | None = None) -> float | None:
+        """Seconds to wait before sending again, or None to give up (the answer or error then stands)."""
+        backoff = min(self.max_backoff, 0.5 * 2 ** attempt)
+        if attempt >= self.max_retries:
+            return None
+        if error is not None:
+            # Connection refused or reset: the service is restarting. A POST that may have arrived is not
+            # resent, except after a connect failure, which never reached the server.
+            if method != "GET" and not isinstance(error, httpx.ConnectError):
+                return None
+            self._note_retry(f"{type(error).__name__}; retrying in {backoff:.1f}s")
+            return backoff
+        if response is None or response.status_code not in RETRY_STATUSES:
+            return None
+        wait = _retry_after(response)
+        wait = backoff if wait is None else min(wait, self.max_backoff * 10)
+        self._note_retry(f"HTTP {response.status_code}; retrying in {wait:.1f}s")
+        return wait
+
+    def _note_retry(self, message: str) -> None:
+        if self._on_retry is not None:
+            self._on_retry(message)
+
+    # ---- scoring, reranking and jobs ------------------------------------------------------
+
+    def score(self, query: str | list[int], items: list, label_token_ids: list[int], *,
+              apply_softmax: bool = False, item_first: bool = False) -> R:
+        """POST /v1/score: waits for the scores."""
+        return self._call("POST", "/v1/score", {"query": query, "items": items, "label_token_ids": label_token_ids,
+                                                "apply_softmax": apply_softmax, "item_first": item_first})
+
+    def rerank(self, query: str, documents: list[str] | list[dict], *, top_n: int | None = None,
+               return_documents: bool = True, instruction: str | None = None) -> R:
+        """POST /v1/rerank: `{"results": [{"index", "relevance_score", "document"?}]}`, most relevant first."""
+        body = {"query": query, "documents": documents, "top_n": top_n, "return_documents": return_documents}
+        return self._call("POST", "/v1/rerank", {**body, **({"instruction": instruction} if instruction else {})})
+
+    def submit_job(self, request: dict, *, idempotency_key: str | None = None) -> R:
+        """POST /jobs with the body of score-semantics.md (plus return_logprobs, webhook_url, metadata), or a
+        rerank body with `"kind": "rerank"`."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call("POST", "/jobs", request, headers=headers)
+
+    def get_job(self, job_id: str) -> R:
+        return self._call("GET", f"/jobs/{job_id}")
+
+    def cancel_job(self, job_id: str) -> R:
+        return self._call("POST", f"/jobs/{job_id}/cancel")
+
+    # ---- batches --------------------------------------------------------------------------
+
+    def create_batch(self, requests: list[dict] | Content, *, webhook_url: str | None = None,
+                     metadata: dict | None = None) -> R:
+        """POST /batches. `requests` is a list of request dicts (sent as one JSON body) or, for large batches,
+        a function returning the JSONL file's bytes in chunks (streamed; called again if the upload is retried)."""
+        if isinstance(requests, list):
+            return self._call("POST", "/batches", {"requests": requests, "webhook_url": webhook_url,
+                                                   "metadata": metadata})
+        params = {k: v for k, v in (("webhook_url", webhook_url),
+                                    ("metadata", json.dumps(metadata) if metadata is not None else None)) if v}
+        return self._call("POST", "/batches", content=requests, params=params,
+                          headers={"content-type": "application/jsonl"})
+
+    def get_batch(self, batch_id: str) -> R:
+        return self._call("GET", f"/batches/{batch_id}")
+
+    def list_batches(self, *, limit: int = 20, cursor: str | None = None) -> R:
+        return self._call("GET", "/batches", params={"limit": limit, **({"cursor": cursor} if cursor else {})})
+
+    def cancel_batch(self, batch_id: str) -> R:
+        return self._call("POST", f"/batches/{batch_id}/cancel")
+
+
+def _request(http: httpx.Client | httpx.AsyncClient, method: str, path: str, payload: Any, content: Content | None,
+             kwargs: dict) -> httpx.Request:
+    headers = kwargs.pop("headers", {})
+    if payload is not None:
+        headers = {"content-type": "application/json", **headers}
+        body = json.dumps(payload).encode()
+    else:
+        body = content() if content else None  # anew for each attempt: an upload generator cannot be replayed
+    return http.build_request(method, path, content=body, headers=headers, **kwargs)
+
+
+def _base_url(base_url: str | None) -> str:
+    return base_url or os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000")
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    api_key = api_key or os.environ.get("PACKSCORE_API_KEY", "")
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class Client(_Calls[dict]):
     """`Client(base_url, api_key)`; the key defaults to $PACKSCORE_API_KEY and the URL to $PACKSCORE_URL."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
                  on_retry: Callable[[str], None] | None = None) -> None:
-        base_url = base_url or os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000")
-        api_key = api_key or os.environ.get("PACKSCORE_API_KEY", "")
         self.max_retries = max_retries
         self.max_backoff = max_backoff
         self._sleep = sleep
         self._on_retry = on_retry
-        self._http = httpx.Client(base_url=base_url, timeout=timeout,
-                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._http = httpx.Client(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
 
     def close(self) -> None:
         self._http.close()
@@ -78,28 +188,20 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, method: str, path: str, *, body: Callable[[], Any] | None = None, stream: bool = False,
-              **kwargs: Any) -> httpx.Response:
-        """One call with retries. `body` builds the request content anew for each attempt (an upload
-        generator cannot be replayed)."""
+    def _send(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
+              stream: bool = False, **kwargs: Any) -> httpx.Response:
+        """One call with retries."""
         for attempt in range(self.max_retries + 1):
-            backoff = min(self.max_backoff, 0.5 * 2 ** attempt)
-            request = self._http.build_request(method, path, content=body() if body else None, **kwargs)
+            request = _request(self._http, method, path, payload, content, dict(kwargs))
             try:
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
-                # Connection refused or reset: the service is restarting. A POST that may have arrived is
-                # not resent, except a connect failure, which never reached the server.
-                if attempt == self.max_retries or (method != "GET" and not isinstance(exc, httpx.ConnectError)):
+                if (wait := self._retry_wait(method, attempt, error=exc)) is None:
                     raise
-                self._note_retry(f"{type(exc).__name__}; retrying in {backoff:.1f}s")
-                self._sleep(backoff)
+                self._sleep(wait)
                 continue
-            if response.status_code in RETRY_STATUSES and attempt < self.max_retries:
-                wait = _retry_after(response)
-                wait = backoff if wait is None else min(wait, self.max_backoff * 10)
+            if (wait := self._retry_wait(method, attempt, response)) is not None:
                 response.close()
-                self._note_retry(f"HTTP {response.status_code}; retrying in {wait:.1f}s")
                 self._sleep(wait)
                 continue
             if response.status_code >= 400 and stream:
@@ -108,33 +210,8 @@ class Client:
             return response
         raise AssertionError("unreachable")
 
-    def _note_retry(self, message: str) -> None:
-        if self._on_retry is not None:
-            self._on_retry(message)
-
-    def _json(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
-        body = None if payload is None else (lambda: json.dumps(payload).encode())
-        headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
-        return self._send(method, path, body=body, headers=headers, **kwargs).json()
-
-    # ---- scoring and jobs -----------------------------------------------------------------
-
-    def score(self, query: str | list[int], items: list, label_token_ids: list[int], *,
-              apply_softmax: bool = False, item_first: bool = False) -> dict:
-        """POST /v1/score: waits for the scores."""
-        return self._json("POST", "/v1/score", {"query": query, "items": items, "label_token_ids": label_token_ids,
-                                                "apply_softmax": apply_softmax, "item_first": item_first})
-
-    def submit_job(self, request: dict, *, idempotency_key: str | None = None) -> dict:
-        """POST /jobs with the body of score-semantics.md (plus return_logprobs, webhook_url, metadata)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._json("POST", "/jobs", request, headers=headers)
-
-    def get_job(self, job_id: str) -> dict:
-        return self._json("GET", f"/jobs/{job_id}")
-
-    def cancel_job(self, job_id: str) -> dict:
-        return self._json("POST", f"/jobs/{job_id}/cancel")
+    def _call(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
+        return self._send(method, path, payload, **kwargs).json()
 
     def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -144,32 +221,10 @@ class Client:
             self._sleep(poll)
         return job
 
-    # ---- batches --------------------------------------------------------------------------
-
-    def create_batch(self, requests: list[dict] | Callable[[], Iterable[bytes]], *, webhook_url: str | None = None,
-                     metadata: dict | None = None) -> dict:
-        """POST /batches. `requests` is a list of request dicts (sent as one JSON body) or, for large batches,
-        a function returning the JSONL file's bytes in chunks (streamed; called again if the upload is retried)."""
-        if isinstance(requests, list):
-            payload = {"requests": requests, "webhook_url": webhook_url, "metadata": metadata}
-            return self._json("POST", "/batches", payload)
-        params = {k: v for k, v in (("webhook_url", webhook_url),
-                                    ("metadata", json.dumps(metadata) if metadata is not None else None)) if v}
-        return self._send("POST", "/batches", body=requests, params=params,
-                          headers={"content-type": "application/jsonl"}).json()
-
-    def get_batch(self, batch_id: str) -> dict:
-        return self._json("GET", f"/batches/{batch_id}")
-
-    def list_batches(self, *, limit: int = 20, cursor: str | None = None) -> dict:
-        return self._json("GET", "/batches", params={"limit": limit, **({"cursor": cursor} if cursor else {})})
-
-    def cancel_batch(self, batch_id: str) -> dict:
-        return self._json("POST", f"/batches/{batch_id}/cancel")
-
-    def iter_batch_results(self, batch_id: str) -> Iterator[dict]:
-        """The finished requests so far, streamed: `{"custom_id", "scores", "logprobs"?, "error"?}`."""
-        response = self._send("GET", f"/batches/{batch_id}/results", stream=True)
+    def iter_batch_results(self, batch_id: str, *, format: str = "packscore") -> Iterator[dict]:
+        """The finished requests so far, streamed: `{"custom_id", "scores", "logprobs"?, "error"?}`, or with
+        format="openai" OpenAI Batch API output lines."""
+        response = self._send("GET", f"/batches/{batch_id}/results", stream=True, params={"format": format})
         try:
             for line in response.iter_lines():
                 if line:
@@ -183,4 +238,83 @@ class Client:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"batch {batch_id} is still {batch['status']}")
             self._sleep(poll)
+        return batch
+
+
+async def _async_chunks(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    # httpx.AsyncClient streams only async iterables; a file read in chunks is a plain one.
+    if isinstance(chunks, AsyncIterable):
+        async for chunk in chunks:
+            yield chunk
+    else:
+        for chunk in chunks:
+            yield chunk
+
+
+class AsyncClient(_Calls[Awaitable[dict]]):
+    """`Client`'s methods as coroutines, on httpx.AsyncClient: `async with AsyncClient(url, key) as client:`."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
+                 max_retries: int = 8, max_backoff: float = 30.0,
+                 on_retry: Callable[[str], None] | None = None) -> None:
+        self.max_retries = max_retries
+        self.max_backoff = max_backoff
+        self._on_retry = on_retry
+        self._http = httpx.AsyncClient(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
+                    stream: bool = False, **kwargs: Any) -> httpx.Response:
+        """One call with retries."""
+        chunks = (lambda: _async_chunks(content())) if content else None
+        for attempt in range(self.max_retries + 1):
+            request = _request(self._http, method, path, payload, chunks, dict(kwargs))
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                if (wait := self._retry_wait(method, attempt, error=exc)) is None:
+                    raise
+                await asyncio.sleep(wait)
+                continue
+            if (wait := self._retry_wait(method, attempt, response)) is not None:
+                await response.aclose()
+                await asyncio.sleep(wait)
+                continue
+            if response.status_code >= 400 and stream:
+                await response.aread()
+            _raise_for_error(response)
+            return response
+        raise AssertionError("unreachable")
+
+    async def _call(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
+        return (await self._send(method, path, payload, **kwargs)).json()
+
+    async def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
+        async with asyncio.timeout(timeout):
+            while (job := await self.get_job(job_id))["status"] not in TERMINAL_JOB:
+                await asyncio.sleep(poll)
+        return job
+
+    async def iter_batch_results(self, batch_id: str, *, format: str = "packscore") -> AsyncIterator[dict]:
+        """As Client.iter_batch_results."""
+        response = await self._send("GET", f"/batches/{batch_id}/results", stream=True, params={"format": format})
+        try:
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
+        finally:
+            await response.aclose()
+
+    async def wait_batch(self, batch_id: str, *, poll: float = 1.0, timeout: float | None = None) -> dict:
+        async with asyncio.timeout(timeout):
+            while (batch := await self.get_batch(batch_id))["status"] not in TERMINAL_BATCH:
+                await asyncio.sleep(poll)
         return batch
