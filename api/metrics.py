@@ -86,19 +86,29 @@ class DatabaseCollector(Collector):
             totals = {(name, label): value for name, label, value in session.execute(
                 select(CounterRow.name, CounterRow.label, func.sum(CounterRow.value))
                 .group_by(CounterRow.name, CounterRow.label))}
-            live = dict(session.execute(select(Job.status, func.count()).where(Job.status.in_(LIVE_JOB_STATUSES))
-                                        .group_by(Job.status)).all())
+            # By priority too (the index's second column): it tells the lanes apart.
+            live_rows = session.execute(select(Job.status, Job.priority, func.count())
+                                        .where(Job.status.in_(LIVE_JOB_STATUSES)).group_by(Job.status, Job.priority)).all()
             pending_deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery)
                                                 .where(WebhookDelivery.status == "pending"))
             cutoff = utcnow() - timedelta(seconds=get_settings().worker_stale_seconds)
             workers = dict(session.execute(select(Worker.attention, func.count()).where(Worker.last_seen_at >= cutoff)
                                            .group_by(Worker.attention)).all())
 
+        from api.crud import PRIORITY_BATCH  # here: api.crud imports this module
+
+        live = {status: sum(n for s, _, n in live_rows if s == status) for status in LIVE_JOB_STATUSES}
         jobs = GaugeMetricFamily("packscore_jobs", "Jobs queued or running now", labels=["status"])
         for status in LIVE_JOB_STATUSES:
             jobs.add_metric([status], live.get(status, 0))
         yield jobs
         yield GaugeMetricFamily("packscore_queue_depth", "Jobs waiting for a worker", value=live.get("queued", 0))
+        lanes = GaugeMetricFamily("packscore_queue_depth_by_lane", "Jobs waiting for a worker, by lane: interactive "
+                                  "(/v1/score, /v1/rerank, POST /jobs) or batch", labels=["lane"])
+        queued = [(priority, n) for status, priority, n in live_rows if status == "queued"]
+        lanes.add_metric(["interactive"], sum(n for priority, n in queued if priority > PRIORITY_BATCH))
+        lanes.add_metric(["batch"], sum(n for priority, n in queued if priority <= PRIORITY_BATCH))
+        yield lanes
         finished = CounterMetricFamily("packscore_jobs_finished", "Jobs that reached a terminal status",
                                        labels=["status"])
         for status in TERMINAL_STATUSES:

@@ -1,0 +1,119 @@
+"""The monitoring that `docker compose --profile monitoring up` starts (monitoring/): every PromQL expression
+of the Grafana dashboard names only metrics that /metrics exports, the panels the README lists are there,
+Prometheus scrapes the API service, Grafana is provisioned with both; and the queue depth by lane."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_batches_api import auth, clean, request_line, upload  # noqa: F401 (clean is a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+MONITORING = REPO / "monitoring"
+DASHBOARD = json.loads((MONITORING / "grafana" / "dashboards" / "packscore.json").read_text())
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+# PromQL words that are not metric names.
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset",
+            "inf", "nan"}
+
+
+def exprs() -> list[str]:
+    return [target["expr"] for panel in DASHBOARD["panels"] for target in panel["targets"]]
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names of a PromQL expression: identifiers that are not functions, keywords, labels
+    (matchers, `by (...)` lists), ranges or strings."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = re.findall(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", expr)
+    return {name for name in names if name.lower() not in KEYWORDS}
+
+
+def test_metric_names_parser() -> None:
+    assert metric_names('histogram_quantile(0.95, sum by (le, route) (rate(a_bucket{x="y(z)"}[5m])))') == {"a_bucket"}
+    assert metric_names("rate(a_sum[$__rate_interval]) / rate(a_count[1m]) * 1e3") == {"a_sum", "a_count"}
+    assert metric_names('sum without (status) (b_total{status=~"a|b"}) > bool 2') == {"b_total"}
+
+
+def exported(client) -> set[str]:  # type: ignore[no-untyped-def]
+    """Every sample name /metrics can export: each family's name, counters' _total, histograms' series."""
+    text = client.get("/metrics").text
+    names = {re.match(r"[\w:]+", line).group(0) for line in text.splitlines() if line and not line.startswith("#")}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        names.add(name)
+        names |= {f"{name}_total"} if kind == "counter" else set()
+        names |= {f"{name}_{suffix}" for suffix in ("bucket", "sum", "count")} if kind == "histogram" else set()
+    return names
+
+
+def test_every_dashboard_expression_names_exported_metrics(client) -> None:  # type: ignore[no-untyped-def]
+    client.get("/healthz")  # so the request metrics have samples
+    available = exported(client)
+    assert {"packscore_pass_seconds_bucket", "packscore_jobs_finished_total", "packscore_workers"} <= available
+    for expr in exprs():
+        names = metric_names(expr)
+        assert names, f"{expr!r} names no metric"
+        assert names <= available, f"{expr!r} names {sorted(names - available)}, which /metrics does not export"
+    assert "packscore_made_up_total" not in available  # the check can fail
+
+
+@pytest.mark.parametrize("title, metric", [
+    ("Throughput (items/s)", "packscore_pass_items_sum"),
+    ("Pass latency", "packscore_pass_seconds_bucket"),
+    ("Queue depth by lane", "packscore_queue_depth_by_lane"),
+    ("Jobs by status", "packscore_jobs_finished_total"),
+    ("Webhook deliveries", "packscore_webhook_deliveries_finished_total"),
+    ("Workers", "packscore_workers"),
+    ("Attention path", "packscore_worker_attention"),
+])
+def test_dashboard_panels(title: str, metric: str) -> None:
+    panels = {panel["title"]: panel for panel in DASHBOARD["panels"]}
+    assert metric in set().union(*(metric_names(t["expr"]) for t in panels[title]["targets"]))
+    ids = [panel["id"] for panel in DASHBOARD["panels"]]
+    assert len(ids) == len(set(ids))
+    assert all(t["datasource"]["uid"] == "prometheus" for panel in panels.values() for t in panel["targets"])
+
+
+def test_compose_monitoring_profile() -> None:
+    services = COMPOSE["services"]
+    monitoring = {name for name, service in services.items() if "monitoring" in service.get("profiles", [])}
+    assert monitoring == {"prometheus", "grafana"}
+    # The default `docker compose up` is unchanged: no other service has a profile.
+    assert all("profiles" not in service for name, service in services.items() if name not in monitoring)
+    for name in monitoring:
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            assert (REPO / source).exists(), f"{name} mounts {source}, which does not exist"
+    prometheus = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    (job,) = prometheus["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    (target,) = job["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    assert host in services and f"{port}:{port}" in services[host]["ports"]
+    datasource = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = datasource["datasources"]
+    assert source["uid"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/packscore.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert f"./monitoring/grafana/dashboards:{path}:ro" in services["grafana"]["volumes"]
+
+
+def lane_depth(client) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    text = client.get("/metrics").text
+    return {lane: float(value) for lane, value in
+            re.findall(r'^packscore_queue_depth_by_lane\{lane="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_queue_depth_by_lane(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    assert lane_depth(client) == {"interactive": 0, "batch": 0}
+    for _ in range(2):
+        client.post("/jobs", json={"query": "q", "items": ["a"], "label_token_ids": [1]}, headers=auth(key))
+    assert upload(client, key, [request_line(i) for i in range(3)]).status_code == 201
+    assert lane_depth(client) == {"interactive": 2, "batch": 3}
+    assert re.search(r"^packscore_queue_depth 5\.0$", client.get("/metrics").text, re.M)
