@@ -190,6 +190,8 @@ class Worker(Base):
     last_seen_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     # The attention path its engine runs (core.scorer.Scorer.attention_path), e.g. "pallas-tpu" or "xla".
     attention: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # "warming" while it compiles its programs (WARMUP=ladder), then "ready"; /readyz counts the ready ones.
+    state: Mapped[str] = mapped_column(String(16), default="ready", server_default="ready")
 
 
 class CounterRow(Base):

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_programs: int = 16
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
     compile_cache_dir: str | None = None
+    # ladder: a starting worker compiles (or loads from COMPILE_CACHE_DIR) every program of the pass-shape
+    # ladder before it takes work, and /readyz says "warming" meanwhile; none: programs compile when first met.
+    warmup: Literal["ladder", "none"] = "ladder"
     # A GGUF model's converted tokenizer and dequantized weights, kept so that restarts skip the conversion.
     model_cache_dir: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024

@@ -35,8 +35,8 @@ from flax import nnx  # noqa: E402
 
 from core import attention as attn  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
-from core.model import CausalLM  # noqa: E402
-from core.packing import PassArrays, build_pass, plan_passes, round_up_bucket  # noqa: E402
+from core.model import HEAD_ROWS, CausalLM  # noqa: E402
+from core.packing import PassArrays, build_pass, plan_passes  # noqa: E402
 from core.requests import TokenizedRequest  # noqa: E402
 
 # Published peaks per chip (dense bf16 FLOP/s, HBM bytes/s); see shared/model-notes.md.
@@ -63,7 +63,6 @@ MODELS = {
 # The seeds' accelerator contract: one request = a 2,000-token query and 500 items of 20 tokens.
 CONTRACT = {"query_tokens": 2000, "items": 500, "item_tokens": 20}
 BLOCK_Q, BLOCK_K = 128, 64  # the engine's table tiles (Scorer defaults)
-LABEL_WIDTH = 2  # label ids per score row (a yes/no pair), as core.scorer pads them
 
 
 def model_specs(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -77,34 +76,9 @@ def contract_request(index: int = 0) -> TokenizedRequest:
     return TokenizedRequest(query, tuple(tuple(range(5, 5 + m)) for _ in range(n)), (1,))
 
 
-def pad_pass(arrays: PassArrays, tokens: int) -> PassArrays:
-    """The same pass laid out in a program of exactly `tokens` tokens (padding sees nothing and is seen by no one)."""
-    T = len(arrays.tokens)
-    if tokens < T:
-        raise ValueError(f"the pass needs {T} tokens, more than {tokens}")
-    C = arrays.cache_len
-    grow = lambda a, fill: np.concatenate([a, np.full(tokens - len(a), fill, np.int32)])
-    q_meta = attn.TokenMeta(grow(arrays.q_meta.seq, attn.QUERY_PAD_SEQ), grow(arrays.q_meta.item, -1),
-                            grow(arrays.q_meta.pos, 0))
-    kv_meta = attn.TokenMeta(
-        np.concatenate([arrays.kv_meta.seq[:C], grow(arrays.kv_meta.seq[C:], attn.KEY_PAD_SEQ)]),
-        np.concatenate([arrays.kv_meta.item[:C], grow(arrays.kv_meta.item[C:], -1)]),
-        np.concatenate([arrays.kv_meta.pos[:C], grow(arrays.kv_meta.pos[C:], 0)]))
-    ids, counts = attn.block_tables(q_meta, kv_meta, BLOCK_Q, BLOCK_K)
-    n_rows = len(arrays.owners)
-    S = next(size for size in (max(8, tokens // 16), max(8, tokens // 4), tokens) if size >= n_rows)
-    return PassArrays(tokens=grow(arrays.tokens, 0), q_meta=q_meta, kv_meta=kv_meta,
-                      tile_ids=attn.pad_tables(ids, round_up_bucket(ids.shape[1], 1, steps_per_octave=2)),
-                      tile_counts=counts, score_rows=np.concatenate([arrays.score_rows[:n_rows],
-                                                                     np.zeros(S - n_rows, np.int32)]),
-                      owners=arrays.owners, cache_len=C, prefix_spans=arrays.prefix_spans)
-
-
 def contract_passes(pass_tokens: int) -> list[PassArrays]:
-    """The passes the engine runs for one contract request at this pass size, each padded to `pass_tokens`
-    (a pass longer than that, which the planner allows for one long sequence, keeps its own length)."""
-    plans = plan_passes([contract_request()], pass_tokens)
-    return [pad_pass(a, max(pass_tokens, len(a.tokens))) for a in (build_pass(p, BLOCK_Q, BLOCK_K) for p in plans)]
+    """The passes the engine runs for one contract request at this pass size (lengths from its ladder)."""
+    return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens) for p in plan_passes([contract_request()], pass_tokens)]
 
 
 def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None) -> tuple:
@@ -114,9 +88,11 @@ def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None) 
     meta = lambda m: (i32(m.seq), i32(m.item), i32(m.pos))
     cache = spec((config.num_layers, arrays.cache_len, config.num_kv_heads, config.head_dim), dtype)
     weights = jax.tree.map(lambda s: spec(s.shape, s.dtype), model_specs(config, dtype)[1])
-    labels = spec((len(arrays.score_rows), LABEL_WIDTH), jnp.int32)
+    from core.scorer import MIN_LABEL_WIDTH
+
+    labels = spec((len(arrays.score_rows), MIN_LABEL_WIDTH), jnp.int32)
     return (weights, i32(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta), i32(arrays.tile_ids),
-            i32(arrays.tile_counts), cache, cache, i32(arrays.score_rows), labels)
+            i32(arrays.tile_counts), cache, cache, i32(arrays.score_rows), labels, spec((), jnp.int32))
 
 
 def pass_program(config: ModelConfig, dtype):
@@ -125,10 +101,11 @@ def pass_program(config: ModelConfig, dtype):
 
     model_def = model_specs(config, dtype)[0]
 
-    def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels):
+    def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
+            n_rows):
         # The contract's request fits one pass and keeps no prefix: no keys/values come out.
         return _run_pass(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows,
-                         score_labels, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
+                         score_labels, n_rows, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
     return run
 
 
@@ -150,7 +127,7 @@ def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform
     c, item = config, jnp.dtype(dtype).itemsize
     flops = hbm = 0.0
     for arrays in passes:
-        T, S = len(arrays.tokens), len(arrays.score_rows)
+        T, S = len(arrays.tokens), -(-arrays.n_rows // HEAD_ROWS) * HEAD_ROWS  # the LM head's rows in use
         Tk = len(arrays.kv_meta.seq)
         per_token = 2 * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                          + 3 * c.hidden_size * c.intermediate_size)

@@ -128,39 +128,57 @@ def dense_attention(q, k, v, q_meta, kv_meta):
     return o.reshape(T, H, D).astype(q.dtype)
 
 
+SLOT_GROUP = 4  # key tiles per step of the XLA path's loop (4 x 64 keys: big enough matmuls, little waste)
+
+
 def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int):
     """Plain-XLA attention over the visible tiles only (see module doc).
 
-    Query tiles are processed one at a time (`lax.map`) so each tile's scores stay in
-    cache; materializing all tiles' scores at once is memory-bound and ~3x slower on CPU.
+    Query tiles are processed one at a time (`lax.map`) so each tile's scores stay in cache; materializing all
+    tiles' scores at once is memory-bound and ~3x slower on CPU. Each query tile loops over its own visible key
+    tiles, SLOT_GROUP at a time (online softmax), for as many steps as its count needs: the table's width is
+    only an upper bound, so a worker can use one width per pass size and the width is not a compile key.
     """
     T, H, D = q.shape
     Tk, Hkv, _ = k.shape
     nq, width = tile_ids.shape
     G = H // Hkv
+    group = SLOT_GROUP
+    tile_ids = jnp.asarray(tile_ids)
+    if width % group:  # repeat each row's last id, as pad_tables does
+        tile_ids = jnp.concatenate([tile_ids, jnp.repeat(tile_ids[:, -1:], -width % group, axis=1)], axis=1)
     k_tiles = k.reshape(Tk // block_k, block_k, Hkv, D)
-    v_tiles = v.reshape(Tk // block_k, block_k, Hkv, D)
+    # The row sums come out of the same matmul as p @ v (ones appended to v): a matmul adds its terms in key
+    # order, so an item's result does not depend on where other items sit in the pass. A plain reduction's
+    # rounding does, by enough to break the 1e-5 isolation rule. The ones are as wide as v: a single ones
+    # column (half the work) changed the CPU matmul's blocking and broke the isolation rule again
+    # (tests/test_engine_parity.py, 2026-11-21).
+    v_tiles = jnp.concatenate([v, jnp.ones_like(v)], axis=-1).reshape(Tk // block_k, block_k, Hkv, 2 * D)
     k_meta_tiles = [m.reshape(Tk // block_k, block_k) for m in kv_meta]
-    slots = jnp.arange(width)
 
     def one_tile(args):
         q_tile, ids, count, q_seq, q_item, q_pos = args
-        kt = k_tiles[ids].reshape(width * block_k, Hkv, D)
-        vt = v_tiles[ids].reshape(width * block_k, Hkv, D)
-        k_seq, k_item, k_pos = (m[ids].reshape(width * block_k) for m in k_meta_tiles)
-        mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None], k_seq[None, :], k_item[None, :], k_pos[None, :])
-        mask &= jnp.repeat(slots < count, block_k)[None, :]
-        s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32) / np.sqrt(D)
-        s = jnp.where(mask, s, _MASKED)
-        p = jnp.exp(s - s.max(axis=-1, keepdims=True))
-        # The row sums come out of the same matmul as p @ v (ones appended to v): a matmul adds
-        # its terms in key order, so an item's result does not depend on where other items sit
-        # in the pass. A plain reduction's rounding does, by enough to break the 1e-5 isolation rule.
-        # The ones are as wide as v: a single ones column (half the work) changed the CPU matmul's blocking
-        # and broke the isolation rule again (tests/test_engine_parity.py, 2026-11-21).
-        o = jnp.einsum("hgij,jhd->hgid", p.astype(v.dtype), jnp.concatenate([vt, jnp.ones_like(vt)], axis=-1),
-                       preferred_element_type=jnp.float32)
-        o = o[..., :D] / o[..., D:D + 1]
+
+        def step(g, carry):
+            m, acc = carry
+            group_ids = jax.lax.dynamic_slice_in_dim(ids, g * group, group)
+            kt = k_tiles[group_ids].reshape(group * block_k, Hkv, D)
+            vt = v_tiles[group_ids].reshape(group * block_k, Hkv, 2 * D)
+            k_seq, k_item, k_pos = (t[group_ids].reshape(group * block_k) for t in k_meta_tiles)
+            mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None], k_seq[None, :], k_item[None, :],
+                           k_pos[None, :])
+            mask &= jnp.repeat(g * group + jnp.arange(group) < count, block_k)[None, :]
+            s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32) / np.sqrt(D)
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            pv = jnp.einsum("hgij,jhd->hgid", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
+            return m_new, acc * jnp.exp(m - m_new) + pv
+
+        init = (jnp.full((Hkv, G, block_q, 1), _MASKED, jnp.float32), jnp.zeros((Hkv, G, block_q, 2 * D), jnp.float32))
+        _, acc = jax.lax.fori_loop(0, (count + group - 1) // group, step, init)
+        # A query tile that sees nothing (padding, count 0) has zero sums: its output is zeros.
+        o = acc[..., :D] / jnp.where(acc[..., D:D + 1] > 0, acc[..., D:D + 1], 1.0)
         return o.transpose(2, 0, 1, 3).astype(q.dtype)
 
     q_tiles = q.reshape(nq, block_q, Hkv, G, D)

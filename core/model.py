@@ -17,6 +17,8 @@ from flax import nnx
 
 from core.config import ModelConfig
 
+HEAD_ROWS = 64  # score rows per step of the LM head
+
 # attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D]) -> [T,H,D]; closes over the pass metadata.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -117,9 +119,11 @@ class CausalLM(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                 score_rows: jax.Array, attention: AttentionFn, keep_kv: bool = True):
-        """Runs the pass and returns (logits [S, V] float32 at score_rows only, (k, v) [L, T, Hkv, hd] each, or
-        None without keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
+                 score_rows: jax.Array, score_labels: jax.Array, n_rows: jax.Array, attention: AttentionFn,
+                 keep_kv: bool = True):
+        """Runs the pass and returns (log P(label) [S, labels] float32 for the first `n_rows` score rows, each
+        row's label ids in `score_labels` (zeros after them); (k, v) [L, T, Hkv, hd] each, or None without
+        keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
 
         cache_k/v [L, C, Hkv, hd] hold keys/values computed by an earlier pass (a shared prefix reused
         across chunks); the new tokens attend to them through `attention`.
@@ -135,7 +139,25 @@ class CausalLM(nnx.Module):
             return x, ((k, v) if keep_kv else None)
 
         x, kv = jax.lax.scan(step, x, (layer_state, cache_k, cache_v))
-        h = self.final_norm(x[score_rows])
+        return self.label_logprobs(self.final_norm(x[score_rows]), score_labels, n_rows), kv
+
+    def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array) -> jax.Array:
+        """log-softmax over the vocabulary, taken at `labels` [S, W], for the first n_rows rows of h [S, D].
+
+        The LM head runs on HEAD_ROWS rows at a time for as many steps as there are rows: a pass can offer a
+        score row per token (so the row count is never a compile key) and pay only for the rows it uses."""
         head = self.lm_head if hasattr(self, "lm_head") else self.embed  # [V, D]; tied models reuse the embedding
-        logits = jnp.einsum("sd,vd->sv", h.astype(head.dtype), head[...], preferred_element_type=jnp.float32)
-        return logits, kv
+        S, W = labels.shape
+        rows = min(HEAD_ROWS, S)
+        h = jnp.pad(h, ((0, -S % rows), (0, 0)))
+        labels = jnp.pad(labels, ((0, -S % rows), (0, 0)))
+
+        def chunk(i, out):
+            hc = jax.lax.dynamic_slice_in_dim(h, i * rows, rows).astype(head.dtype)
+            logits = jnp.einsum("sd,vd->sv", hc, head[...], preferred_element_type=jnp.float32)
+            picked = jnp.take_along_axis(logits, jax.lax.dynamic_slice_in_dim(labels, i * rows, rows), axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(
+                out, picked - jax.nn.logsumexp(logits, axis=1, keepdims=True), i * rows, 0)
+
+        out = jax.lax.fori_loop(0, (n_rows + rows - 1) // rows, chunk, jnp.zeros(labels.shape, jnp.float32))
+        return out[:S]

@@ -7,7 +7,11 @@ query share one sequence. A prefix's keys/values can be kept in a cache and read
 passes: a request too large for one pass is split into a prefix pass and chunks of its
 items against that cache, and a query seen recently is not recomputed.
 
-All shapes are rounded up to buckets so the item count never becomes a compile key.
+Shapes come from a short fixed ladder (`pass_length`): a pass of T tokens, T one of
+pass_tokens/8, /4, /2 or pass_tokens (larger only for one sequence longer than a pass),
+offers T score rows (the LM head runs on the rows in use only), and reads a cache of 0 or
+pass_tokens keys (more only after such a long sequence). The item count, the query length
+and the label count never become compile keys.
 """
 
 import math
@@ -35,7 +39,8 @@ class PackedSequence:
 
     @property
     def new_tokens(self) -> int:
-        own = 0 if self.prefix_cached else len(self.prefix)
+        # With the prefix cached, its last token runs again once per request with empty items (see build_pass).
+        own = len({r for r, _ in self.scored_at_prefix_end}) if self.prefix_cached else len(self.prefix)
         return own + sum(len(t) for _, _, t in self.items)
 
 
@@ -59,6 +64,34 @@ def round_up_bucket(n: int, minimum: int, steps_per_octave: int = 4) -> int:
     octave = 2 ** (math.ceil(math.log2(n)) - 1)
     step = max(octave // steps_per_octave, 1)
     return -(-n // step) * step
+
+
+def ladder(pass_tokens: int, block: int) -> list[int]:
+    """The pass lengths a worker compiles: pass_tokens/8, /4, /2 and pass_tokens, as multiples of `block`."""
+    return sorted({-(-max(pass_tokens >> shift, block) // block) * block for shift in (3, 2, 1, 0)})
+
+
+def pass_length(tokens: int, rows: int, pass_tokens: int, block: int) -> int:
+    """T for a pass of `tokens` tokens and `rows` score rows: the smallest rung with room for both; past
+    pass_tokens (one sequence longer than a pass), pass_tokens doubled as often as needed. Rows exceed tokens
+    only when many requests share a short query and score it with empty items."""
+    fits = lambda T: T >= max(tokens, rows)
+    T = next((T for T in ladder(pass_tokens, block) if fits(T)), None)
+    if T is None:
+        T = ladder(pass_tokens, block)[-1]
+        while not fits(T):
+            T *= 2
+    return T
+
+
+def cache_length(cached: int, pass_tokens: int, block: int) -> int:
+    """C for a pass reading `cached` keys of cached prefixes: 0, or pass_tokens (doubled past that)."""
+    if not cached:
+        return 0
+    C = ladder(pass_tokens, block)[-1]
+    while C < cached:
+        C *= 2
+    return C
 
 
 def _split_items(items: list, budget: int) -> list[list]:
@@ -144,29 +177,33 @@ class PassArrays:
     kv_meta: TokenMeta  # [C + T]: the cached prefixes first, then this pass's tokens
     tile_ids: np.ndarray  # [T / block_q, width]
     tile_counts: np.ndarray  # [T / block_q]
-    score_rows: np.ndarray  # [S]
-    owners: list[tuple[int, int]]  # (request, item) of each real score row, in order
-    cache_len: int  # C (bucketed), 0 without cached prefixes
+    score_rows: np.ndarray  # [T]: token index of each score row, the n_rows in use first (then token 0)
+    n_rows: int
+    owners: list[tuple[int, int]]  # (request, item) of every item the pass scores
+    owner_rows: np.ndarray  # [len(owners)]: each owner's score row (a request's empty items share one)
+    cache_len: int  # C, 0 without cached prefixes
     prefix_spans: list[tuple[int, int]]  # per sequence: [start, end) of its prefix among this pass's tokens
 
     @property
     def real_tokens(self) -> int:
         return int((self.q_meta.seq >= 0).sum())
 
-    @property
-    def shape_key(self) -> tuple:
-        """The padded shapes that select a compiled program."""
-        return len(self.tokens), self.cache_len, len(self.score_rows), self.tile_ids.shape[1]
 
 
-def build_pass(plan: PassPlan, block_q: int, block_k: int) -> PassArrays:
-    """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens."""
+def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None) -> PassArrays:
+    """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens.
+
+    Its length T, score rows and cache length C come from the ladder of `pass_tokens` (see `pass_length`;
+    None: the ladder whose top is this pass's length rounded up to a power of two). The tables are as wide as
+    the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further).
+    """
     tokens: list[int] = []
     seq_ids: list[int] = []
     item_ids: list[int] = []
     positions: list[int] = []
     score_rows: list[int] = []
     owners: list[tuple[int, int]] = []
+    owner_rows: list[int] = []
     prefix_spans: list[tuple[int, int]] = []
     cache_seq: list[int] = []
     cache_pos: list[int] = []
@@ -183,33 +220,36 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int) -> PassArrays:
             item_ids.extend([-1] * len(seq.prefix))
             positions.extend(range(len(seq.prefix)))
         prefix_spans.append((start, len(tokens)))
-        for owner in seq.scored_at_prefix_end:
+        request_rows: dict[int, int] = {}  # a request's empty items share one row (its labels are the same)
+        for r, item in seq.scored_at_prefix_end:
             # An empty item scores the query alone. With the prefix cached, the query's last token is
             # run again as a query row that sees the cached prefix (itself included); its key is
             # hidden from everyone, as the cache already holds it.
-            if seq.prefix_cached:
-                tokens.append(seq.prefix[-1])
-                seq_ids.append(seq_id)
-                item_ids.append(-1)
-                positions.append(len(seq.prefix) - 1)
-                hidden_keys.append(len(tokens) - 1)
-            score_rows.append(len(tokens) - 1)
-            owners.append(owner)
+            if r not in request_rows:
+                if seq.prefix_cached:
+                    tokens.append(seq.prefix[-1])
+                    seq_ids.append(seq_id)
+                    item_ids.append(-1)
+                    positions.append(len(seq.prefix) - 1)
+                    hidden_keys.append(len(tokens) - 1)
+                request_rows[r] = len(score_rows)
+                score_rows.append(len(tokens) - 1)
+            owners.append((r, item))
+            owner_rows.append(request_rows[r])
         # Item ids number the sequence's items (requests sharing a query share a sequence).
         for item_id, (r, item, toks) in enumerate(seq.items):
             tokens.extend(toks)
             seq_ids.extend([seq_id] * len(toks))
             item_ids.extend([item_id] * len(toks))
             positions.extend(range(len(seq.prefix), len(seq.prefix) + len(toks)))
-            score_rows.append(len(tokens) - 1)
             owners.append((r, item))
+            owner_rows.append(len(score_rows))
+            score_rows.append(len(tokens) - 1)
 
     block = max(block_q, block_k)  # both tile sizes must divide T and C
-    T = -(-round_up_bucket(len(tokens), block) // block) * block
-    C = -(-round_up_bucket(len(cache_seq), block) // block) * block if cache_seq else 0
-    # Score rows take one of three sizes per token bucket (each shape is a compiled program, tens of MB
-    # on CPU): the LM head on up to 16x spare rows costs little next to the pass itself.
-    S = next(size for size in (max(8, T // 16), max(8, T // 4), T) if size >= len(score_rows))
+    pass_tokens = pass_tokens or 1 << (max(len(tokens), block) - 1).bit_length()
+    T = pass_length(len(tokens), len(score_rows), pass_tokens, block)
+    C = cache_length(len(cache_seq), pass_tokens, block)
 
     def padded(values, length, fill):
         out = np.full(length, fill, np.int32)
@@ -232,8 +272,10 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int) -> PassArrays:
         kv_meta=kv_meta,
         tile_ids=pad_tables(ids, width),
         tile_counts=counts,
-        score_rows=padded(score_rows, S, 0),
+        score_rows=padded(score_rows, T, 0),
+        n_rows=len(score_rows),
         owners=owners,
+        owner_rows=np.asarray(owner_rows, np.int32),
         cache_len=C,
         prefix_spans=prefix_spans,
     )

@@ -16,7 +16,7 @@ from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import CausalLM
-from core.packing import PackedSequence, PassPlan, build_pass, plan_passes
+from core.packing import PackedSequence, PassPlan, build_pass, ladder, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
@@ -39,13 +39,17 @@ class PassResult:
     shape_key: tuple  # the padded shapes that select the compiled program
 
 
+MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
+
+
 def _score_labels(requests: Sequence[TokenizedRequest], arrays) -> np.ndarray:
-    """Per score row, its request's label ids [S, width]; the width is a power of two (a compile key), rows
-    padded with their first label, padding rows with label 0."""
+    """Per score row, its request's label ids [S, width]; the width is 8, or a power of two above (a compile
+    key only for requests with more than 8 labels); rows padded with their first label, padding rows with
+    label 0."""
     widths = [len(requests[r].label_token_ids) for r, _ in arrays.owners]
-    width = 1 << (max(widths, default=1) - 1).bit_length()
+    width = max(MIN_LABEL_WIDTH, 1 << (max(widths, default=1) - 1).bit_length())
     labels = np.zeros((len(arrays.score_rows), width), np.int32)
-    for row, (r, _) in enumerate(arrays.owners):
+    for (r, _), row in zip(arrays.owners, arrays.owner_rows):
         ids = requests[r].label_token_ids
         labels[row] = list(ids) + [ids[0]] * (width - len(ids))
     return labels
@@ -53,11 +57,11 @@ def _score_labels(requests: Sequence[TokenizedRequest], arrays) -> np.ndarray:
 
 def _collect_scores(requests: Sequence[TokenizedRequest], arrays, logprobs: np.ndarray) -> list[ItemScores]:
     by_request: dict[int, list[int]] = {}
-    for row, (r, _) in enumerate(arrays.owners):
-        by_request.setdefault(r, []).append(row)
-    return [ItemScores(r, np.asarray([arrays.owners[i][1] for i in rows]),
-                       logprobs[rows, :len(requests[r].label_token_ids)].astype(np.float64))
-            for r, rows in by_request.items()]
+    for i, (r, _) in enumerate(arrays.owners):
+        by_request.setdefault(r, []).append(i)
+    return [ItemScores(r, np.asarray([arrays.owners[i][1] for i in owners]),
+                       logprobs[arrays.owner_rows[owners], :len(requests[r].label_token_ids)].astype(np.float64))
+            for r, owners in by_request.items()]
 
 
 def _default_attention() -> str:
@@ -66,7 +70,7 @@ def _default_attention() -> str:
 
 @partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv"))
 def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
-              *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool):
+              n_rows, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
     log-probabilities leave the device, not [S, vocab] logits."""
@@ -79,9 +83,7 @@ def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache
                                      interpret=impl == "pallas-interpret")
 
     model = nnx.merge(model_def, model_state)
-    logits, kv = model(tokens, q_meta[2], cache_k, cache_v, score_rows, attention, keep_kv)
-    logprobs = jnp.take_along_axis(logits, score_labels, axis=1) - jax.nn.logsumexp(logits, axis=1, keepdims=True)
-    return logprobs, kv
+    return model(tokens, q_meta[2], cache_k, cache_v, score_rows, score_labels, n_rows, attention, keep_kv)
 
 
 class _Programs:
@@ -184,6 +186,11 @@ class Scorer:
         """How many compiled pass programs this process holds now (at most `max_programs`)."""
         return len(_PROGRAMS.resident)
 
+    @property
+    def cached_prefix_bytes(self) -> int:
+        """Bytes of keys/values the prefix cache holds now (at most about `prefix_cache_bytes`)."""
+        return sum(k.nbytes + v.nbytes for k, v in self._prefix_cache.values())
+
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
         """Validates a request and tokenizes it as score-semantics.md says; raises ScoringError."""
         return self.requests.tokenize(query, items, label_token_ids, item_first)
@@ -197,8 +204,7 @@ class Scorer:
     def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array) -> None:
         self._prefix_cache[query] = (k, v)
         self._prefix_cache.move_to_end(query)
-        size = lambda kv: kv[0].nbytes + kv[1].nbytes
-        while len(self._prefix_cache) > 1 and sum(map(size, self._prefix_cache.values())) > self.prefix_cache_bytes:
+        while len(self._prefix_cache) > 1 and self.cached_prefix_bytes > self.prefix_cache_bytes:
             self._prefix_cache.popitem(last=False)
 
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
@@ -226,31 +232,66 @@ class Scorer:
                 self._run_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]))
             self._prefix_cache.move_to_end(seq.prefix)
             cached.append(self._prefix_cache[seq.prefix])
-        arrays = build_pass(plan, self.block_q, self.block_k)
+        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens)
         labels = _score_labels(requests, arrays)
-        # Keys/values come out of the pass only when it keeps a prefix (a second program for such shapes).
-        keep_kv = any(seq.keep_prefix for seq in plan.sequences)
-        logprobs, kv = self._execute(arrays, cached, labels, keep_kv)
+        # Keys/values come out of a pass that keeps a prefix and reads none from the cache: three program
+        # kinds per pass length instead of four. A new query coalesced into a pass with cached ones is not
+        # kept (it is computed again if it comes back).
+        keep_kv = arrays.cache_len == 0 and any(seq.keep_prefix for seq in plan.sequences)
+        logprobs, kv, shape_key = self._execute(arrays, cached, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
-            if seq.keep_prefix:
+            if keep_kv and seq.keep_prefix:
                 self._remember_prefix(seq.prefix, kv[0][:, lo:hi], kv[1][:, lo:hi])
         return PassResult(_collect_scores(requests, arrays, logprobs), arrays.real_tokens, len(arrays.tokens),
-                          time.perf_counter() - start, arrays.shape_key + (labels.shape[1], keep_kv))
+                          time.perf_counter() - start, shape_key)
+
+    def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
+        """The XLA path loops over each query tile's own tiles, so its tables take the widest width a pass of
+        this length can need: the width is then no compile key. A Pallas kernel's grid spans the table, so its
+        tables stay as narrow as the pass needs (a compile key on accelerators)."""
+        return (cache_len + tokens) // self.block_k if self.attention == "xla" else needed
+
+    def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
+                 keep_kv: bool) -> jax.stages.Compiled:
+        c = self.config
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype)
+        args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3,
+                i32(tokens // self.block_q, width), i32(tokens // self.block_q), cache, cache, i32(score_rows),
+                i32(score_rows, label_width), i32())
+        statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
+                   "block_k": self.block_k, "keep_kv": keep_kv}
+        return _PROGRAMS.get(self.max_programs, args, statics)
+
+    def warm_up(self) -> int:
+        """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
+        core.packing): for each pass length, a pass that keeps its prefixes, one that keeps none and one that
+        reads cached prefixes, for up to 8 labels. Returns how many. With a Pallas kernel, narrower tables
+        than the widest are compiled when first met."""
+        block = max(self.block_q, self.block_k)
+        lengths = ladder(self.pass_tokens, block)
+        shapes = [(T, C, keep) for T in lengths for C, keep in ((0, True), (0, False), (lengths[-1], False))]
+        with self._engine_lock:
+            for T, C, keep in shapes:
+                self._program(T, C, T, (C + T) // self.block_k, MIN_LABEL_WIDTH, keep)
+        return len(shapes)
 
     def _execute(self, arrays, cached: list[tuple[jax.Array, jax.Array]], labels: np.ndarray, keep_kv: bool):
         c = self.config
+        T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         empty = jnp.zeros((c.num_layers, 0, c.num_kv_heads, c.head_dim), self.dtype)
-        pad = ((0, 0), (0, arrays.cache_len - sum(k.shape[1] for k, _ in cached)), (0, 0), (0, 0))
+        pad = ((0, 0), (0, C - sum(k.shape[1] for k, _ in cached)), (0, 0), (0, 0))
         cache_k = jnp.pad(jnp.concatenate([empty] + [k for k, _ in cached], axis=1), pad)
         cache_v = jnp.pad(jnp.concatenate([empty] + [v for _, v in cached], axis=1), pad)
+        tile_ids = attn.pad_tables(arrays.tile_ids, self._table_width(T, C, arrays.tile_ids.shape[1]))
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
-        args = (self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta),
-                jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), cache_k, cache_v,
-                jnp.asarray(arrays.score_rows), jnp.asarray(labels))
-        statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
-                   "block_k": self.block_k, "keep_kv": keep_kv}
-        logprobs, kv = _PROGRAMS.get(self.max_programs, args, statics)(*args)
-        return np.asarray(logprobs), kv
+        shape_key = (T, C, S, tile_ids.shape[1], labels.shape[1], keep_kv)
+        program = self._program(*shape_key)
+        logprobs, kv = program(self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta),
+                               meta(arrays.kv_meta), jnp.asarray(tile_ids), jnp.asarray(arrays.tile_counts),
+                               cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
+                               jnp.int32(arrays.n_rows))
+        return np.asarray(logprobs), kv, shape_key
 
     # ---- one-request convenience API --------------------------------------------------
 

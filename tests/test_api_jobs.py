@@ -277,3 +277,29 @@ def test_lone_surrogates_are_rejected(client, make_key) -> None:  # type: ignore
         response = client.post("/jobs", content=raw, headers=headers)
         assert response.status_code in (400, 422), response.text
         assert response.json()["error"]["code"] == "invalid_input"
+
+
+def test_readyz_says_warming_until_a_worker_is_ready(client) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import delete
+
+    from api.db import session_scope
+    from api.models import Worker
+    from api.settings import get_settings
+    from worker.drain import heartbeat
+
+    with session_scope() as session:
+        session.execute(delete(Worker))
+    try:
+        assert client.get("/readyz").json()["status"] == "not_ready"
+        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "warming")
+        warming = client.get("/readyz")
+        assert warming.status_code == 503
+        assert warming.json()["status"] == "warming"
+        assert warming.json()["checks"] == {"database": True, "broker": True, "workers": 0, "warming": 1}
+        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "ready")
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["checks"]["workers"] == 1
+        assert ready.json()["checks"]["warming"] == 0
+    finally:
+        with session_scope() as session:
+            session.execute(delete(Worker))

@@ -7,6 +7,7 @@ import pytest
 
 from core import ERROR_CODES, Scorer, ScoringError
 from core.config import ModelConfig
+from core.packing import ladder
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_compile_count_bounded_by_buckets(tiny):
     before = tiny.compiled_programs
     shapes = {result.shape_key for req in requests for result in tiny.iter_passes([req])}
     compiled = tiny.compiled_programs - before
-    assert compiled <= len(shapes) <= 12  # not one program per item count: a few buckets
+    assert compiled <= len(shapes) <= 3  # not one program per item count: the ladder's few
     assert len({r.n_items for r in requests}) > 2 * len(shapes)
     again = tiny.compiled_programs
     tiny.clear_prefix_cache()  # else the queries are cached now and the passes take other shapes
@@ -218,9 +219,9 @@ def test_prefixes_evicted_between_planning_and_running(tiny):
 def test_resident_programs_are_capped_least_recently_used_first(tiny):
     capped = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=2)
     rng = np.random.default_rng(11)
-    # Three requests of three pass shapes (token counts in different buckets).
+    # Three requests of three pass lengths (512, 1024 and 2048 tokens on the ladder of 4096).
     requests = [capped.tokenize(rng.integers(5, 400, 4).tolist(),
-                                [rng.integers(5, 400, 3).tolist() for _ in range(n)], [1]) for n in (2, 40, 150)]
+                                [rng.integers(5, 400, 3).tolist() for _ in range(n)], [1]) for n in (2, 200, 500)]
 
     def run(request) -> list[tuple]:
         capped.clear_prefix_cache()  # the same passes each time, not passes against a cached query
@@ -234,3 +235,26 @@ def test_resident_programs_are_capped_least_recently_used_first(tiny):
     run(requests[0])  # the least recent one was evicted: compiled again
     assert capped.compiled_programs == before + 1
     assert capped.resident_programs == 2
+
+
+def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
+    """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
+    queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder."""
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=16)
+    assert scorer.warm_up() == 12  # 4 pass lengths x 3 kinds
+    lengths = ladder(scorer.pass_tokens, 128)
+    assert lengths == [512, 1024, 2048, 4096]
+    rng = np.random.default_rng(5)
+    queries = [rng.integers(5, 49152, int(rng.integers(5, 1200))).tolist() for _ in range(6)]
+    before = scorer.compiled_programs
+    shapes = set()
+    for n in range(25):
+        items = [rng.integers(5, 49152, int(rng.integers(1, 60))).tolist() for _ in range(int(rng.integers(1, 300)))]
+        labels = rng.integers(0, 49152, int(rng.integers(1, 9))).tolist()
+        request = scorer.tokenize(queries[n % len(queries)], items, labels, item_first=n % 5 == 4)
+        shapes |= {result.shape_key for result in scorer.iter_passes([request])}
+    assert scorer.compiled_programs == before
+    for T, C, S, width, label_width, keep_kv in shapes:
+        assert T in lengths and C in (0, lengths[-1]) and S == T and width == (C + T) // 64 and label_width == 8
+        assert not (C and keep_kv)
+    assert {C for _, C, *_ in shapes} == {0, 4096}  # passes against cached queries were among them

@@ -276,9 +276,10 @@ def _settle(batch_ids: set[str]) -> None:
                 settle_batch(session, batch_id)
 
 
-def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None) -> None:
-    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz), with the
-    attention path its engine runs (for /metrics)."""
+def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None,
+              state: str = "ready") -> None:
+    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz), with its
+    state ("warming" or "ready") and the attention path its engine runs (for /metrics)."""
     now = utcnow()
     with session_scope() as session:
         if active_jobs:
@@ -286,8 +287,9 @@ def heartbeat(owner: str, model: str, settings: Settings, attention: str | None 
                                               Job.status == "running")
                             .values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
         if not session.execute(update(Worker).where(Worker.id == owner)
-                               .values(last_seen_at=now, attention=attention)).rowcount:
-            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention))
+                               .values(last_seen_at=now, attention=attention, state=state)).rowcount:
+            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
+                               state=state))
 
 
 def sweep(settings: Settings) -> bool:

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -44,6 +45,8 @@ _interactive_idle.set()
 _batch_lane: threading.Thread | None = None
 _batch_lane_lock = threading.Lock()
 _batch_lane_wanted = threading.Event()
+# Set once the engine's programs are warm (WARMUP): until then the heartbeat says "warming" and nothing drains.
+_ready = threading.Event()
 
 
 def _drain() -> int:
@@ -126,7 +129,10 @@ def _every(seconds: float, step: Callable[[], None]) -> None:
 
 def _maintain() -> None:
     settings = get_settings()
-    drain_module.heartbeat(WORKER_ID, settings.model, settings, get_scorer().attention_path)
+    drain_module.heartbeat(WORKER_ID, settings.model, settings, get_scorer().attention_path,
+                           "ready" if _ready.is_set() else "warming")
+    if not _ready.is_set():
+        return
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
@@ -151,10 +157,16 @@ def _deliver() -> None:
 def _start(**_: object) -> None:
     settings = get_settings()
     scorer = get_scorer()  # load before consuming: the first drain should not pay for it
-    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path)
+    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "warming")
     for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
                           (_prune, settings.retention_interval_seconds)):
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
+    if settings.warmup == "ladder":  # Celery consumes nothing before this handler returns
+        start = time.perf_counter()
+        programs = scorer.warm_up()
+        log.info("worker %s warmed %d programs in %.1f s", WORKER_ID, programs, time.perf_counter() - start)
+    _ready.set()
+    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "ready")
     kick_drain()  # jobs may have queued while no worker ran
     log.info("worker %s ready (model %s)", WORKER_ID, settings.model)
 

@@ -21,21 +21,24 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"description": "Not ready: the body says which check failed"}})
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
-    """Ready to serve: the database and the broker answer and at least one worker was seen recently."""
+    """Ready to serve: the database and the broker answer and at least one ready worker was seen recently.
+    "warming" (503) while the only live workers still compile their programs (WARMUP=ladder)."""
     checks: dict[str, bool | int] = {}
     try:
         session.execute(text("SELECT 1"))
         cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
-        workers = session.scalar(select(func.count()).select_from(Worker).where(Worker.last_seen_at >= cutoff)) or 0
+        states = dict(session.execute(select(Worker.state, func.count()).where(Worker.last_seen_at >= cutoff)
+                                      .group_by(Worker.state)).all())
         checks["database"] = True
     except Exception:  # readiness reports, it does not fail
-        workers = 0
+        states = {}
         checks["database"] = False
     checks["broker"] = broker_reachable()
-    checks["workers"] = workers
-    ready = bool(checks["database"] and checks["broker"] and workers > 0)
-    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
-                        status_code=200 if ready else 503)
+    checks["workers"] = states.get("ready", 0)
+    checks["warming"] = states.get("warming", 0)
+    ready = bool(checks["database"] and checks["broker"] and checks["workers"] > 0)
+    status = "ready" if ready else "warming" if checks["warming"] else "not_ready"
+    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=Response)
