@@ -11,7 +11,7 @@ from api.errors import ERROR_RESPONSES, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routes import batches, health, jobs, score
-from api.deps import get_request_tokenizer
+from api.deps import get_request_tokenizer, get_rerank_prompt
 from api.settings import get_settings
 from api.waiter import JobWaiter
 
@@ -21,8 +21,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Threads for the routes' blocking work. More than a few only fight over the GIL (the work is Python and
     # short database calls), which starves the event loop: /healthz and waiting calls answer late.
     anyio.to_thread.current_default_thread_limiter().total_tokens = get_settings().api_threads
-    # Load the tokenizer before taking traffic, so the first request is not slow.
+    # Load the tokenizer before taking traffic, so the first request is not slow; and the rerank template, so
+    # a RERANK_TEMPLATE that does not fit the model stops the start instead of failing requests.
     await run_in_threadpool(get_request_tokenizer)
+    await run_in_threadpool(get_rerank_prompt)
     yield
     await app.state.job_waiter.stop()
 
