@@ -393,6 +393,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--mix", default="small=0.6,medium=0.3,large=0.1")
     parser.add_argument("--sizes", default="small=3,medium=30,large=200", help="items per request of each kind")
+    parser.add_argument("--trend-skip", type=float, default=0.2,
+                        help="leading fraction of the run left out of the memory trend (0.5: the second half)")
+    parser.add_argument("--query-words", type=int, default=12, help="a query has 1 to this many words")
+    parser.add_argument("--item-words", type=int, default=6, help="an item has 1 to this many words")
     parser.add_argument("--max-requests", type=int, default=100_000)
     parser.add_argument("--sync-share", type=float, default=0.0,
                         help="fraction of the requests sent to POST /v1/score instead of POST /jobs")
@@ -404,7 +408,8 @@ def main() -> None:
     cfg = LoadConfig(duration_s=parse_duration(args.duration), seed=args.seed, rate=args.rate,
                      concurrency=args.concurrency, mix=parse_weights(args.mix),
                      sizes=parse_weights(args.sizes, int), max_requests=args.max_requests, verify=args.verify,
-                     sync_share=args.sync_share,
+                     sync_share=args.sync_share, query_words=args.query_words, item_words=args.item_words,
+                     warmup_fraction=args.trend_skip,
                      sample_interval_s=args.sample_interval)
     out = Path(args.out)
     if args.start_service:

@@ -130,7 +130,7 @@ class Service:
         return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {key or self.key}"},
                             timeout=60)
 
-    def wait_for_workers(self, n: int, seconds: float = 90) -> None:
+    def wait_for_workers(self, n: int, seconds: float = 300) -> None:
         wait_until(lambda: httpx.get(f"{self.base_url}/readyz", timeout=10).json()["checks"]["workers"] >= n,
                    seconds, f"{n} ready workers; logs in {self.logs}")
 
