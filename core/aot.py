@@ -92,7 +92,8 @@ def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None) 
 
     labels = spec((len(arrays.score_rows), MIN_LABEL_WIDTH), jnp.int32)
     return (weights, i32(arrays.tokens), meta(arrays.q_meta), meta(arrays.kv_meta), i32(arrays.tile_ids),
-            i32(arrays.tile_counts), cache, cache, i32(arrays.score_rows), labels, spec((), jnp.int32))
+            i32(arrays.tile_counts), cache, cache, i32(arrays.score_rows), labels, spec((), jnp.int32),
+            spec((), jnp.int32))
 
 
 def pass_program(config: ModelConfig, dtype):
@@ -102,10 +103,10 @@ def pass_program(config: ModelConfig, dtype):
     model_def = model_specs(config, dtype)[0]
 
     def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
-            n_rows):
+            n_rows, n_tokens):
         # The contract's request fits one pass and keeps no prefix: no keys/values come out.
         return _run_pass(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows,
-                         score_labels, n_rows, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
+                         score_labels, n_rows, n_tokens, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
     return run
 
 

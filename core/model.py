@@ -18,6 +18,9 @@ from flax import nnx
 from core.config import ModelConfig
 
 HEAD_ROWS = 64  # score rows per step of the LM head
+# Tokens per step of the projections and the MLP on CPU. On accelerators a pass runs them in one step: every
+# step reads all the weights again, which costs more there than the padding it saves.
+TOKEN_ROWS = 512
 
 # attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D]) -> [T,H,D]; closes over the pass metadata.
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -37,6 +40,23 @@ def apply_rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> 
 def dense(x: jax.Array, w: nnx.Param) -> jax.Array:
     """x @ w in the weights' dtype with float32 accumulation and a float32 result."""
     return jnp.dot(x.astype(w.dtype), w[...], preferred_element_type=jnp.float32)
+
+
+def over_tokens(fn: Callable, n_tokens: jax.Array, rows: int | None, *xs: jax.Array):
+    """`fn` (row by row) on the first `n_tokens` rows of `xs` (each [T, ...]), `rows` rows a step (None: all
+    T at once), for as many steps as those rows need: a pass pays for its real tokens, not for the ladder
+    length it is padded to. Rows past them come out as zeros (their keys are masked, nothing reads them)."""
+    T = xs[0].shape[0]
+    rows = min(rows or T, T)
+    shapes = jax.eval_shape(fn, *(x[:rows] for x in xs))
+    # A last step that would run past T is moved back to end at T (dynamic slices clamp), recomputing rows
+    # that are already done: fn is row by row, so they come out the same.
+    def step(i, out):
+        part = fn(*(jax.lax.dynamic_slice_in_dim(x, i * rows, rows) for x in xs))
+        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, i * rows, 0), out, part)
+
+    init = jax.tree.map(lambda s: jnp.zeros((T, *s.shape[1:]), s.dtype), shapes)
+    return jax.lax.fori_loop(0, (n_tokens + rows - 1) // rows, step, init)
 
 
 class RMSNorm(nnx.Module):
@@ -61,22 +81,23 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    def __call__(self, h: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                 attention: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """h [T, D] normed; keys also cover the cached context (cache_k/v [C, Hkv, hd], C may be 0).
-        Returns (output [T, D] float32, this pass's k, v in the cache's dtype)."""
+    def project(self, h: jax.Array, positions: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+        """q [T, H, hd], k and v [T, Hkv, hd] of h [T, D] (normed), in `dtype` (the cache's)."""
         c, T = self.config, h.shape[0]
         # Norm and rotation in float32; q, k and v are rounded to the cache's dtype once, at the end.
         qkv = dense(h, self.wqkv)
         q = qkv[:, : c.q_size].reshape(T, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(cache_v.dtype)
+        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_embedding(q, positions, c.rope_theta).astype(cache_k.dtype)
-        k = apply_rotary_embedding(k, positions, c.rope_theta).astype(cache_k.dtype)
-        out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
-        return dense(out.reshape(T, c.q_size), self.wo), k, v
+        q = apply_rotary_embedding(q, positions, c.rope_theta).astype(dtype)
+        k = apply_rotary_embedding(k, positions, c.rope_theta).astype(dtype)
+        return q, k, v
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The attention output [T, H, hd] projected back to [T, D] (float32)."""
+        return dense(out.reshape(out.shape[0], self.config.q_size), self.wo)
 
 
 class MLP(nnx.Module):
@@ -97,10 +118,19 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                 attention: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
-        out, k, v = self.attn(self.attn_norm(x), positions, cache_k, cache_v, attention)
-        x = x + out
-        return x + self.mlp(self.mlp_norm(x)), k, v
+                 attention: AttentionFn, n_tokens: jax.Array,
+                 token_rows: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] float32, of which the first n_tokens are real; keys also cover the cached context
+        (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype)."""
+        q, k, v = over_tokens(lambda x, p: self.attn.project(self.attn_norm(x), p, cache_k.dtype), n_tokens,
+                              token_rows, x, positions)
+        out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
+
+        def finish(x, out):
+            x = x + self.attn.output(out)
+            return x + self.mlp(self.mlp_norm(x))
+
+        return over_tokens(finish, n_tokens, token_rows, x, out), k, v
 
 
 class CausalLM(nnx.Module):
@@ -119,9 +149,10 @@ class CausalLM(nnx.Module):
         return self.embed.dtype
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                 score_rows: jax.Array, score_labels: jax.Array, n_rows: jax.Array, attention: AttentionFn,
-                 keep_kv: bool = True):
-        """Runs the pass and returns (log P(label) [S, labels] float32 for the first `n_rows` score rows, each
+                 n_tokens: jax.Array, score_rows: jax.Array, score_labels: jax.Array, n_rows: jax.Array,
+                 attention: AttentionFn, keep_kv: bool = True, token_rows: int | None = None):
+        """Runs the pass (its first n_tokens tokens are real, the rest padding; the projections and the MLP run
+        `token_rows` tokens a step, see `over_tokens`) and returns (log P(label) [S, labels] float32 for the first `n_rows` score rows, each
         row's label ids in `score_labels` (zeros after them); (k, v) [L, T, Hkv, hd] each, or None without
         keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
 
@@ -135,7 +166,7 @@ class CausalLM(nnx.Module):
 
         def step(x, state_and_cache):
             state, ck, cv = state_and_cache
-            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, attention)
+            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, attention, n_tokens, token_rows)
             return x, ((k, v) if keep_kv else None)
 
         x, kv = jax.lax.scan(step, x, (layer_state, cache_k, cache_v))

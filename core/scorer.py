@@ -15,7 +15,7 @@ from flax import nnx
 from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.model import CausalLM
+from core.model import TOKEN_ROWS, CausalLM
 from core.packing import PackedSequence, PassPlan, build_pass, ladder, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
@@ -68,9 +68,10 @@ def _default_attention() -> str:
     return "xla" if jax.default_backend() == "cpu" else "pallas"
 
 
-@partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv"))
+@partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows"))
 def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
-              n_rows, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool):
+              n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
+              token_rows: int | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
     log-probabilities leave the device, not [S, vocab] logits."""
@@ -83,7 +84,8 @@ def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache
                                      interpret=impl == "pallas-interpret")
 
     model = nnx.merge(model_def, model_state)
-    return model(tokens, q_meta[2], cache_k, cache_v, score_rows, score_labels, n_rows, attention, keep_kv)
+    return model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention, keep_kv,
+                 token_rows)
 
 
 class _Programs:
@@ -135,6 +137,7 @@ class Scorer:
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q, block_k
+        self.token_rows = TOKEN_ROWS if jax.default_backend() == "cpu" else None  # see core.model.TOKEN_ROWS
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
@@ -258,9 +261,9 @@ class Scorer:
         cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype)
         args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3,
                 i32(tokens // self.block_q, width), i32(tokens // self.block_q), cache, cache, i32(score_rows),
-                i32(score_rows, label_width), i32())
+                i32(score_rows, label_width), i32(), i32())
         statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
-                   "block_k": self.block_k, "keep_kv": keep_kv}
+                   "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows}
         return _PROGRAMS.get(self.max_programs, args, statics)
 
     def warm_up(self) -> int:
@@ -290,7 +293,7 @@ class Scorer:
         logprobs, kv = program(self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta),
                                meta(arrays.kv_meta), jnp.asarray(tile_ids), jnp.asarray(arrays.tile_counts),
                                cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
-                               jnp.int32(arrays.n_rows))
+                               jnp.int32(arrays.n_rows), jnp.int32(arrays.real_tokens))
         return np.asarray(logprobs), kv, shape_key
 
     # ---- one-request convenience API --------------------------------------------------
