@@ -83,3 +83,62 @@ def test_expired_rows_go_and_live_ones_stay(sessions) -> None:  # type: ignore[n
     # Bounded chunks: no transaction deleted more than CHUNK jobs (9 + 7 jobs, 4 passes, 1 batch).
     assert pruned.transactions >= 3 + 3 + 2 + 1
     assert prune(sessions, settings).rows == {}  # nothing left to do
+
+
+def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """While one retention chunk holds its rows (deleted, not yet committed), a worker claims queued jobs: at
+    once on PostgreSQL (other rows, no lock in common); on SQLite, one writer at a time, as soon as that one
+    chunk commits, not after the whole prune."""
+    import contextlib
+    import threading
+    import time
+
+    from sqlalchemy import event
+
+    from worker import drain
+
+    settings = get_settings().model_copy(update={"result_ttl_days": 30, "retention_chunk_rows": CHUNK})
+    with sessions.begin() as session:
+        key, _ = create_api_key(session, "retention-claims")
+        session.add_all([job(key.id, "succeeded", 31) for _ in range(3 * CHUNK)])
+        queued = [Job(api_key_id=key.id, status="queued", model="tiny-random", request={}, request_hash="",
+                      items_total=1, prompt_tokens=1, priority=10) for _ in range(2)]
+        session.add_all(queued)
+    queued_ids = {j.id for j in queued}
+
+    @contextlib.contextmanager
+    def claim_scope():  # type: ignore[no-untyped-def]
+        with sessions.begin() as session:
+            yield session
+
+    monkeypatch.setattr(drain, "session_scope", claim_scope)
+    chunk_holds, chunk_may_commit = threading.Event(), threading.Event()
+    pruning = sessionmaker(sessions.kw["bind"], expire_on_commit=False)
+
+    @event.listens_for(pruning, "before_commit")
+    def hold_first_chunk(session) -> None:  # type: ignore[no-untyped-def]
+        if not chunk_holds.is_set():
+            chunk_holds.set()
+            chunk_may_commit.wait(30)
+
+    pruner = threading.Thread(target=prune, args=(pruning, settings))
+    pruner.start()
+    assert chunk_holds.wait(30)
+    claimed: list[Job] = []
+    claimer = threading.Thread(target=lambda: claimed.extend(drain.claim_interactive("worker-x", settings)))
+    start = time.monotonic()
+    claimer.start()
+    sqlite = sessions.kw["bind"].dialect.name == "sqlite"
+    claimer.join(timeout=1.0 if sqlite else 10)
+    if sqlite:
+        assert claimer.is_alive()  # waits for the one writer...
+        chunk_may_commit.set()
+        claimer.join(timeout=10)
+    took = time.monotonic() - start
+    chunk_may_commit.set()
+    pruner.join(timeout=30)
+    assert not claimer.is_alive() and {j.id for j in claimed} == queued_ids
+    if not sqlite:
+        assert took < 2, f"a claim waited {took:.1f} s on a retention chunk"
+    with sessions() as session:  # and the prune went on to delete every expired job
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "succeeded")) == 0
