@@ -49,6 +49,33 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         )
 
+    @classmethod
+    def from_gguf_reader(cls, reader) -> "ModelConfig":  # type: ignore[no-untyped-def]
+        """From a GGUF file's metadata (a `gguf.GGUFReader`; no tensor is read). Llama or Qwen3."""
+        def field(key: str):  # type: ignore[no-untyped-def]
+            return reader.fields[key].contents() if key in reader.fields else None
+
+        arch = field("general.architecture")
+        if arch not in ("llama", "qwen3"):
+            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+        arch_field = lambda key: field(f"{arch}.{key}")
+        heads, hidden = arch_field("attention.head_count"), arch_field("embedding_length")
+        embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        return cls(
+            vocab_size=int(embed.shape[-1]),
+            hidden_size=hidden,
+            num_layers=arch_field("block_count"),
+            num_heads=heads,
+            num_kv_heads=arch_field("attention.head_count_kv"),
+            head_dim=arch_field("attention.key_length") or hidden // heads,
+            intermediate_size=arch_field("feed_forward_length"),
+            rope_theta=float(arch_field("rope.freq_base") or 10000.0),
+            rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
+            qk_norm=arch == "qwen3",
+            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            max_position_embeddings=int(arch_field("context_length") or 8192),
+        )
+
 
 # A tiny decoder for tests and the embedded service's test mode; weights are random (seeded).
 TINY_CONFIG = ModelConfig(

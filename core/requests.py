@@ -104,14 +104,14 @@ class ModelSource:
         return tokenizer
 
     def config(self) -> ModelConfig:
-        """The model's configuration, read without loading its weights."""
-        from core.weights import gguf_config
-
+        """The model's configuration, read without loading its weights (nor importing JAX: the API calls this)."""
         if self.kind == "tiny-random":
             return TINY_CONFIG
         if self.kind == "hf":
             return ModelConfig.from_hf(json.loads((self.path / "config.json").read_text()))
-        return gguf_config(self.path)
+        import gguf
+
+        return ModelConfig.from_gguf_reader(gguf.GGUFReader(str(self.path)))
 
 
 def write_atomically(folder: Path, write) -> None:  # type: ignore[no-untyped-def]

@@ -65,40 +65,6 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _gguf_field(reader, key: str):
-    return reader.fields[key].contents() if key in reader.fields else None
-
-
-def _config_from_gguf_reader(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}")
-    field = lambda key: _gguf_field(reader, f"{arch}.{key}")
-    heads, hidden = field("attention.head_count"), field("embedding_length")
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return ModelConfig(
-        vocab_size=int(embed.shape[-1]),
-        hidden_size=hidden,
-        num_layers=field("block_count"),
-        num_heads=heads,
-        num_kv_heads=field("attention.head_count_kv"),
-        head_dim=field("attention.key_length") or hidden // heads,
-        intermediate_size=field("feed_forward_length"),
-        rope_theta=float(field("rope.freq_base") or 10000.0),
-        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
-        qk_norm=arch == "qwen3",
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        max_position_embeddings=int(field("context_length") or 8192),
-    )
-
-
-def gguf_config(path: str | Path) -> ModelConfig:
-    """The configuration in a GGUF file's metadata (no tensor is read)."""
-    import gguf
-
-    return _config_from_gguf_reader(gguf.GGUFReader(str(path)))
-
-
 def load_gguf(path: str | Path, cache: Path | None = None) -> tuple[ModelConfig, dict]:
     """Reads and dequantizes a llama or qwen3 GGUF file. With `cache` (a folder), the dequantized weights are
     read from there (memory-mapped .npy files) if an earlier call wrote them, and written there if not."""
@@ -137,7 +103,7 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    config = _config_from_gguf_reader(reader)
+    config = ModelConfig.from_gguf_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
 
     def read(name: str) -> np.ndarray:

@@ -1,5 +1,7 @@
 """API contract on a real PostgreSQL: validation codes, auth, tenants, idempotency, cancel, pagination."""
 
+import os
+
 import pytest
 from sqlalchemy import update
 
@@ -303,3 +305,16 @@ def test_readyz_says_warming_until_a_worker_is_ready(client) -> None:  # type: i
     finally:
         with session_scope() as session:
             session.execute(delete(Worker))
+
+
+def test_the_api_reads_the_bundled_model_without_importing_jax() -> None:
+    """The API validates and tokenizes (and reads the model's configuration for rerank) without JAX: only
+    workers load the engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from api.deps import get_request_tokenizer, get_rerank_prompt; "
+            "get_request_tokenizer(); get_rerank_prompt(); print(sorted({'jax', 'flax'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MODEL": "smollm2-135m"},
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
