@@ -1,6 +1,6 @@
 """Rerank (the /v1/rerank of Cohere, Jina and vLLM) as packed scoring. The template's prefix, holding the
-instruction and the query, is the request's shared query; each document followed by the template's suffix is
-an item; the labels are the tokens of "yes" and "no", with apply_softmax, so a document's relevance is
+instruction and the query, is the request's shared query; each document, after the template's separator (a
+space) and followed by the template's suffix, is an item; the labels are the tokens of "yes" and "no", with apply_softmax, so a document's relevance is
 P(yes) / (P(yes) + P(no)) at its end: column 0 of its scores.
 
 The template and its labels are set per model (RERANK_TEMPLATE). Qwen3-Reranker's published prompt is built in
@@ -21,6 +21,12 @@ class RerankTemplate:
     suffix: str
     instruction: str  # used when a request gives none
     labels: tuple[str, str] = ("yes", "no")
+    # What comes between the prefix and the document, put at the start of each item, not at the end of the
+    # prefix: the query and each item are tokenized apart and joined in token space (score-semantics.md), and
+    # byte-level BPE tokenizers (SmolLM2's, Qwen3's) attach a word's leading space to the word ("ĠParis"). A
+    # prefix ending in "Document: " would end in a lone "Ġ" token and the document would start with "Paris",
+    # a split that tokenizing the whole prompt never makes; "Document:" + " Paris..." is the whole prompt's.
+    separator: str = " "
 
 
 TEMPLATES = {
@@ -28,7 +34,7 @@ TEMPLATES = {
     "qwen3-reranker": RerankTemplate(
         prefix="<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
                'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-               "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: ",
+               "<Instruct>: {instruction}\n<Query>: {query}\n<Document>:",
         suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
         instruction="Given a web search query, retrieve relevant passages that answer the query",
     ),
@@ -37,7 +43,7 @@ TEMPLATES = {
     # the answer's first token. Of the prompts tried on a few queries it ranked best (ChatML prompts, with
     # "yes"/"Yes" labels or few-shot examples, ranked little better than chance); it still ranks only roughly.
     "smollm2": RerankTemplate(
-        prefix="Question: {query}\nDocument: ",
+        prefix="Question: {query}\nDocument:",
         suffix="\n{instruction} Answer:",
         instruction="Does the document answer the question?",
         labels=(" yes", " no"),
@@ -57,18 +63,27 @@ class RerankPrompt:
         instruction = body.instruction or self.template.instruction
         query = self.template.prefix.replace("{instruction}", instruction).replace("{query}", body.query)
         suffix = self.template.suffix.replace("{instruction}", instruction)
-        items = [(doc if isinstance(doc, str) else doc.text) + suffix for doc in body.documents]
+        separator = self.template.separator
+        items = [separator + (doc if isinstance(doc, str) else doc.text) + suffix for doc in body.documents]
         score = ScoreInput(query=query, items=items, label_token_ids=list(self.label_token_ids), apply_softmax=True,
                            model=body.model)
-        return score, {"top_n": body.top_n or None, "return_documents": body.return_documents, "suffix": suffix}
+        return score, {"top_n": body.top_n or None, "return_documents": body.return_documents,
+                       "separator": separator, "suffix": suffix}
 
 
 def template_for(setting: str, model: str, model_cache_dir: str | None = None) -> RerankTemplate:
-    """RERANK_TEMPLATE: "auto", a name of TEMPLATES or a JSON object of a template's fields."""
+    """RERANK_TEMPLATE: "auto", a name of TEMPLATES or a JSON object of a template's fields. A JSON template
+    without a "separator" may end its prefix with the space before the document: that space becomes the
+    separator (the start of each item), as in the built-in templates."""
     if setting.lstrip().startswith("{"):
         fields = json.loads(setting)
-        return RerankTemplate(prefix=fields["prefix"], suffix=fields.get("suffix", ""),
-                              instruction=fields.get("instruction", ""), labels=tuple(fields.get("labels", ("yes", "no"))))
+        prefix = fields["prefix"]
+        separator = fields.get("separator")
+        if separator is None:
+            stripped = prefix.rstrip(" ")
+            prefix, separator = stripped, prefix[len(stripped):]
+        return RerankTemplate(prefix=prefix, suffix=fields.get("suffix", ""), instruction=fields.get("instruction", ""),
+                              labels=tuple(fields.get("labels", ("yes", "no"))), separator=separator)
     if setting == "auto":
         # Of the architectures the engine runs, only Qwen3 has per-head q/k norms.
         setting = "qwen3-reranker" if ModelSource.resolve(model, model_cache_dir).config().qk_norm else "smollm2"

@@ -201,9 +201,11 @@ def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
     rerank = request["rerank"]
     relevance = scores_from_logprobs(logprobs, True)[:, 0] if len(logprobs) else np.zeros(0)
     order = np.argsort(-relevance, kind="stable")[: rerank["top_n"] or None]
-    # The stored items are the documents followed by the template's suffix; they are not stored twice.
+    # The stored items are the documents between the template's separator and suffix; they are not stored twice.
+    # (Jobs stored before the separator existed have none.)
+    start, end = len(rerank.get("separator", "")), len(rerank["suffix"])
     return [RerankResult(index=int(i), relevance_score=float(relevance[i]),
-                         document=RerankDocument(text=request["items"][i].removesuffix(rerank["suffix"]))
+                         document=RerankDocument(text=request["items"][i][start:len(request["items"][i]) - end])
                          if rerank["return_documents"] else None) for i in order]
 
 

@@ -17,20 +17,21 @@ from tests.load_runner import SCORE_RTOL
 from tests.test_batches_api import auth, clean, drain  # noqa: F401 (clean is a fixture)
 from worker.scorer import get_scorer
 
+# The last two are returned as given (return_documents), spaces and all.
 DOCUMENTS = ["Paris is the capital of France.", {"text": "Bananas are yellow."}, "Berlin is in Germany.",
-             "The Seine flows through Paris.", ""]
+             "The Seine flows through Paris.", "", "  Lyon, with spaces around.\n "]
 TEXTS = [d if isinstance(d, str) else d["text"] for d in DOCUMENTS]
 
 
 def expected_relevance(query: str, texts: list[str], instruction: str | None = None) -> np.ndarray:
     """What the contract says, computed here from the template and the engine: P(yes) / (P(yes) + P(no))."""
     template = TEMPLATES["smollm2"]  # tiny-random is not a Qwen3 model
-    assert template.prefix == "Question: {query}\nDocument: "
+    assert template.prefix == "Question: {query}\nDocument:" and template.separator == " "
     suffix = f"\n{instruction or 'Does the document answer the question?'} Answer:"
     tokenizer = get_request_tokenizer().tokenizer
     labels = [tokenizer(label, add_special_tokens=False).input_ids[0] for label in (" yes", " no")]
     assert labels == [9805, 787]  # README's ids of " yes" and " no" in SmolLM2's tokenizer
-    logprobs = get_scorer().logprobs(f"Question: {query}\nDocument: ", [t + suffix for t in texts], labels)
+    logprobs = get_scorer().logprobs(f"Question: {query}\nDocument:", [" " + t + suffix for t in texts], labels)
     return softmax(np.asarray(logprobs, np.float64), axis=-1)[:, 0]
 
 
@@ -149,10 +150,13 @@ def test_templates(tmp_path: Path) -> None:
     assert qwen == TEMPLATES["qwen3-reranker"]
     assert qwen.suffix == "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert 'Note that the answer can only be "yes" or "no".' in qwen.prefix
-    assert qwen.prefix.endswith("<Instruct>: {instruction}\n<Query>: {query}\n<Document>: ")
+    assert qwen.prefix.endswith("<Instruct>: {instruction}\n<Query>: {query}\n<Document>:")
+    assert qwen.separator == " "
+    # A JSON prefix's trailing space before the document becomes the separator, unless one is given.
     custom = template_for('{"prefix": "Q: {query}\\nD: ", "suffix": "\\nRelevant:", "labels": ["yes", "no"]}',
                           "tiny-random")
-    assert custom == RerankTemplate("Q: {query}\nD: ", "\nRelevant:", "", ("yes", "no"))
+    assert custom == RerankTemplate("Q: {query}\nD:", "\nRelevant:", "", ("yes", "no"), " ")
+    assert template_for('{"prefix": "Q: {query}\\nD:\\n", "separator": ""}', "tiny-random").separator == ""
     # The label ids come from the tokenizer ("yes" without a space is another token than " yes").
     assert rerank_prompt(custom, tokenizer).label_token_ids == (10407, 4607)
     assert get_rerank_prompt().label_token_ids == (9805, 787)
@@ -161,3 +165,19 @@ def test_templates(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="RERANK_TEMPLATE"):
         template_for("nonsense", "tiny-random")
     assert get_settings().rerank_template == "auto"
+
+
+@pytest.mark.parametrize("document", ["Paris is the capital of France.", "(aside) text", "1984 was a year.", "",
+                                      "  spaced  ", "Ünïcode café"])
+def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
+    """tokens(query) + tokens(item), joined in token space as score-semantics.md says, are the tokens of the
+    whole prompt: no lone space token at the end of the prefix, none missing at the start of the document."""
+    from api.schemas import RerankInput
+
+    tokenizer = get_request_tokenizer().tokenizer
+    prompt = rerank_prompt(TEMPLATES["smollm2"], get_request_tokenizer())
+    score, spec = prompt.score_input(RerankInput(query="What is the capital of France?", documents=[document]))
+    assert isinstance(score.query, str) and isinstance(score.items[0], str)
+    joined = tokenizer(score.query).input_ids + tokenizer(score.items[0], add_special_tokens=False).input_ids
+    assert joined == tokenizer(score.query + score.items[0]).input_ids
+    assert score.query.endswith("\nDocument:") and score.items[0] == " " + document + spec["suffix"]
