@@ -8,6 +8,7 @@ for Qwen3 models; other models (the bundled SmolLM2) get a plain question and an
 """
 
 import json
+import re
 from dataclasses import dataclass
 
 from api.schemas import RerankInput, ScoreInput
@@ -51,6 +52,15 @@ TEMPLATES = {
 }
 
 
+_PLACEHOLDER = re.compile(r"\{(query|instruction)\}")
+
+
+def fill(text: str, values: dict[str, str]) -> str:
+    """The template text with {query} and {instruction} replaced in one pass, so neither value's own text is
+    substituted in turn (an instruction or a query may contain "{query}")."""
+    return _PLACEHOLDER.sub(lambda match: values[match[1]], text)
+
+
 @dataclass(frozen=True)
 class RerankPrompt:
     """A template with the token ids of its labels in the served model's tokenizer."""
@@ -60,9 +70,8 @@ class RerankPrompt:
 
     def score_input(self, body: RerankInput) -> tuple[ScoreInput, dict]:
         """The scoring request of a rerank request, and what its results need (stored with the job)."""
-        instruction = body.instruction or self.template.instruction
-        query = self.template.prefix.replace("{instruction}", instruction).replace("{query}", body.query)
-        suffix = self.template.suffix.replace("{instruction}", instruction)
+        values = {"query": body.query, "instruction": body.instruction or self.template.instruction}
+        query, suffix = fill(self.template.prefix, values), fill(self.template.suffix, values)
         separator = self.template.separator
         items = [separator + (doc if isinstance(doc, str) else doc.text) + suffix for doc in body.documents]
         score = ScoreInput(query=query, items=items, label_token_ids=list(self.label_token_ids), apply_softmax=True,
@@ -82,6 +91,9 @@ def template_for(setting: str, model: str, model_cache_dir: str | None = None) -
         if separator is None:
             stripped = prefix.rstrip(" ")
             prefix, separator = stripped, prefix[len(stripped):]
+        if "{query}" not in prefix:
+            # The query is the shared prefix of the packed pass; without it every request would score the same.
+            raise ValueError("RERANK_TEMPLATE: the prefix must hold {query}")
         return RerankTemplate(prefix=prefix, suffix=fields.get("suffix", ""), instruction=fields.get("instruction", ""),
                               labels=tuple(fields.get("labels", ("yes", "no"))), separator=separator)
     if setting == "auto":

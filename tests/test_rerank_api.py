@@ -181,3 +181,33 @@ def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
     joined = tokenizer(score.query).input_ids + tokenizer(score.items[0], add_special_tokens=False).input_ids
     assert joined == tokenizer(score.query + score.items[0]).input_ids
     assert score.query.endswith("\nDocument:") and score.items[0] == " " + document + spec["suffix"]
+
+
+def test_template_substitution_is_one_pass() -> None:
+    """{query} and {instruction} are filled in one pass: a placeholder in the request's own text stays as is."""
+    from api.schemas import RerankInput
+
+    template = RerankTemplate("I: {instruction}\nQ: {query}\nD:", "\n{instruction}?", "default")
+    prompt = rerank_prompt(template, get_request_tokenizer())
+    score, spec = prompt.score_input(RerankInput(query="about {instruction}", documents=["d"],
+                                                 instruction="say {query} literally"))
+    assert score.query == "I: say {query} literally\nQ: about {instruction}\nD:"
+    assert spec["suffix"] == "\nsay {query} literally?" and score.items == [" d\nsay {query} literally?"]
+
+
+def test_json_template_without_query_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    setting = '{"prefix": "Instruction: {instruction}\\nDocument:", "suffix": "\\nAnswer:"}'
+    with pytest.raises(ValueError, match=r"must hold \{query\}"):
+        template_for(setting, "tiny-random")
+    # At start: the API's lifespan loads the template (get_rerank_prompt) before taking traffic.
+    monkeypatch.setenv("RERANK_TEMPLATE", setting)
+    get_settings.cache_clear()
+    get_rerank_prompt.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"must hold \{query\}"):
+            get_rerank_prompt()
+    finally:
+        monkeypatch.delenv("RERANK_TEMPLATE")
+        get_settings.cache_clear()
+        get_rerank_prompt.cache_clear()
+    assert get_rerank_prompt().template == TEMPLATES["smollm2"]
