@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from api.crud import PRIORITY_BATCH, job_request
 from api.db import session_factory
-from api.errors import APIError
+from api.errors import APIError, error_status
 from api.metrics import count
 from api.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, WebhookDelivery,
                         new_id, utcnow)
@@ -414,8 +414,11 @@ def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
     return line
 
 
-# The status the synchronous route would have answered for a request that failed with this code.
-_LINE_ERROR_STATUS = {"unknown_url": 404, "method_not_allowed": 405, "worker_lost": 503, "internal_error": 500}
+# A line's own error codes, and the route's code each stands for, for the status of its OpenAI output line:
+# a POST to a url the app does not serve is 404, a body that is not JSON 422, one over MAX_BODY_BYTES 413; a
+# repeated custom_id (no route has one) is the client's mistake, 400. Other codes are the routes' own.
+_LINE_ROUTE_CODE = {"unknown_url": "not_found", "invalid_json": "invalid_input", "line_too_long": "body_too_large",
+                    "duplicate_custom_id": "bad_request"}
 
 
 def _openai_line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
@@ -429,6 +432,6 @@ def _openai_line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> d
     elif row.status == "cancelled":
         line["error"] = error
     else:
-        line["response"] = {"status_code": _LINE_ERROR_STATUS.get(error["code"], 400), "request_id": row.id,
-                            "body": {"error": error}}
+        status = error_status(_LINE_ROUTE_CODE.get(error["code"], error["code"]))
+        line["response"] = {"status_code": status, "request_id": row.id, "body": {"error": error}}
     return line

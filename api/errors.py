@@ -87,6 +87,20 @@ def job_error(job_id: str, code: str, message: str) -> APIError:
     return APIError(500, code, message, job_id=job_id)
 
 
+# The HTTP layer's codes by status, turned round: the status the handlers below answer with each code.
+_HTTP_STATUS = {code: status for status, code in _HTTP_CODES.items()}
+
+
+def error_status(code: str) -> int:
+    """The status a route answers with error `code`, for an answer given outside a route (an OpenAI Batch output
+    line is what the synchronous route would have answered): the HTTP layer's codes as the handlers below answer
+    them (`invalid_input` 422, a body that does not fit the route's schema or is not JSON; `not_found` 404,
+    `method_not_allowed` 405, `body_too_large` 413, ...), else a failed job's error as `job_error` answers it
+    (the engine's codes 400, `worker_lost` 503, anything else 500). (The engine's `invalid_input`, 400 from a
+    route, is only raised for input that the schemas already refuse.)"""
+    return _HTTP_STATUS.get(code) or job_error("", code, "").status
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -28,15 +28,17 @@ GOOD = [
     openai_line("rerank", "/rerank", {**RERANK_BODY, "top_n": None, "return_documents": False}),
     {"custom_id": "native", **{k: v for k, v in SCORE_BODY.items() if k != "model"}},  # today's format, mixed in
 ]
+# Each bad line, its error code and its OpenAI output line's status: what the synchronous route answers for the
+# same request (test_bad_lines_answer_as_the_routes checks the routes'), 422 for a body that does not fit.
 BAD = [
     (openai_line("get", "/v1/score", SCORE_BODY, method="GET"), "method_not_allowed", 405),
     (openai_line("embeddings", "/v1/embeddings", {"input": "x"}), "unknown_url", 404),
-    (openai_line("no-labels", "/v1/score", {"query": "q", "items": ["a"]}), "invalid_input", 400),
-    (openai_line("bad-docs", "/v1/rerank", {"query": "q", "documents": [{"title": "x"}]}), "invalid_input", 400),
+    (openai_line("no-labels", "/v1/score", {"query": "q", "items": ["a"]}), "invalid_input", 422),
+    (openai_line("bad-docs", "/v1/rerank", {"query": "q", "documents": [{"title": "x"}]}), "invalid_input", 422),
     (openai_line("bad-label", "/v1/score", {**SCORE_BODY, "label_token_ids": [10 ** 9]}),
      "label_token_id_out_of_range", 400),
     (openai_line("other-model", "/v1/rerank", {**RERANK_BODY, "model": "Qwen3-Reranker-8B"}), "unknown_model", 400),
-    ({"custom_id": "no-body", "method": "POST", "url": "/v1/score"}, "invalid_input", 400),
+    ({"custom_id": "no-body", "method": "POST", "url": "/v1/score"}, "invalid_input", 422),
     (openai_line("score-v1", "/v1/score", SCORE_BODY), "duplicate_custom_id", 400),
 ]
 
@@ -106,3 +108,27 @@ def test_cancelled_request_in_openai_format(client, make_key, clean) -> None:  #
     lines = [json.loads(line) for line in response.text.splitlines()]
     assert [(line["custom_id"], line["response"], line["error"]["code"]) for line in lines] == [
         ("score-v1", None, "cancelled"), ("score", None, "cancelled")]
+
+
+def test_bad_lines_answer_as_the_routes(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    """BAD's statuses and codes are what the synchronous routes answer for the same method, url and body
+    (the duplicate custom_id has no route equivalent)."""
+    key, _ = make_key()
+    for line, code, status in BAD[:-1]:
+        kwargs = {"json": line["body"]} if "body" in line else {}
+        response = client.request(line["method"], line["url"], headers=auth(key), **kwargs)
+        expected_code = "not_found" if code == "unknown_url" else code
+        assert (response.status_code, response.json()["error"]["code"]) == (status, expected_code), line
+
+
+def test_line_error_statuses() -> None:
+    """A line's own codes get the status of the route error they stand for; the routes' codes their own."""
+    from api.batches import _LINE_ROUTE_CODE
+    from api.errors import error_status
+
+    statuses = {code: error_status(_LINE_ROUTE_CODE.get(code, code)) for code in (
+        "invalid_json", "line_too_long", "duplicate_custom_id", "unknown_url", "method_not_allowed",
+        "invalid_input", "too_many_tokens", "unknown_model", "worker_lost", "internal_error")}
+    assert statuses == {"invalid_json": 422, "line_too_long": 413, "duplicate_custom_id": 400, "unknown_url": 404,
+                        "method_not_allowed": 405, "invalid_input": 422, "too_many_tokens": 400,
+                        "unknown_model": 400, "worker_lost": 503, "internal_error": 500}
