@@ -146,7 +146,10 @@ def plan_passes(requests: list[TokenizedRequest], pass_tokens: int, mode: str = 
             group.keep_prefix = True
             sequences.append(group)
             continue
-        chunks = [PackedSequence(group.prefix, True, items=c) for c in _split_items(group.items, pass_tokens)]
+        # The first chunk also re-runs the query's last token once per request with empty items (build_pass).
+        rerun = len({r for r, _ in group.scored_at_prefix_end})
+        chunks = [PackedSequence(group.prefix, True, items=c)
+                  for c in _split_items(group.items, max(pass_tokens - rerun, 1))]
         if not cached:
             ordered.append(PackedSequence(group.prefix, keep_prefix=True, scored_at_prefix_end=group.scored_at_prefix_end))
         elif chunks:

@@ -138,6 +138,10 @@ class Scorer:
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q, block_k
         self.token_rows = TOKEN_ROWS if jax.default_backend() == "cpu" else None  # see core.model.TOKEN_ROWS
+        # On CPU a pass's keys/values cost little to return (they are in host memory already), so every pass
+        # returns them: one program kind fewer per pass length, and a new query coalesced with cached ones is
+        # kept too. On accelerators only a pass that keeps a prefix returns them (HBM traffic and space).
+        self.always_keep_kv = jax.default_backend() == "cpu"
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
@@ -237,22 +241,20 @@ class Scorer:
             cached.append(self._prefix_cache[seq.prefix])
         arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens)
         labels = _score_labels(requests, arrays)
-        # Keys/values come out of a pass that keeps a prefix and reads none from the cache: three program
-        # kinds per pass length instead of four. A new query coalesced into a pass with cached ones is not
-        # kept (it is computed again if it comes back).
-        keep_kv = arrays.cache_len == 0 and any(seq.keep_prefix for seq in plan.sequences)
+        keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         logprobs, kv, shape_key = self._execute(arrays, cached, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
-            if keep_kv and seq.keep_prefix:
+            if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, kv[0][:, lo:hi], kv[1][:, lo:hi])
         return PassResult(_collect_scores(requests, arrays, logprobs), arrays.real_tokens, len(arrays.tokens),
                           time.perf_counter() - start, shape_key)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
         """The XLA path loops over each query tile's own tiles, so its tables take the widest width a pass of
-        this length can need: the width is then no compile key. A Pallas kernel's grid spans the table, so its
-        tables stay as narrow as the pass needs (a compile key on accelerators)."""
-        return (cache_len + tokens) // self.block_k if self.attention == "xla" else needed
+        this length can need: the width is then no compile key (nor for the dense reference, which reads no
+        table). A Pallas kernel's grid spans the table, so its tables stay as narrow as the pass needs (a
+        compile key on accelerators)."""
+        return (cache_len + tokens) // self.block_k if self.attention in ("xla", "dense") else needed
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
@@ -268,15 +270,18 @@ class Scorer:
 
     def warm_up(self) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
-        core.packing): for each pass length, a pass that keeps its prefixes, one that keeps none and one that
-        reads cached prefixes, for up to 8 labels. Returns how many. With a Pallas kernel, narrower tables
-        than the widest are compiled when first met."""
-        block = max(self.block_q, self.block_k)
-        lengths = ladder(self.pass_tokens, block)
-        shapes = [(T, C, keep) for T in lengths for C, keep in ((0, True), (0, False), (lengths[-1], False))]
+        core.packing) for up to 8 labels: for each pass length, a pass without and one with cached prefixes
+        (on accelerators each with and without keys/values out), longest first and at most `max_programs`.
+        Returns how many. The Pallas kernels' table width is a compile key too, one that depends on the
+        traffic, so with attention "pallas" nothing is compiled ahead."""
+        if self.attention not in ("xla", "dense"):
+            return 0
+        lengths = ladder(self.pass_tokens, max(self.block_q, self.block_k))
+        kinds = [(C, keep) for C in (0, lengths[-1]) for keep in (True, False) if keep or not self.always_keep_kv]
+        shapes = [(T, C, keep) for T in reversed(lengths) for C, keep in kinds][: self.max_programs]
         with self._engine_lock:
             for T, C, keep in shapes:
-                self._program(T, C, T, (C + T) // self.block_k, MIN_LABEL_WIDTH, keep)
+                self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
         return len(shapes)
 
     def _execute(self, arrays, cached: list[tuple[jax.Array, jax.Array]], labels: np.ndarray, keep_kv: bool):

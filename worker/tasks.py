@@ -163,8 +163,11 @@ def _start(**_: object) -> None:
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
     if settings.warmup == "ladder":  # Celery consumes nothing before this handler returns
         start = time.perf_counter()
-        programs = scorer.warm_up()
-        log.info("worker %s warmed %d programs in %.1f s", WORKER_ID, programs, time.perf_counter() - start)
+        try:
+            programs = scorer.warm_up()
+            log.info("worker %s warmed %d programs in %.1f s", WORKER_ID, programs, time.perf_counter() - start)
+        except Exception:  # e.g. out of memory: serve anyway, programs compile when first needed
+            log.exception("worker %s: warm-up failed; programs compile when first needed", WORKER_ID)
     _ready.set()
     drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "ready")
     kick_drain()  # jobs may have queued while no worker ran

@@ -37,7 +37,8 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     checks["workers"] = states.get("ready", 0)
     checks["warming"] = states.get("warming", 0)
     ready = bool(checks["database"] and checks["broker"] and checks["workers"] > 0)
-    status = "ready" if ready else "warming" if checks["warming"] else "not_ready"
+    status = "ready" if ready else "warming" if checks["warming"] and checks["database"] and checks["broker"] \
+        else "not_ready"
     return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
 
 
