@@ -45,9 +45,11 @@ def test_async_client(service: Service) -> None:
     relevance = expected_relevance(QUERY, TEXTS)
     scores = get_scorer().score(SCORE_BODY["query"], SCORE_BODY["items"], [5, 17], True)
     lines = [openai_line("s", "/v1/score", SCORE_BODY), openai_line("r", "/v1/rerank", RERANK_BODY)]
+    # A key of this test's own: its batches are this test's only, whatever the other tests (in any order) made.
+    key, _ = service.create_key("async-client")
 
     async def main() -> None:
-        async with AsyncClient(service.base_url, service.key) as client:
+        async with AsyncClient(service.base_url, key) as client:
             # Fanned out: the calls wait together, and their jobs are coalesced by the worker.
             reranked, scored, job = await asyncio.gather(
                 client.rerank(QUERY, DOCUMENTS),
