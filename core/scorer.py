@@ -137,11 +137,16 @@ class Scorer:
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q, block_k
-        self.token_rows = TOKEN_ROWS if jax.default_backend() == "cpu" else None  # see core.model.TOKEN_ROWS
+        on_cpu = jax.default_backend() == "cpu"
+        self.token_rows = TOKEN_ROWS if on_cpu else None  # see core.model.TOKEN_ROWS
         # On CPU a pass's keys/values cost little to return (they are in host memory already), so every pass
         # returns them: one program kind fewer per pass length, and a new query coalesced with cached ones is
         # kept too. On accelerators only a pass that keeps a prefix returns them (HBM traffic and space).
-        self.always_keep_kv = jax.default_backend() == "cpu"
+        self.always_keep_kv = on_cpu
+        # On CPU the prefix cache holds NumPy arrays, cut and joined by NumPy: as JAX operations, every
+        # (prefix span) and every set of cached prefix lengths would compile a small program, and JAX keeps
+        # them all (the engine's memory grew by about 2 MB a request on the tiny model).
+        self.host_prefix_cache = on_cpu
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
@@ -245,7 +250,7 @@ class Scorer:
         logprobs, kv, shape_key = self._execute(arrays, cached, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
-                self._remember_prefix(seq.prefix, kv[0][:, lo:hi], kv[1][:, lo:hi])
+                self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv))
         return PassResult(_collect_scores(requests, arrays, logprobs), arrays.real_tokens, len(arrays.tokens),
                           time.perf_counter() - start, shape_key)
 
@@ -284,13 +289,27 @@ class Scorer:
                 self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
         return len(shapes)
 
-    def _execute(self, arrays, cached: list[tuple[jax.Array, jax.Array]], labels: np.ndarray, keep_kv: bool):
+    def _prefix_rows(self, keys_or_values: jax.Array, lo: int, hi: int):
+        """Rows [lo, hi) of a pass's keys or values [L, T, Hkv, hd], as the prefix cache keeps them."""
+        if self.host_prefix_cache:
+            return np.asarray(keys_or_values)[:, lo:hi].copy()
+        return keys_or_values[:, lo:hi]
+
+    def _cache_input(self, parts: list, cache_len: int):
+        """The cached prefixes' keys (or values) one after another, zeros after them: [L, cache_len, Hkv, hd]."""
         c = self.config
+        shape = (c.num_layers, cache_len, c.num_kv_heads, c.head_dim)
+        if self.host_prefix_cache:
+            out = np.zeros(shape, self.dtype)
+            if parts:
+                out[:, : sum(p.shape[1] for p in parts)] = np.concatenate(parts, axis=1)
+            return out
+        joined = jnp.concatenate([jnp.zeros((*shape[:1], 0, *shape[2:]), self.dtype), *parts], axis=1)
+        return jnp.pad(joined, ((0, 0), (0, cache_len - joined.shape[1]), (0, 0), (0, 0)))
+
+    def _execute(self, arrays, cached: list[tuple], labels: np.ndarray, keep_kv: bool):
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
-        empty = jnp.zeros((c.num_layers, 0, c.num_kv_heads, c.head_dim), self.dtype)
-        pad = ((0, 0), (0, C - sum(k.shape[1] for k, _ in cached)), (0, 0), (0, 0))
-        cache_k = jnp.pad(jnp.concatenate([empty] + [k for k, _ in cached], axis=1), pad)
-        cache_v = jnp.pad(jnp.concatenate([empty] + [v for _, v in cached], axis=1), pad)
+        cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], C) for i in (0, 1))
         tile_ids = attn.pad_tables(arrays.tile_ids, self._table_width(T, C, arrays.tile_ids.shape[1]))
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
         shape_key = (T, C, S, tile_ids.shape[1], labels.shape[1], keep_kv)
