@@ -91,7 +91,7 @@ class Service:
                                  cwd=REPO, capture_output=True, text=True, check=True).stdout
         return re.search(r"api_key=(\S+)", created).group(1), re.search(r"webhook_secret=(\S+)", created).group(1)
 
-    def start_api(self, seconds: float = 90) -> None:
+    def start_api(self, seconds: float = 300) -> None:
         """Starts the API (on the same port after a restart) and waits until it answers /healthz."""
         if not self.base_url:
             self.base_url = f"http://127.0.0.1:{free_port()}"
