@@ -86,12 +86,7 @@ def pass_length(tokens: int, rows: int, pass_tokens: int, block: int) -> int:
 
 def cache_length(cached: int, pass_tokens: int, block: int) -> int:
     """C for a pass reading `cached` keys of cached prefixes: 0, or pass_tokens (doubled past that)."""
-    if not cached:
-        return 0
-    C = ladder(pass_tokens, block)[-1]
-    while C < cached:
-        C *= 2
-    return C
+    return max(pass_length(cached, 0, pass_tokens, block), ladder(pass_tokens, block)[-1]) if cached else 0
 
 
 def _split_items(items: list, budget: int) -> list[list]:
