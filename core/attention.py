@@ -153,6 +153,9 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
     # rounding does, by enough to break the 1e-5 isolation rule. The ones are as wide as v: a single ones
     # column (half the work) changed the CPU matmul's blocking and broke the isolation rule again
     # (tests/test_engine_parity.py, 2026-11-21).
+    # v and p are float32 (as they are anyway with float32 weights, the CPU default): rounding p to bfloat16
+    # for the matmul, as the accelerators' kernels do, moved bfloat16 log-probs of SmolLM2 by about 0.015.
+    v = v.astype(jnp.float32)
     v_tiles = jnp.concatenate([v, jnp.ones_like(v)], axis=-1).reshape(Tk // block_k, block_k, Hkv, 2 * D)
     k_meta_tiles = [m.reshape(Tk // block_k, block_k) for m in kv_meta]
 
@@ -172,7 +175,7 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
             p = jnp.exp(s - m_new)
-            pv = jnp.einsum("hgij,jhd->hgid", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("hgij,jhd->hgid", p, vt, preferred_element_type=jnp.float32)
             return m_new, acc * jnp.exp(m - m_new) + pv
 
         init = (jnp.full((Hkv, G, block_q, 1), _MASKED, jnp.float32), jnp.zeros((Hkv, G, block_q, 2 * D), jnp.float32))

@@ -59,6 +59,18 @@ def over_tokens(fn: Callable, n_tokens: jax.Array, rows: int | None, *xs: jax.Ar
     return jax.lax.fori_loop(0, (n_tokens + rows - 1) // rows, step, init)
 
 
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """h [S, D] float32 @ head [V, D]^T, float32. With low-precision weights h goes in as two parts in the
+    weights' dtype (h = high + low, nearly exactly), stacked into one matmul that reads the head once: rounding
+    h itself moved bfloat16 log-probs of SmolLM2 by about 0.01, and the head runs on few rows."""
+    if head.dtype == jnp.float32:
+        return jnp.einsum("sd,vd->sv", h, head, preferred_element_type=jnp.float32)
+    high = h.astype(head.dtype)
+    low = (h - high.astype(jnp.float32)).astype(head.dtype)
+    both = jnp.einsum("sd,vd->sv", jnp.concatenate([high, low]), head, preferred_element_type=jnp.float32)
+    return both[: h.shape[0]] + both[h.shape[0]:]
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -184,8 +196,8 @@ class CausalLM(nnx.Module):
         labels = jnp.pad(labels, ((0, -S % rows), (0, 0)))
 
         def chunk(i, out):
-            hc = jax.lax.dynamic_slice_in_dim(h, i * rows, rows).astype(head.dtype)
-            logits = jnp.einsum("sd,vd->sv", hc, head[...], preferred_element_type=jnp.float32)
+            hc = jax.lax.dynamic_slice_in_dim(h, i * rows, rows)
+            logits = head_logits(hc, head[...])
             picked = jnp.take_along_axis(logits, jax.lax.dynamic_slice_in_dim(labels, i * rows, rows), axis=1)
             return jax.lax.dynamic_update_slice_in_dim(
                 out, picked - jax.nn.logsumexp(logits, axis=1, keepdims=True), i * rows, 0)

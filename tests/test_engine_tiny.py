@@ -273,3 +273,32 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
         assert T in lengths and C in (0, lengths[-1]) and S == T and width == (C + T) // 64 and label_width == 8
         assert keep_kv  # on CPU every pass returns its keys/values
     assert {C for _, C, *_ in shapes} == {0, 4096}  # passes against cached queries were among them
+
+
+def test_prefix_cache_as_on_accelerators_scores_the_same_and_compiles_few_programs(tiny):
+    """On accelerators the prefix cache is cut and joined by JAX operations on windows of a power of two rows
+    (on CPU by NumPy). Here that path runs on CPU: its scores equal the host path's, and random query lengths,
+    many cached prefixes per pass and a window longer than the cache compile only a program per (length,
+    window), not one per prefix length or per set of cached lengths."""
+    from core import scorer as engine
+
+    rng = np.random.default_rng(14)
+    queries = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(3, 300, 14)] + \
+        [rng.integers(5, 49152, 600).tolist()]  # a window of 1,024 rows read into a cache of 640
+    requests = [[rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(0, 9, 4)] for _ in queries]
+    results = {}
+    for host in (True, False):
+        scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=640)
+        scorer.host_prefix_cache = host
+        tokenized = [scorer.tokenize(q, items, [4, 5]) for q, items in zip(queries, requests)]
+        for _ in range(2):  # the second round reads every query from the cache, many in one pass
+            got = [np.full((len(items), 2), np.nan) for items in requests]
+            for p in scorer.iter_passes(tokenized):
+                for part in p.scores:
+                    got[part.request][part.items] = part.logprobs
+        results[host] = got
+    for a, b in zip(results[True], results[False]):
+        assert np.isfinite(a).all() and np.abs(a - b).max() <= 1e-6
+    windows = {engine._window_rows(len(q), 64) for q in queries}
+    assert engine._rows_window._cache_size() <= 4 * len(windows)  # pass lengths x windows
+    assert engine._place_rows._cache_size() <= len(windows)  # one cache length
