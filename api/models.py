@@ -1,6 +1,7 @@
 """Tables. Created only by the Alembic migrations in migrations/ (tests included)."""
 
 import secrets
+import threading
 import time
 from datetime import UTC, datetime
 
@@ -25,9 +26,19 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+_id_lock = threading.Lock()
+_last_id = 0
+
+
 def new_id(prefix: str) -> str:
-    # Millisecond time first, so ids sort by creation: cursor pagination orders by id.
-    return f"{prefix}_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(10)}"
+    """Millisecond time, then 80 random bits, in hex: ids sort by creation (cursor pagination, and a batch's
+    results in the order of its lines, order by id). Within one millisecond a process's ids still increase
+    (as ULID's monotonic mode): a batch upload makes many in the same millisecond."""
+    global _last_id
+    with _id_lock:
+        value = max((time.time_ns() // 1_000_000) << 80 | secrets.randbits(80), _last_id + 1)
+        _last_id = value
+    return f"{prefix}_{value:032x}"
 
 
 class Base(DeclarativeBase):
