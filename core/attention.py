@@ -5,17 +5,20 @@ score-semantics.md: query token q sees key k iff both belong to the same sequenc
 k is in that sequence's shared prefix (item id -1) or in q's own item, and
 pos(k) <= pos(q). Padding uses sequence ids that never match (-1 for queries, -2 for keys).
 
-Like splash attention, the mask's block structure is computed on the host
-(`block_tables`) into two small tables: for each query tile, the ids of the key
-tiles it can see and their count. Both implementations below read only those
-tiles, so cost follows the visible tiles, never T x T:
-- `blocksparse_attention`: plain XLA (gathers the visible key tiles per query tile);
-  the default on CPU.
+Like splash attention, the mask's block structure is computed on the host into
+small tables, and the implementations read only what those list, so cost follows
+the visible keys, never T x T:
+- `cascade_attention`: plain XLA, the default on CPU. A shared-prefix split (as
+  Hydragen and FlashInfer's cascade attention): all of a tile's query rows against
+  windows of their sequence's prefix keys as dense matmuls, plus a small
+  block-diagonal part for each item's own keys (`cascade_tables`).
+- `blocksparse_attention`: plain XLA over `block_tables` (for each query tile, the
+  ids of the key tiles it can see and their count); the Pallas path's fallback.
 - `pallas_attention`: the accelerator path, chosen per platform when the program is
   lowered (`lax.platform_dependent`): on TPU `tpu_attention` (splash-attention form:
   tables as scalar prefetch in SMEM, grid (query tiles, KV heads, table slots), K/V
   tiles fetched by index maps that read the table); on CUDA `gpu_attention` (Mosaic
-  GPU: the tables drive `plgpu.emit_pipeline`); elsewhere the XLA path. A kernel that
+  GPU: the tables drive `plgpu.emit_pipeline`); elsewhere the block-sparse XLA path. A kernel that
   does not compile on the device at hand is logged once and replaced by the XLA path
   (`attention_path` tells which is in use). `interpret=True` (or a
   `pltpu.InterpretParams`) runs the TPU kernel on the CPU.
@@ -59,8 +62,10 @@ def _tile_ranges(values: np.ndarray, include: np.ndarray, tile: int, empty_low: 
     return low, high
 
 
-def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which key tiles each query tile can see: (ids [nq, max_count], counts [nq]).
+def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
+                 items_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Which key tiles each query tile can see: (ids [nq, max_count], counts [nq]); with `items_only`, only
+    the tiles holding keys of the query tile's own items (the item part of `cascade_attention`).
 
     Conservative per tile pair (a listed tile may be partly masked: the kernels mask
     exactly inside tiles), never missing a visible pair. Rows are padded by repeating
@@ -86,7 +91,7 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int) -> tup
     def overlap(a_lo, a_hi, b_lo, b_hi):
         return (a_lo[:, None] <= b_hi[None, :]) & (b_lo[None, :] <= a_hi[:, None])
 
-    sees_prefix = overlap(qs_lo, qs_hi, kp_seq_lo, kp_seq_hi)
+    sees_prefix = False if items_only else overlap(qs_lo, qs_hi, kp_seq_lo, kp_seq_hi)
     sees_item = overlap(qg_lo, qg_hi, kg_lo, kg_hi)
     causal = kp_lo[None, :] <= qp_hi[:, None]
     # Keys are laid out as [cached prefix, this pass's tokens] in causal order, so a key
@@ -132,7 +137,7 @@ SLOT_GROUP = 4  # key tiles per step of the XLA path's loop (4 x 64 keys: big en
 
 
 def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int):
-    """Plain-XLA attention over the visible tiles only (see module doc).
+    """Plain-XLA attention over the visible tiles only (see module doc); the Pallas path's fallback.
 
     Query tiles are processed one at a time (`lax.map`) so each tile's scores stay in cache; materializing all
     tiles' scores at once is memory-bound and ~3x slower on CPU. Each query tile loops over its own visible key
@@ -140,10 +145,21 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
     only an upper bound, so a worker can use one width per pass size and the width is not a compile key.
     """
     T, H, D = q.shape
+    m, acc, l = _tile_loop(q * (1 / np.sqrt(D)), k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q, block_k,
+                           SLOT_GROUP, items_only=False)
+    # A query row that sees nothing (padding) has zero sums: its output is zeros.
+    return (acc / jnp.where(l > 0, l, 1.0)).reshape(T, H, D).astype(q.dtype)
+
+
+def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int, group: int,
+               items_only: bool):
+    """The online-softmax state of every query row over the key tiles its tile lists (`group` tiles a step):
+    (max [T, Hkv, G, 1], unnormalized output [T, Hkv, G, D], row sum [T, Hkv, G, 1]), float32. q comes scaled.
+    `items_only`: prefix keys are masked (they are the prefix part's). A row that saw nothing has max _MASKED."""
+    T, H, D = q.shape
     Tk, Hkv, _ = k.shape
     nq, width = tile_ids.shape
     G = H // Hkv
-    group = SLOT_GROUP
     tile_ids = jnp.asarray(tile_ids)
     if width % group:  # repeat each row's last id, as pad_tables does
         tile_ids = jnp.concatenate([tile_ids, jnp.repeat(tile_ids[:, -1:], -width % group, axis=1)], axis=1)
@@ -170,8 +186,10 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
             k_seq, k_item, k_pos = (t[group_ids].reshape(group * block_k) for t in k_meta_tiles)
             mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None], k_seq[None, :], k_item[None, :],
                            k_pos[None, :])
+            if items_only:
+                mask &= k_item[None, :] >= 0
             mask &= jnp.repeat(g * group + jnp.arange(group) < count, block_k)[None, :]
-            s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32) / np.sqrt(D)
+            s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32)
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
             p = jnp.exp(s - m_new)
@@ -179,15 +197,201 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
             return m_new, acc * jnp.exp(m - m_new) + pv
 
         init = (jnp.full((Hkv, G, block_q, 1), _MASKED, jnp.float32), jnp.zeros((Hkv, G, block_q, 2 * D), jnp.float32))
-        _, acc = jax.lax.fori_loop(0, (count + group - 1) // group, step, init)
-        # A query tile that sees nothing (padding, count 0) has zero sums: its output is zeros.
-        o = acc[..., :D] / jnp.where(acc[..., D:D + 1] > 0, acc[..., D:D + 1], 1.0)
-        return o.transpose(2, 0, 1, 3).astype(q.dtype)
+        m, acc = jax.lax.fori_loop(0, (count + group - 1) // group, step, init)
+        rows_first = lambda x: x.transpose(2, 0, 1, 3)  # [block_q, Hkv, G, ...]: tiles stack into rows
+        return rows_first(m), rows_first(acc[..., :D]), rows_first(acc[..., D:D + 1])
 
     q_tiles = q.reshape(nq, block_q, Hkv, G, D)
     q_meta_tiles = [m.reshape(nq, block_q) for m in q_meta]
     out = jax.lax.map(one_tile, (q_tiles, tile_ids, tile_counts, *q_meta_tiles))
+    return tuple(x.reshape(T, *x.shape[2:]) for x in out)
+
+
+# ---- Cascade (shared-prefix) attention: the CPU path ---------------------------------------
+#
+# As Hydragen (arXiv 2402.05099) and FlashInfer's cascade attention: a token's keys are its sequence's
+# prefix and its own item's earlier tokens. The prefix part is dense: many query rows at once against
+# windows of the prefix's keys. The item part is small and block-diagonal: the tile loop above over the
+# tiles holding the items' keys. The two merge exactly through their maxima and row sums.
+#
+# The prefix windows start at the prefix's first key, wherever the prefix sits in the pass, so a row's
+# sums over them are added in the same order whatever the other items are: a plain row sum keeps the 1e-5
+# isolation rule there, and only the item part needs the sums out of its matmul.
+
+PREFIX_TILE_Q = 512  # query rows per prefix-part tile (fewer where the pass length needs it)
+PREFIX_WINDOW = 512  # prefix keys per step
+ITEM_TILE = 16  # query rows and keys per item-part tile: a tile of short items reaches back few keys
+ITEM_CHUNK = 512  # query rows per step of the item part
+ITEM_SLOTS = 4  # key tiles per step: a tile's short items are read in one step (see _item_part)
+
+
+@dataclass(frozen=True)
+class CascadeTables:
+    """Host tables of `cascade_attention` (int32)."""
+
+    prefix_starts: np.ndarray  # [T / prefix tile, width]: each window's first key, per query tile
+    prefix_sizes: np.ndarray  # [T / prefix tile, width]: each window's keys of its prefix (other keys follow)
+    prefix_counts: np.ndarray  # [T / prefix tile]: windows in use
+    item_ids: np.ndarray  # [T / ITEM_TILE, width]: key tiles (of ITEM_TILE) holding the tile's items' keys
+    item_counts: np.ndarray  # [T / ITEM_TILE]
+
+    def as_tuple(self) -> tuple[np.ndarray, ...]:
+        return self.prefix_starts, self.prefix_sizes, self.prefix_counts, self.item_ids, self.item_counts
+
+
+def cascade_table_shapes(T: int, Tk: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of `CascadeTables.as_tuple()` for T queries and Tk keys: they depend on nothing else, so
+    the tables are no compile key. A prefix tile holds at most `tile` sequences, each with its windows
+    (ceil(len / window) <= len / window + 1)."""
+    tile = _pick_tile(T, PREFIX_TILE_Q, 64)
+    windows = (T // tile, Tk // PREFIX_WINDOW + tile + 1)
+    return windows, windows, windows[:1], (T // ITEM_TILE, T // ITEM_TILE), (T // ITEM_TILE,)
+
+
+def cascade_tables(q: TokenMeta, kv: TokenMeta) -> CascadeTables:
+    """The tables of `cascade_attention` for a pass."""
+    T, Tk = len(q.seq), len(kv.seq)
+    shape = cascade_table_shapes(T, Tk)[0]
+    tile = T // shape[0]
+    # Each sequence's prefix keys are contiguous: in the cache, or at the start of its span of the pass.
+    prefix_keys = np.flatnonzero((kv.seq >= 0) & (kv.item < 0))
+    seqs, first, lengths = np.unique(kv.seq[prefix_keys], return_index=True, return_counts=True)
+    first = prefix_keys[first]
+    starts = np.zeros(shape, np.int32)
+    sizes = np.zeros_like(starts)
+    counts = np.zeros(T // tile, np.int32)
+    for i in range(T // tile):
+        rows = slice(i * tile, (i + 1) * tile)
+        real = q.seq[rows] >= 0
+        tile_seqs, where = np.unique(q.seq[rows][real], return_inverse=True)
+        last_pos = np.zeros(len(tile_seqs), np.int64)
+        np.maximum.at(last_pos, where, q.pos[rows][real])
+        s = np.minimum(np.searchsorted(seqs, tile_seqs), max(len(seqs) - 1, 0))
+        has_prefix = seqs[s] == tile_seqs if len(seqs) else np.zeros(len(tile_seqs), bool)
+        # Windows that start past every row's position are causally masked: not listed.
+        n = np.where(has_prefix, np.minimum(-(-lengths[s] // PREFIX_WINDOW), last_pos // PREFIX_WINDOW + 1), 0) \
+            if len(seqs) else has_prefix.astype(np.int64)
+        offsets = [PREFIX_WINDOW * np.arange(c) for c in n]
+        counts[i] = c = sum(n)
+        if c:
+            starts[i, :c] = np.concatenate([first[j] + o for j, o in zip(s, offsets)])
+            sizes[i, :c] = np.concatenate([np.minimum(lengths[j] - o, PREFIX_WINDOW) for j, o in zip(s, offsets)])
+    ids, item_counts = block_tables(q, kv, ITEM_TILE, ITEM_TILE, items_only=True)
+    return CascadeTables(starts, sizes, counts, pad_tables(ids, T // ITEM_TILE), item_counts)
+
+
+def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, item_ids, item_counts):
+    """Packed attention as a prefix part and an item part (see above); same result as `dense_attention`.
+    Both parts work heads first ([Hkv, rows, D]): with each head's G query heads as one block of rows, every
+    score matmul is a plain batched matmul over the KV heads (XLA's CPU matmuls were ~30% faster so)."""
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    q = q.astype(jnp.float32).reshape(T, Hkv, G, D)  # each part scales it by 1 / sqrt(D) in its own copy of it
+    v = v.astype(jnp.float32)  # as in _tile_loop
+    # The item part's state is where the prefix part's online softmax starts: the two merge there, with no
+    # pass over the whole output for it (a separate merge cost a quarter of the attention's time).
+    items = _item_part(q, k, v, q_meta, kv_meta, item_ids, item_counts)
+    out = _prefix_part(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, items)
     return out.reshape(T, H, D)
+
+
+def _online_softmax_step(carry, s, mask, v, sums_from_matmul: bool):
+    """One step of the online softmax: scores s [..., rows, keys] (masked by `mask`), values v [..., keys, D]
+    (with ones appended when `sums_from_matmul`, see _tile_loop). carry: (max, output, row sum)."""
+    m, acc, l = carry
+    s = jnp.where(mask, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    scale = jnp.exp(m - m_new)
+    pv = jnp.matmul(p, v, preferred_element_type=jnp.float32)
+    if sums_from_matmul:
+        D = pv.shape[-1] // 2
+        return m_new, acc * scale + pv[..., :D], l * scale + pv[..., D:D + 1]
+    return m_new, acc * scale + pv, l * scale + p.sum(axis=-1, keepdims=True)
+
+
+def _prefix_part(q, k, v, q_meta, kv_meta, starts, sizes, counts, items: tuple):
+    """Every query row against its sequence's prefix keys, window by window (see cascade_tables), starting
+    from the item part's state `items` (see _item_part): the attention's output [T, Hkv, G, D]. A row that
+    sees nothing (padding) comes out as zeros."""
+    T, Hkv, G, D = q.shape
+    nq = starts.shape[0]
+    tile, window = T // nq, PREFIX_WINDOW
+    # Windows may run past the last key: padding keys, visible to no one.
+    k_h, v_h = (jnp.pad(x, ((0, window), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))  # [Hkv, Tk+w, D]
+    k_seq, k_pos = (jnp.pad(m, (0, window), constant_values=c) for m, c in ((kv_meta[0], KEY_PAD_SEQ), (kv_meta[2], 0)))
+
+    heads_first = lambda x: x.transpose(1, 2, 0, 3).reshape(Hkv, G * tile, -1)  # [tile, Hkv, G, X] ->
+
+    def one_tile(args):
+        q_tile, starts, sizes, count, q_seq, q_pos, *state = args
+        q_tile = heads_first(q_tile) * (1 / np.sqrt(D))
+        q_seq, q_pos = (jnp.tile(x, G)[:, None] for x in (q_seq, q_pos))  # per row of q_tile
+
+        def step(j, carry):
+            lo = starts[j]
+            kt, vt = (jax.lax.dynamic_slice_in_dim(x, lo, window, axis=1) for x in (k_h, v_h))
+            ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, window)[None, :] for x in (k_seq, k_pos))
+            # The window's own prefix only: the keys after it (items, other sequences) are someone else's.
+            mask = (q_seq == ks) & (jnp.arange(window) < sizes[j])[None, :] & (kp <= q_pos)
+            s = jnp.matmul(q_tile, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
+            return _online_softmax_step(carry, s, mask, vt, sums_from_matmul=False)
+
+        _, acc, l = jax.lax.fori_loop(0, count, step, tuple(heads_first(x) for x in state))
+        out = acc / jnp.where(l > 0, l, 1.0)
+        return out.reshape(Hkv, G, tile, D).transpose(2, 0, 1, 3)
+
+    by_tile = lambda x: x.reshape(nq, tile, *x.shape[1:])
+    out = jax.lax.map(one_tile, (by_tile(q), jnp.asarray(starts), jnp.asarray(sizes), counts, by_tile(q_meta[0]),
+                                 by_tile(q_meta[2]), *(by_tile(x) for x in items)))
+    return out.reshape(T, Hkv, G, D)
+
+
+def _item_part(q, k, v, q_meta, kv_meta, ids, counts):
+    """Every query row against the keys of its own item (prefix keys masked): per row the online softmax's
+    state (max, unnormalized output, row sum), [T, Hkv, G, 1 / D / 1]; max _MASKED where a row saw nothing. Items are short, so the step runs slot by slot of the table for
+    all query tiles at once (small tiles, one batched matmul each), over the rows in use only.
+
+    A step reads ITEM_SLOTS key tiles, so a tile whose items are short (up to about 3 tiles) is read in one step:
+    an item read over two steps gets its sums rescaled in between, and where its keys fall between steps
+    depends on the items before it, which moved other items' log-probs by 1.7e-5 (the isolation rule is 1e-5)."""
+    T, Hkv, G, D = q.shape
+    Tk = k.shape[0]
+    tile = ITEM_TILE
+    # The row sums come out of the PV matmul (ones appended to v), as in _tile_loop: items move with their
+    # neighbours, and a plain sum's rounding would move with them.
+    k_tiles, v_tiles = (x.reshape(Tk // tile, tile, Hkv, D) for x in (k, v))
+    heads_first = lambda x: x.reshape(n, ITEM_SLOTS * tile, Hkv, -1).transpose(0, 2, 1, 3)  # [n, Hkv, keys, X]
+    k_meta = [m.reshape(Tk // tile, tile) for m in kv_meta]
+    chunk = _pick_tile(T, ITEM_CHUNK, 64)  # query rows per step of the outer loop
+    n = chunk // tile
+
+    def rows(args):
+        qc, q_seq, q_item, q_pos, ids_c, counts_c = args
+        qc = qc.reshape(n, tile, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(n, Hkv, G * tile, D) * (1 / np.sqrt(D))
+        q_seq, q_item, q_pos = (jnp.tile(m.reshape(n, 1, tile), (1, G, 1)).reshape(n, G * tile, 1)
+                                for m in (q_seq, q_item, q_pos))
+
+        def slot(j, carry):
+            key_tiles = jax.lax.dynamic_slice_in_dim(ids_c, j * ITEM_SLOTS, ITEM_SLOTS, axis=1)  # [n, slots]
+            k_seq, k_item, k_pos = (m[key_tiles].reshape(n, 1, -1) for m in k_meta)
+            listed = jnp.repeat(j * ITEM_SLOTS + jnp.arange(ITEM_SLOTS)[None, :] < counts_c[:, None], tile, axis=1)
+            mask = visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos) & (k_item >= 0) & listed[:, None, :]
+            s = jnp.matmul(qc, heads_first(k_tiles[key_tiles]).transpose(0, 1, 3, 2), preferred_element_type=jnp.float32)
+            vt = heads_first(v_tiles[key_tiles])
+            return _online_softmax_step(carry, s, mask[:, None], jnp.concatenate([vt, jnp.ones_like(vt)], axis=-1),
+                                        sums_from_matmul=True)
+
+        state = lambda d, fill=0.0: jnp.full((n, Hkv, G * tile, d), fill, jnp.float32)
+        # A chunk runs as many steps as its tiles' longest list: none for padding rows, which list nothing.
+        out = jax.lax.fori_loop(0, (counts_c.max() + ITEM_SLOTS - 1) // ITEM_SLOTS, slot, (state(1, _MASKED), state(D), state(1)))
+        return tuple(x.reshape(n, Hkv, G, tile, -1).transpose(0, 3, 1, 2, 4).reshape(chunk, Hkv, G, -1) for x in out)
+
+    by_chunk = lambda x: x.reshape(T // chunk, -1, *x.shape[1:])
+    out = jax.lax.map(rows, (by_chunk(q), *(by_chunk(m) for m in q_meta), by_chunk(jnp.asarray(ids)),
+                             by_chunk(counts)))
+    return tuple(x.reshape(T, *x.shape[2:]) for x in out)
 
 
 # ---- Pallas kernels -----------------------------------------------------------------------
@@ -443,8 +647,9 @@ def pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: i
     interpret=False: the kernel of the platform the program is lowered for (`lax.platform_dependent`):
     the TPU kernel on TPU, the Mosaic GPU kernel on CUDA where it lowers (see `GPU_KERNEL`), else (and
     on CPU) the XLA block-sparse path. interpret=True or a `pltpu.InterpretParams`: the TPU kernel run
-    on the CPU in interpret mode.
+    on the CPU in interpret mode. q is rounded to the keys' dtype: the kernels' matmuls take one dtype.
     """
+    q = q.astype(k.dtype)
     args = (q, k, v, tuple(q_meta), tuple(kv_meta), tile_ids, tile_counts)
     if interpret:
         return tpu_attention(*args, block_q, block_k, interpret=interpret)

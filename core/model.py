@@ -94,16 +94,18 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
     def project(self, h: jax.Array, positions: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
-        """q [T, H, hd], k and v [T, Hkv, hd] of h [T, D] (normed), in `dtype` (the cache's)."""
+        """q [T, H, hd] float32, k and v [T, Hkv, hd] in `dtype` (the cache's), of h [T, D] (normed)."""
         c, T = self.config, h.shape[0]
-        # Norm and rotation in float32; q, k and v are rounded to the cache's dtype once, at the end.
+        # Norm and rotation in float32; k and v are rounded to the cache's dtype once, at the end. q stays
+        # float32 (the accelerators' kernels round it themselves): rounding it to bfloat16 moved bfloat16
+        # log-probs of SmolLM2 by up to 0.07 on an AVX512-BF16 CPU, 0.037 without.
         qkv = dense(h, self.wqkv)
         q = qkv[:, : c.q_size].reshape(T, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_embedding(q, positions, c.rope_theta).astype(dtype)
+        q = apply_rotary_embedding(q, positions, c.rope_theta)
         k = apply_rotary_embedding(k, positions, c.rope_theta).astype(dtype)
         return q, k, v
 

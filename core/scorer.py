@@ -83,18 +83,19 @@ def _default_attention() -> str:
 
 
 @partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows"))
-def _run_pass(model_state, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
+def _run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows, score_labels,
               n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
               token_rows: int | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
-    log-probabilities leave the device, not [S, vocab] logits."""
+    log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables (see
+    Scorer._tables)."""
     def attention(q, k, v):
         if impl == "dense":
             return attn.dense_attention(q, k, v, q_meta, kv_meta)
         if impl == "xla":
-            return attn.blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q, block_k)
-        return attn.pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q=block_q, block_k=block_k,
+            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables)
+        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables, block_q=block_q, block_k=block_k,
                                      interpret=impl == "pallas-interpret")
 
     model = nnx.merge(model_def, model_state)
@@ -303,19 +304,30 @@ class Scorer:
                           time.perf_counter() - start, shape_key)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
-        """The XLA path loops over each query tile's own tiles, so its tables take the widest width a pass of
-        this length can need: the width is then no compile key (nor for the dense reference, which reads no
-        table). A Pallas kernel's grid spans the table, so its tables stay as narrow as the pass needs (a
-        compile key on accelerators)."""
+        """The XLA path loops over each query tile's own windows and tiles, so its tables take the widest
+        width a pass of this length can need: the width is then no compile key (nor for the dense reference,
+        which reads no table). A Pallas kernel's grid spans the table, so its tables stay as narrow as the pass
+        needs (a compile key on accelerators)."""
         return (cache_len + tokens) // self.block_k if self.attention in ("xla", "dense") else needed
+
+    def _tables(self, arrays, width: int) -> tuple[np.ndarray, ...]:
+        """The attention's host tables for a pass: `cascade_attention`'s on the XLA path, else the block
+        tables (the Pallas kernels'; the dense reference reads none), `width` wide."""
+        if self.attention == "xla":
+            return attn.cascade_tables(arrays.q_meta, arrays.kv_meta).as_tuple()
+        return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
         c = self.config
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
         cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype)
-        args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3,
-                i32(tokens // self.block_q, width), i32(tokens // self.block_q), cache, cache, i32(score_rows),
+        if self.attention == "xla":
+            tables = tuple(i32(*shape) for shape in attn.cascade_table_shapes(tokens, cache_len + tokens))
+        else:
+            tables = (i32(tokens // self.block_q, width), i32(tokens // self.block_q))
+        args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3, tables,
+                cache, cache, i32(score_rows),
                 i32(score_rows, label_width), i32(), i32())
         statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
                    "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows}
@@ -363,13 +375,13 @@ class Scorer:
     def _execute(self, arrays, cached: list[tuple], cached_lengths: list[int], labels: np.ndarray, keep_kv: bool):
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], cached_lengths, C) for i in (0, 1))
-        tile_ids = attn.pad_tables(arrays.tile_ids, self._table_width(T, C, arrays.tile_ids.shape[1]))
+        width = self._table_width(T, C, arrays.tile_ids.shape[1])
+        tables = tuple(jnp.asarray(t) for t in self._tables(arrays, width))
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
-        shape_key = (T, C, S, tile_ids.shape[1], labels.shape[1], keep_kv)
+        shape_key = (T, C, S, width, labels.shape[1], keep_kv)
         program = self._program(*shape_key)
         logprobs, kv = program(self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta),
-                               meta(arrays.kv_meta), jnp.asarray(tile_ids), jnp.asarray(arrays.tile_counts),
-                               cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
+                               meta(arrays.kv_meta), tables, cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
                                jnp.int32(arrays.n_rows), jnp.int32(arrays.real_tokens))
         return np.asarray(logprobs), kv, shape_key
 

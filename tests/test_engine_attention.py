@@ -1,5 +1,5 @@
-"""The packed-attention implementations (Pallas kernel in interpret mode, block-sparse XLA) against
-the dense reference on randomized pass layouts."""
+"""The packed-attention implementations (cascade and block-sparse XLA, Pallas kernel in interpret mode)
+against the dense reference on randomized pass layouts."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +33,9 @@ def run_all(arrays, heads=4, kv_heads=2, dim=16, seed=0, block_q=32, block_k=16,
     ids, counts = jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts)
     real = arrays.q_meta.seq >= 0
     ref = np.asarray(A.dense_attention(q, k, v, qm, km))[real]
-    outs = {"xla": A.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k)}
+    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta).as_tuple()
+    outs = {"xla": A.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k),
+            "cascade": A.cascade_attention(q, k, v, qm, km, *tables)}
     if pallas:
         outs["pallas"] = A.pallas_attention(q, k, v, qm, km, ids, counts, block_q=block_q, block_k=block_k,
                                             interpret=True)
@@ -77,3 +79,24 @@ def test_tables_skip_invisible_tiles():
         listed = set(arrays.tile_ids[i, : arrays.tile_counts[i]].tolist())
         needed = set(np.flatnonzero(mask[i * 128:(i + 1) * 128].reshape(128, -1, 64).any(axis=(0, 2))).tolist())
         assert needed <= listed
+
+
+def test_cascade_prefix_windows_read_each_prefix_key_once():
+    """The prefix part's windows start at each prefix's first key and stop at its end: sequences whose
+    prefixes sit side by side in the cache (where one window reaches into the next prefix) count no key
+    twice, and a window past a query tile's last position is not listed."""
+    sequences = [PackedSequence(tuple(range(n)), cached, items=[(r, 0, (1, 2, 3))])
+                 for r, (n, cached) in enumerate([(50, True), (700, True), (30, False)])]
+    arrays = build_pass(PassPlan(sequences), 128, 64)
+    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta)
+    q, kv = arrays.q_meta, arrays.kv_meta
+    tile = len(q.seq) // len(tables.prefix_counts)
+    for i, count in enumerate(tables.prefix_counts):
+        read = np.zeros(len(kv.seq) + A.PREFIX_WINDOW, int)
+        for start, size in zip(tables.prefix_starts[i, :count], tables.prefix_sizes[i, :count]):
+            read[start:start + size] += 1
+        rows = slice(i * tile, (i + 1) * tile)
+        mask = A.visible(q.seq[rows, None], q.item[rows, None], q.pos[rows, None], kv.seq[None], kv.item[None],
+                         kv.pos[None])
+        needed = (mask & (kv.item[None] < 0)).any(axis=0)
+        assert read.max() <= 1 and (read[: len(kv.seq)][needed] == 1).all()
