@@ -26,13 +26,21 @@ TOKEN_ROWS = 512
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def apply_rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Non-interleaved RoPE (Hugging Face layout: rotate halves), in float32. x [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of RoPE's angles, [T, head_dim / 2] float32. Computed once per pass for every layer: inside
+    a layer's fused rotation XLA evaluated them once per head and element (a quarter of the projections'
+    non-matmul time on CPU)."""
+    half = head_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary_embedding(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Non-interleaved RoPE (Hugging Face layout: rotate halves), in float32. x [T, heads, head_dim], cos and
+    sin from `rotary_tables`."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -93,7 +101,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    def project(self, h: jax.Array, positions: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+    def project(self, h: jax.Array, cos: jax.Array, sin: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
         """q [T, H, hd] float32, k and v [T, Hkv, hd] in `dtype` (the cache's), of h [T, D] (normed)."""
         c, T = self.config, h.shape[0]
         # Norm and rotation in float32; k and v are rounded to the cache's dtype once, at the end. q stays
@@ -105,8 +113,8 @@ class Attention(nnx.Module):
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_embedding(q, positions, c.rope_theta)
-        k = apply_rotary_embedding(k, positions, c.rope_theta).astype(dtype)
+        q = apply_rotary_embedding(q, cos, sin)
+        k = apply_rotary_embedding(k, cos, sin).astype(dtype)
         return q, k, v
 
     def output(self, out: jax.Array) -> jax.Array:
@@ -131,13 +139,14 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], cache_k: jax.Array, cache_v: jax.Array,
                  attention: AttentionFn, n_tokens: jax.Array,
                  token_rows: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [T, D] float32, of which the first n_tokens are real; keys also cover the cached context
+        """x [T, D] float32, of which the first n_tokens are real; rope: `rotary_tables` of the tokens' positions;
+        keys also cover the cached context
         (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype)."""
-        q, k, v = over_tokens(lambda x, p: self.attn.project(self.attn_norm(x), p, cache_k.dtype), n_tokens,
-                              token_rows, x, positions)
+        q, k, v = over_tokens(lambda x, cos, sin: self.attn.project(self.attn_norm(x), cos, sin, cache_k.dtype),
+                              n_tokens, token_rows, x, *rope)
         out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
 
         def finish(x, out):
@@ -176,11 +185,12 @@ class CausalLM(nnx.Module):
         # The residual stream stays float32 whatever the weights' dtype (bfloat16 weights
         # with a bfloat16 residual drift past the 5e-2 logprob tolerance).
         x = self.embed[...][tokens].astype(jnp.float32)
+        rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
         layer_def, layer_state = nnx.split(self.layers)
 
         def step(x, state_and_cache):
             state, ck, cv = state_and_cache
-            x, k, v = nnx.merge(layer_def, state)(x, positions, ck, cv, attention, n_tokens, token_rows)
+            x, k, v = nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows)
             return x, ((k, v) if keep_kv else None)
 
         x, kv = jax.lax.scan(step, x, (layer_state, cache_k, cache_v))
