@@ -146,16 +146,15 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
     """
     T, H, D = q.shape
     m, acc, l = _tile_loop(q * (1 / np.sqrt(D)), k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q, block_k,
-                           SLOT_GROUP, items_only=False)
+                           SLOT_GROUP)
     # A query row that sees nothing (padding) has zero sums: its output is zeros.
     return (acc / jnp.where(l > 0, l, 1.0)).reshape(T, H, D).astype(q.dtype)
 
 
-def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int, group: int,
-               items_only: bool):
+def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int, group: int):
     """The online-softmax state of every query row over the key tiles its tile lists (`group` tiles a step):
     (max [T, Hkv, G, 1], unnormalized output [T, Hkv, G, D], row sum [T, Hkv, G, 1]), float32. q comes scaled.
-    `items_only`: prefix keys are masked (they are the prefix part's). A row that saw nothing has max _MASKED."""
+    A row that saw nothing has max _MASKED."""
     T, H, D = q.shape
     Tk, Hkv, _ = k.shape
     nq, width = tile_ids.shape
@@ -186,8 +185,6 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
             k_seq, k_item, k_pos = (t[group_ids].reshape(group * block_k) for t in k_meta_tiles)
             mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None], k_seq[None, :], k_item[None, :],
                            k_pos[None, :])
-            if items_only:
-                mask &= k_item[None, :] >= 0
             mask &= jnp.repeat(g * group + jnp.arange(group) < count, block_k)[None, :]
             s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32)
             s = jnp.where(mask, s, _MASKED)
