@@ -140,11 +140,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], cache_k: jax.Array, cache_v: jax.Array,
-                 attention: AttentionFn, n_tokens: jax.Array,
-                 token_rows: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 attention: AttentionFn, n_tokens: jax.Array, token_rows: int | None,
+                 rows: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] float32, of which the first n_tokens are real; rope: `rotary_tables` of the tokens' positions;
         keys also cover the cached context
-        (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype)."""
+        (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype).
+        `rows` (row indices [T], how many are in use): only those rows go on past the attention, and come out
+        in that order (the last layer: only the score rows reach the LM head; the rest of it is keys/values)."""
         q, k, v = over_tokens(lambda x, cos, sin: self.attn.project(self.attn_norm(x), cos, sin, cache_k.dtype),
                               n_tokens, token_rows, x, *rope)
         out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
@@ -153,7 +155,10 @@ class DecoderLayer(nnx.Module):
             x = x + self.attn.output(out)
             return x + self.mlp(self.mlp_norm(x))
 
-        return over_tokens(finish, n_tokens, token_rows, x, out), k, v
+        if rows is None:
+            return over_tokens(finish, n_tokens, token_rows, x, out), k, v
+        index, n_rows = rows
+        return over_tokens(finish, n_rows, token_rows, x[index], out[index]), k, v
 
 
 class CausalLM(nnx.Module):
@@ -187,14 +192,20 @@ class CausalLM(nnx.Module):
         x = self.embed[...][tokens].astype(jnp.float32)
         rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
         layer_def, layer_state = nnx.split(self.layers)
+        # The last layer runs its output projection and MLP on the score rows only (x comes out as those rows):
+        # a tenth of the tokens in a typical pass, so it saves nearly a layer's worth of matmuls out of L.
+        last = self.config.num_layers - 1
+        if x.shape[0] != score_rows.shape[0]:  # the rows must fit in x's shape to carry them through the scan
+            raise ValueError("a pass offers one score row per token")
 
-        def step(x, state_and_cache):
-            state, ck, cv = state_and_cache
-            x, k, v = nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows)
+        def step(x, layer):
+            i, state, ck, cv = layer
+            run = lambda rows: nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows, rows)
+            x, k, v = jax.lax.cond(i == last, lambda: run((score_rows, n_rows)), lambda: run(None))
             return x, ((k, v) if keep_kv else None)
 
-        x, kv = jax.lax.scan(step, x, (layer_state, cache_k, cache_v))
-        return self.label_logprobs(self.final_norm(x[score_rows]), score_labels, n_rows), kv
+        x, kv = jax.lax.scan(step, x, (jnp.arange(last + 1), layer_state, cache_k, cache_v))
+        return self.label_logprobs(self.final_norm(x), score_labels, n_rows), kv
 
     def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array) -> jax.Array:
         """log-softmax over the vocabulary, taken at `labels` [S, W], for the first n_rows rows of h [S, D].

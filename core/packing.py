@@ -9,7 +9,7 @@ items against that cache, and a query seen recently is not recomputed.
 
 Shapes come from a short fixed ladder (`pass_length`): a pass of T tokens, T one of
 pass_tokens/8, /4, /2 or pass_tokens (larger only for one sequence longer than a pass),
-offers T score rows (the LM head runs on the rows in use only), and reads a cache of 0 or
+offers T score rows (the LM head runs on the rows in use only), and reads a cache of 0, pass_tokens/8 or
 pass_tokens keys (more only after such a long sequence). The item count, the query length
 and the label count never become compile keys.
 """
@@ -85,8 +85,13 @@ def pass_length(tokens: int, rows: int, pass_tokens: int, block: int) -> int:
 
 
 def cache_length(cached: int, pass_tokens: int, block: int) -> int:
-    """C for a pass reading `cached` keys of cached prefixes: 0, or pass_tokens (doubled past that)."""
-    return max(pass_length(cached, 0, pass_tokens, block), ladder(pass_tokens, block)[-1]) if cached else 0
+    """C for a pass reading `cached` keys of cached prefixes: 0; the ladder's shortest rung where they fit in
+    it (a query or two: the common case); else pass_tokens (doubled past that). Each layer copies the whole
+    cache input: a 500-token query read as 4,096 keys cost a request of 400 items 7% of its time."""
+    if not cached:
+        return 0
+    rungs = ladder(pass_tokens, block)
+    return rungs[0] if cached <= rungs[0] else max(pass_length(cached, 0, pass_tokens, block), rungs[-1])
 
 
 def _split_items(items: list, budget: int) -> list[list]:

@@ -344,14 +344,15 @@ class Scorer:
 
     def warm_up(self) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
-        core.packing) for up to 8 labels: for each pass length, a pass without and one with cached prefixes
-        (on accelerators each with and without keys/values out), longest first and at most `max_programs`.
+        core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
+        each cache length (the shortest rung's and pass_tokens; on accelerators each with and without keys/values out), longest first and at most `max_programs`.
         Returns how many. The Pallas kernels' table width is a compile key too, one that depends on the
         traffic, so with attention "pallas" nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
             return 0
         lengths = ladder(self.pass_tokens, max(self.block_q, self.block_k))
-        kinds = [(C, keep) for C in (0, lengths[-1]) for keep in (True, False) if keep or not self.always_keep_kv]
+        kinds = [(C, keep) for C in (0, lengths[0], lengths[-1]) for keep in (True, False)
+                 if keep or not self.always_keep_kv]
         shapes = [(T, C, keep) for T in reversed(lengths) for C, keep in kinds][: self.max_programs]
         with self._engine_lock:
             for T, C, keep in shapes:
