@@ -215,11 +215,10 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
 # sums over them are added in the same order whatever the other items are: a plain row sum keeps the 1e-5
 # isolation rule there, and only the item part needs the sums out of its matmul.
 
-PREFIX_TILE_Q = 512  # query rows per prefix-part tile (fewer where the pass length needs it)
+PREFIX_TILE_Q = 512  # query rows per tile of both parts (fewer where the pass length needs it)
 PREFIX_WINDOW = 512  # prefix keys per step
-ITEM_TILE = 16  # query rows and keys per item-part tile: a tile of short items reaches back few keys
-ITEM_CHUNK = 512  # query rows per step of the item part
-ITEM_SLOTS = 4  # key tiles per step: a tile's short items are read in one step (see _item_part)
+ITEM_TILE = 16  # query rows and keys per item-part sub-tile: a sub-tile of short items reaches back few keys
+ITEM_SLOTS = 4  # key tiles per step: a sub-tile's short items are read in one step (see cascade_attention)
 
 
 @dataclass(frozen=True)
@@ -278,18 +277,77 @@ def cascade_tables(q: TokenMeta, kv: TokenMeta) -> CascadeTables:
 
 
 def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, item_ids, item_counts):
-    """Packed attention as a prefix part and an item part (see above); same result as `dense_attention`.
-    Both parts work heads first ([Hkv, rows, D]): with each head's G query heads as one block of rows, every
-    score matmul is a plain batched matmul over the KV heads (XLA's CPU matmuls were ~30% faster so)."""
+    """Packed attention as an item part and a prefix part (see above); same result as `dense_attention`.
+
+    One loop over query tiles does both parts. A tile's rows are laid out heads first, [Hkv, sub-tile,
+    G * ITEM_TILE, D] (each KV head's G query heads as one block of rows): the item part runs each sub-tile
+    against its items' key tiles as a batched matmul; the prefix part runs all of a head's rows at once
+    against a window of prefix keys (row order does not matter there), so the layout changes once per tile,
+    in and out. The item part's online-softmax state is where the prefix part's starts: they merge with no
+    extra pass (a separate merge cost a quarter of the attention's time). Items are read in steps of
+    ITEM_SLOTS key tiles, so a sub-tile whose items are short (up to about 3 tiles) is read in one step: an
+    item read over two steps gets its sums rescaled in between, and where its keys fall between steps
+    depends on the items before it, which moved other items' log-probs by 1.7e-5 (the isolation rule is
+    1e-5). For the same reason the item part's row sums come out of its PV matmul (ones appended to v).
+    """
     T, H, D = q.shape
-    Hkv = k.shape[1]
+    Tk, Hkv = k.shape[:2]
     G = H // Hkv
-    q = q.astype(jnp.float32).reshape(T, Hkv, G, D)  # each part scales it by 1 / sqrt(D) in its own copy of it
-    v = v.astype(jnp.float32)  # as in _tile_loop
-    # The item part's state is where the prefix part's online softmax starts: the two merge there, with no
-    # pass over the whole output for it (a separate merge cost a quarter of the attention's time).
-    items = _item_part(q, k, v, q_meta, kv_meta, item_ids, item_counts)
-    out = _prefix_part(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, items)
+    nq = prefix_starts.shape[0]
+    tile, sub, window, slots = T // nq, ITEM_TILE, PREFIX_WINDOW, ITEM_SLOTS
+    n = tile // sub
+    # Keys/values heads first, padded by a window: windows may run past the last key, and the padding's first
+    # key tile is where an item table's unused slots point (padding keys match no query's sequence).
+    k_h, v_h = (jnp.pad(x.astype(jnp.float32), ((0, window), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    k_seq, k_item, k_pos = (jnp.pad(m, (0, window), constant_values=c)
+                            for m, c in ((kv_meta[0], KEY_PAD_SEQ), (kv_meta[1], -1), (kv_meta[2], 0)))
+    k_item = jnp.where(k_item >= 0, k_item, -3)  # prefix keys: no row of the item part sees them
+    k_sub, v_sub = (x.reshape(Hkv, -1, sub, D) for x in (k_h, v_h))  # [Hkv, key tiles, sub, D]
+    k_meta_sub = [m.reshape(-1, sub) for m in (k_seq, k_item, k_pos)]
+    padding_tile = Tk // sub
+
+    def one_tile(args):
+        q_tile, q_seq, q_item, q_pos, starts, sizes, count, ids, counts = args
+        q_tile = q_tile.reshape(n, sub, Hkv, G, D).transpose(2, 0, 3, 1, 4).reshape(Hkv, n, G * sub, D) * (1 / np.sqrt(D))
+        rows = lambda m: jnp.broadcast_to(m.reshape(n, 1, sub), (n, G, sub)).reshape(n, G * sub, 1)
+        q_seq, q_item, q_pos = rows(q_seq), rows(q_item), rows(q_pos)
+
+        def item_step(j, carry):
+            slot = j * slots + jnp.arange(slots)[None, :]
+            key_tiles = jnp.where(slot < counts[:, None], jax.lax.dynamic_slice_in_dim(ids, j * slots, slots, axis=1),
+                                  padding_tile)  # [n, slots]
+            ks, ki, kp = (m[key_tiles].reshape(n, 1, slots * sub) for m in k_meta_sub)
+            mask = (q_seq == ks) & (q_item == ki) & (kp <= q_pos)
+            kt, vt = (x[:, key_tiles].reshape(Hkv, n, slots * sub, D) for x in (k_sub, v_sub))
+            s = jnp.matmul(q_tile, kt.transpose(0, 1, 3, 2), preferred_element_type=jnp.float32)
+            return _online_softmax_step(carry, s, mask[None], jnp.concatenate([vt, jnp.ones_like(vt)], axis=-1),
+                                        sums_from_matmul=True)
+
+        state = lambda d, fill=0.0: jnp.full((Hkv, n, G * sub, d), fill, jnp.float32)
+        # As many steps as the tile's longest list: none for padding rows, which list nothing.
+        carry = jax.lax.fori_loop(0, (counts.max() + slots - 1) // slots, item_step,
+                                  (state(1, _MASKED), state(D), state(1)))
+        carry = tuple(x.reshape(Hkv, n * G * sub, -1) for x in carry)
+        q_rows = q_tile.reshape(Hkv, n * G * sub, D)
+        q_seq, q_pos = q_seq.reshape(-1, 1), q_pos.reshape(-1, 1)
+
+        def prefix_step(j, carry):
+            lo = starts[j]
+            kt, vt = (jax.lax.dynamic_slice_in_dim(x, lo, window, axis=1) for x in (k_h, v_h))
+            ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, window)[None, :] for x in (k_seq, k_pos))
+            # The window's own prefix only: the keys after it (items, other sequences) are someone else's.
+            mask = (q_seq == ks) & (jnp.arange(window) < sizes[j])[None, :] & (kp <= q_pos)
+            s = jnp.matmul(q_rows, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
+            return _online_softmax_step(carry, s, mask, vt, sums_from_matmul=False)
+
+        _, acc, l = jax.lax.fori_loop(0, count, prefix_step, carry)
+        out = acc / jnp.where(l > 0, l, 1.0)  # a row that sees nothing (padding) comes out as zeros
+        return out.reshape(Hkv, n, G, sub, D).transpose(1, 3, 0, 2, 4).reshape(tile, H, D)
+
+    by_tile = lambda x: x.reshape(nq, -1, *x.shape[1:])
+    out = jax.lax.map(one_tile, (by_tile(q.astype(jnp.float32)), *(by_tile(m) for m in q_meta),
+                                 jnp.asarray(prefix_starts), jnp.asarray(prefix_sizes), prefix_counts,
+                                 by_tile(jnp.asarray(item_ids)), by_tile(item_counts)))
     return out.reshape(T, H, D)
 
 
@@ -306,89 +364,6 @@ def _online_softmax_step(carry, s, mask, v, sums_from_matmul: bool):
         D = pv.shape[-1] // 2
         return m_new, acc * scale + pv[..., :D], l * scale + pv[..., D:D + 1]
     return m_new, acc * scale + pv, l * scale + p.sum(axis=-1, keepdims=True)
-
-
-def _prefix_part(q, k, v, q_meta, kv_meta, starts, sizes, counts, items: tuple):
-    """Every query row against its sequence's prefix keys, window by window (see cascade_tables), starting
-    from the item part's state `items` (see _item_part): the attention's output [T, Hkv, G, D]. A row that
-    sees nothing (padding) comes out as zeros."""
-    T, Hkv, G, D = q.shape
-    nq = starts.shape[0]
-    tile, window = T // nq, PREFIX_WINDOW
-    # Windows may run past the last key: padding keys, visible to no one.
-    k_h, v_h = (jnp.pad(x, ((0, window), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))  # [Hkv, Tk+w, D]
-    k_seq, k_pos = (jnp.pad(m, (0, window), constant_values=c) for m, c in ((kv_meta[0], KEY_PAD_SEQ), (kv_meta[2], 0)))
-
-    heads_first = lambda x: x.transpose(1, 2, 0, 3).reshape(Hkv, G * tile, -1)  # [tile, Hkv, G, X] ->
-
-    def one_tile(args):
-        q_tile, starts, sizes, count, q_seq, q_pos, *state = args
-        q_tile = heads_first(q_tile) * (1 / np.sqrt(D))
-        q_seq, q_pos = (jnp.tile(x, G)[:, None] for x in (q_seq, q_pos))  # per row of q_tile
-
-        def step(j, carry):
-            lo = starts[j]
-            kt, vt = (jax.lax.dynamic_slice_in_dim(x, lo, window, axis=1) for x in (k_h, v_h))
-            ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, window)[None, :] for x in (k_seq, k_pos))
-            # The window's own prefix only: the keys after it (items, other sequences) are someone else's.
-            mask = (q_seq == ks) & (jnp.arange(window) < sizes[j])[None, :] & (kp <= q_pos)
-            s = jnp.matmul(q_tile, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
-            return _online_softmax_step(carry, s, mask, vt, sums_from_matmul=False)
-
-        _, acc, l = jax.lax.fori_loop(0, count, step, tuple(heads_first(x) for x in state))
-        out = acc / jnp.where(l > 0, l, 1.0)
-        return out.reshape(Hkv, G, tile, D).transpose(2, 0, 1, 3)
-
-    by_tile = lambda x: x.reshape(nq, tile, *x.shape[1:])
-    out = jax.lax.map(one_tile, (by_tile(q), jnp.asarray(starts), jnp.asarray(sizes), counts, by_tile(q_meta[0]),
-                                 by_tile(q_meta[2]), *(by_tile(x) for x in items)))
-    return out.reshape(T, Hkv, G, D)
-
-
-def _item_part(q, k, v, q_meta, kv_meta, ids, counts):
-    """Every query row against the keys of its own item (prefix keys masked): per row the online softmax's
-    state (max, unnormalized output, row sum), [T, Hkv, G, 1 / D / 1]; max _MASKED where a row saw nothing. Items are short, so the step runs slot by slot of the table for
-    all query tiles at once (small tiles, one batched matmul each), over the rows in use only.
-
-    A step reads ITEM_SLOTS key tiles, so a tile whose items are short (up to about 3 tiles) is read in one step:
-    an item read over two steps gets its sums rescaled in between, and where its keys fall between steps
-    depends on the items before it, which moved other items' log-probs by 1.7e-5 (the isolation rule is 1e-5)."""
-    T, Hkv, G, D = q.shape
-    Tk = k.shape[0]
-    tile = ITEM_TILE
-    # The row sums come out of the PV matmul (ones appended to v), as in _tile_loop: items move with their
-    # neighbours, and a plain sum's rounding would move with them.
-    k_tiles, v_tiles = (x.reshape(Tk // tile, tile, Hkv, D) for x in (k, v))
-    heads_first = lambda x: x.reshape(n, ITEM_SLOTS * tile, Hkv, -1).transpose(0, 2, 1, 3)  # [n, Hkv, keys, X]
-    k_meta = [m.reshape(Tk // tile, tile) for m in kv_meta]
-    chunk = _pick_tile(T, ITEM_CHUNK, 64)  # query rows per step of the outer loop
-    n = chunk // tile
-
-    def rows(args):
-        qc, q_seq, q_item, q_pos, ids_c, counts_c = args
-        qc = qc.reshape(n, tile, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(n, Hkv, G * tile, D) * (1 / np.sqrt(D))
-        q_seq, q_item, q_pos = (jnp.tile(m.reshape(n, 1, tile), (1, G, 1)).reshape(n, G * tile, 1)
-                                for m in (q_seq, q_item, q_pos))
-
-        def slot(j, carry):
-            key_tiles = jax.lax.dynamic_slice_in_dim(ids_c, j * ITEM_SLOTS, ITEM_SLOTS, axis=1)  # [n, slots]
-            k_seq, k_item, k_pos = (m[key_tiles].reshape(n, 1, -1) for m in k_meta)
-            listed = jnp.repeat(j * ITEM_SLOTS + jnp.arange(ITEM_SLOTS)[None, :] < counts_c[:, None], tile, axis=1)
-            mask = visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos) & (k_item >= 0) & listed[:, None, :]
-            s = jnp.matmul(qc, heads_first(k_tiles[key_tiles]).transpose(0, 1, 3, 2), preferred_element_type=jnp.float32)
-            vt = heads_first(v_tiles[key_tiles])
-            return _online_softmax_step(carry, s, mask[:, None], jnp.concatenate([vt, jnp.ones_like(vt)], axis=-1),
-                                        sums_from_matmul=True)
-
-        state = lambda d, fill=0.0: jnp.full((n, Hkv, G * tile, d), fill, jnp.float32)
-        # A chunk runs as many steps as its tiles' longest list: none for padding rows, which list nothing.
-        out = jax.lax.fori_loop(0, (counts_c.max() + ITEM_SLOTS - 1) // ITEM_SLOTS, slot, (state(1, _MASKED), state(D), state(1)))
-        return tuple(x.reshape(n, Hkv, G, tile, -1).transpose(0, 3, 1, 2, 4).reshape(chunk, Hkv, G, -1) for x in out)
-
-    by_chunk = lambda x: x.reshape(T // chunk, -1, *x.shape[1:])
-    out = jax.lax.map(rows, (by_chunk(q), *(by_chunk(m) for m in q_meta), by_chunk(jnp.asarray(ids)),
-                             by_chunk(counts)))
-    return tuple(x.reshape(T, *x.shape[2:]) for x in out)
 
 
 # ---- Pallas kernels -----------------------------------------------------------------------
