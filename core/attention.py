@@ -216,7 +216,7 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
 # isolation rule there, and only the item part needs the sums out of its matmul.
 
 PREFIX_TILE_Q = 512  # query rows per tile of both parts (fewer where the pass length needs it)
-PREFIX_WINDOW = 512  # prefix keys per step
+PREFIX_WINDOW = 256  # prefix keys per step: short queries (50-500 tokens) waste little of a window
 ITEM_TILE = 16  # query rows and keys per item-part sub-tile: a sub-tile of short items reaches back few keys
 ITEM_SLOTS = 4  # key tiles per step: a sub-tile's short items are read in one step (see cascade_attention)
 
