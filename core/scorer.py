@@ -345,7 +345,8 @@ class Scorer:
     def warm_up(self) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
-        each cache length (the shortest rung's and pass_tokens; on accelerators each with and without keys/values out), longest first and at most `max_programs`.
+        each cache length (the shortest rung's and pass_tokens), on accelerators each with and without
+        keys/values out; longest first and at most `max_programs`.
         Returns how many. The Pallas kernels' table width is a compile key too, one that depends on the
         traffic, so with attention "pallas" nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
