@@ -6,6 +6,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 COPY pyproject.toml README.md* ./
 COPY core core
 COPY api api
+COPY store store
 COPY worker worker
 COPY migrations migrations
 COPY packscore packscore

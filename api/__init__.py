@@ -1,1 +1,1 @@
-"""HTTP side of the job service: FastAPI app, routes, settings, tables."""
+"""HTTP side of the job service: the FastAPI app, routes, dependencies, auth, errors and /metrics (the data layer is store/)."""

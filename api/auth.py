@@ -7,8 +7,8 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.models import ApiKey
-from api.settings import get_settings
+from store.models import ApiKey
+from store.settings import get_settings
 
 
 def hash_key(key: str) -> str:

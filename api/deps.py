@@ -6,18 +6,18 @@ from functools import lru_cache
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from api.auth import find_api_key
-from api.db import session_factory
-from api.errors import APIError
-from api.models import ApiKey
-from api.rerank import RerankPrompt, rerank_prompt, template_for
-from api.settings import Settings, get_settings
 from api.waiter import JobWaiter
 from core import RequestTokenizer
+from store.db import session_factory
+from store.errors import ServiceError
+from store.models import ApiKey
+from store.rerank import RerankPrompt, rerank_prompt, template_for
+from store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,30 @@ def get_rerank_prompt() -> RerankPrompt:
 RerankPromptDep = Annotated[RerankPrompt, Depends(get_rerank_prompt)]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
+_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key: `X-API-Key: psk_...`")
+HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
-def get_api_key(session: SessionDep,
-                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> ApiKey:
+def get_api_key(request: Request, session: SessionDep,
+                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                header_key: Annotated[str | None, Depends(_key_header)]) -> ApiKey:
     challenge = {"WWW-Authenticate": "Bearer"}
-    if credentials is None:
-        raise APIError(401, "unauthorized", "missing API key (Authorization: Bearer ...)", challenge)
-    key = find_api_key(session, credentials.credentials)
+    if credentials is not None:
+        presented = credentials.credentials
+    elif header_key:
+        presented = header_key
+    elif "authorization" in request.headers:
+        raise ServiceError(401, "unauthorized", f"the Authorization header is not 'Bearer <key>': {HOW_TO_SEND_KEY}",
+                           challenge)
+    else:
+        raise ServiceError(401, "unauthorized", f"missing API key: {HOW_TO_SEND_KEY}", challenge)
+    key = find_api_key(session, presented)
     # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
     # serve other requests while this one waits for a thread (a burst of requests would then hold every
     # connection while the threads that could use them wait for one).
     session.commit()
     if key is None:
-        raise APIError(401, "unauthorized", "invalid API key", challenge)
+        raise ServiceError(401, "unauthorized", "invalid API key", challenge)
     return key
 
 

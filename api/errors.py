@@ -10,25 +10,10 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas import ErrorBody
-from api.settings import get_settings
-from core import ERROR_CODES, ScoringError
+from core import ScoringError
+from store.errors import HTTP_CODES, ServiceError, retry_after
 
 log = logging.getLogger(__name__)
-
-_HTTP_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    409: "conflict",
-    413: "body_too_large",
-    415: "unsupported_media_type",
-    422: "invalid_input",
-    429: "rate_limited",
-    503: "unavailable",
-}
-
 
 # Documented on every authenticated route, so the OpenAPI schema lists the statuses and body clients will see.
 ERROR_RESPONSES: dict[int | str, dict] = {
@@ -38,22 +23,13 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         (404, "No such resource for this key"),
         (409, "Conflict: `idempotency_conflict`, `job_finished`..."),
         (413, "`body_too_large`"),
+        (415, "`unsupported_media_type`: a JSON body sent without `content-type: application/json`"),
         (422, "`invalid_input`: malformed JSON, wrong types, unknown fields"),
         (500, "`internal_error`: a bug (the engine failed on the job at every attempt); the body names the job"),
         (503, "`unavailable`: the database is down or busy, or `worker_lost`: workers kept dying on the job; "
               "retry after `Retry-After` seconds"),
     )
 }
-
-
-class APIError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: object):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers
-        self.extra = extra
 
 
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
@@ -64,46 +40,38 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
+        if err.get("type") == "json_invalid":  # FastAPI gives the offset into the body; people read lines
+            return _json_error_message(str(exc.body), err["loc"][-1], err.get("ctx", {}).get("error", ""))
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "; ".join(parts) or "invalid request"
 
 
-def _retry_after() -> dict[str, str]:
-    return {"Retry-After": str(get_settings().retry_after_seconds)}
+def _json_error_message(document: str, offset: int, reason: str) -> str:
+    line = document.count("\n", 0, offset) + 1
+    column = offset - (document.rfind("\n", 0, offset) + 1) + 1
+    return f"the body is not valid JSON: {reason} at line {line}, column {column} (character {offset})"
+
+
+def _not_json_body(request: Request, exc: RequestValidationError) -> str | None:
+    """Why a JSON route got no JSON object, when the reason is the request's content-type (FastAPI reads the
+    body as JSON only under a JSON content-type; any other body fails as "not a valid dictionary")."""
+    content_type = request.headers.get("content-type")
+    if content_type and content_type.split(";")[0].strip().lower().endswith(("/json", "+json")):
+        return None
+    if not any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors()):
+        return None
+    got = f"content-type {content_type!r}" if content_type else "no content-type"
+    return f"send the body as JSON with 'content-type: application/json' (this request had {got})"
 
 
 def _unavailable(message: str = "the database is unavailable; retry later") -> JSONResponse:
-    return error_response(503, "unavailable", message, headers=_retry_after())
-
-
-def job_error(job_id: str, code: str, message: str) -> APIError:
-    """The HTTP error for a job that ended in error, as README's error table lists it: the engine's input
-    errors are the client's (400); workers dying on the job is retryable (503); anything else is a bug (500)."""
-    if code in ERROR_CODES:
-        return APIError(400, code, message, job_id=job_id)
-    if code == "worker_lost":
-        return APIError(503, code, message, _retry_after(), job_id=job_id)
-    return APIError(500, code, message, job_id=job_id)
-
-
-# The HTTP layer's codes by status, turned round: the status the handlers below answer with each code.
-_HTTP_STATUS = {code: status for status, code in _HTTP_CODES.items()}
-
-
-def error_status(code: str) -> int:
-    """The status a route answers with error `code`, for an answer given outside a route (an OpenAI Batch output
-    line is what the synchronous route would have answered): the HTTP layer's codes as the handlers below answer
-    them (`invalid_input` 422, a body that does not fit the route's schema or is not JSON; `not_found` 404,
-    `method_not_allowed` 405, `body_too_large` 413, ...), else a failed job's error as `job_error` answers it
-    (the engine's codes 400, `worker_lost` 503, anything else 500). (The engine's `invalid_input`, 400 from a
-    route, is only raised for input that the schemas already refuse.)"""
-    return _HTTP_STATUS.get(code) or job_error("", code, "").status
+    return error_response(503, "unavailable", message, headers=retry_after())
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    @app.exception_handler(ServiceError)
+    async def _api_error(_: Request, exc: ServiceError) -> JSONResponse:
         return error_response(exc.status, exc.code, exc.message, exc.headers, **exc.extra)
 
     @app.exception_handler(ScoringError)
@@ -111,12 +79,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, exc.code, exc.message)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if (message := _not_json_body(request, exc)) is not None:
+            return error_response(415, "unsupported_media_type", message)
         return error_response(422, "invalid_input", _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(exc.status_code, "error")
+        code = HTTP_CODES.get(exc.status_code, "error")
         return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
     # Postgres stopped or unreachable: a retryable 503, not a 500 (issue 5's chaos test).

@@ -5,15 +5,16 @@ from contextlib import asynccontextmanager
 
 import anyio.to_thread
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
+from api.deps import get_request_tokenizer, get_rerank_prompt
 from api.errors import ERROR_RESPONSES, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routes import batches, health, jobs, score
-from api.deps import get_request_tokenizer, get_rerank_prompt
-from api.settings import get_settings
 from api.waiter import JobWaiter
+from store.settings import get_settings
 
 
 @asynccontextmanager
@@ -31,7 +32,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app() -> FastAPI:
     settings = get_settings()
-    app = FastAPI(title="packscore", version="0.1.0", lifespan=lifespan,
+    # /docs and /redoc with their JavaScript and CSS served from the package: they work where no CDN is reachable.
+    app = FastAPIOffline(title="packscore", version="0.1.0", lifespan=lifespan,
                   description="Batch scoring of (query, items, label_token_ids) with packed multi-item passes.")
     install_error_handlers(app)
     app.state.metrics = Metrics()

@@ -14,8 +14,8 @@ import psycopg
 from sqlalchemy import make_url, select
 from starlette.concurrency import run_in_threadpool
 
-from api.db import session_factory
-from api.models import TERMINAL_STATUSES, Job
+from store.db import session_factory
+from store.models import TERMINAL_STATUSES, Job
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from api.models import Base
-from api.settings import get_settings
+from store.models import Base
+from store.settings import get_settings
 
 config = context.config
 url = config.attributes.get("database_url") or get_settings().database_url

@@ -4,11 +4,19 @@ request's result line to the output exactly once.
 Resumable: the output itself is the record of what is done (custom_ids already in it are skipped), and
 `RESULTS.jsonl.batch` holds the id of the batch in flight, so a re-run after an interruption follows that
 batch instead of submitting its requests again. A torn last line (the process died mid-write) is dropped.
+
+Lines behave as POST /batches lines: a bad line becomes an error result whose message starts with its line
+number in the file. Results are keyed by custom_id; a line without a usable one (none, not a string of 1 to
+256 characters, already used on an earlier line, or a line that is not a JSON object) is keyed `line-N`, N
+its line number, so every result line has a custom_id of its own. Results are appended as they finish, not
+in the input's order: join on custom_id.
 """
 
 import json
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -21,24 +29,56 @@ class BackfillError(Exception):
     pass
 
 
-def read_input_ids(path: Path) -> list[str]:
-    """The custom_ids of the input, checked here because resuming keys on them: present, strings, unique."""
-    ids, seen = [], set()
+@dataclass
+class InputLine:
+    number: int  # in the file, from 1
+    custom_id: str
+    upload: bytes | None  # what to send (a missing custom_id filled in), or None: refused here, see `error`
+    error: tuple[str, str] | None = None  # (code, message) of a line refused here
+
+
+def _read_line(number: int, raw: bytes, seen: dict[str, int]) -> InputLine | None:
+    if not raw.strip():
+        return None
+    line_id = f"line-{number}"
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        return InputLine(number, line_id, None, ("invalid_json", f"line {number}: not a JSON value: {exc}"))
+    if not isinstance(value, dict):
+        return InputLine(number, line_id, None, ("invalid_input", f"line {number}: the line is not a JSON object"))
+    if "custom_id" not in value:
+        value["custom_id"] = line_id
+        return InputLine(number, line_id, json.dumps(value, ensure_ascii=False).encode() + b"\n")
+    custom_id = value["custom_id"]
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= 256 or "\x00" in custom_id:
+        return InputLine(number, line_id, None, ("invalid_input", f"line {number}: custom_id must be a string of "
+                                                                  "1 to 256 characters"))
+    if custom_id in seen:
+        return InputLine(number, line_id, None, ("duplicate_custom_id", f"line {number}: custom_id {custom_id!r} "
+                                                                        f"was already used on line {seen[custom_id]}"))
+    seen[custom_id] = number
+    return InputLine(number, custom_id, raw if raw.endswith(b"\n") else raw + b"\n")
+
+
+def read_input(path: Path) -> Iterator[InputLine]:
+    """The input's non-blank lines, each with the custom_id its result will carry."""
+    seen: dict[str, int] = {}
     with path.open("rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                custom_id = json.loads(line)["custom_id"]
-            except (ValueError, KeyError, TypeError):
-                raise BackfillError(f"{path}:{number}: not a JSON object with a custom_id") from None
-            if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= 256 or "\x00" in custom_id:
-                raise BackfillError(f"{path}:{number}: custom_id must be a string of 1 to 256 characters")
-            if custom_id in seen:
-                raise BackfillError(f"{path}:{number}: custom_id {custom_id!r} appears twice")
-            seen.add(custom_id)
-            ids.append(custom_id)
-    return ids
+        for number, raw in enumerate(f, 1):
+            if (line := _read_line(number, raw, seen)) is not None:
+                yield line
+
+
+def _error_result(line: InputLine, format: str) -> dict:
+    """A line refused here, as the service's result line for a line it refused (OpenAI: a 4xx response)."""
+    code, message = line.error or ("internal_error", "")
+    error = {"code": code, "message": message}
+    if format == "openai":
+        status = 422 if code in ("invalid_json", "invalid_input") else 400
+        return {"id": None, "custom_id": line.custom_id, "error": None,
+                "response": {"status_code": status, "request_id": None, "body": {"error": error}}}
+    return {"custom_id": line.custom_id, "scores": None, "error": error}
 
 
 def read_done(path: Path) -> set[str]:
@@ -79,18 +119,18 @@ class ProgressBar:
 
 
 def _upload_chunks(path: Path, done: set[str]):  # type: ignore[no-untyped-def]
-    """The input's lines not done yet, as chunks of bytes (a generator: the file is never all in memory)."""
+    """The input's lines not done yet, as chunks of bytes (a generator: the file is never all in memory). Every
+    other line is sent blank, so the service's line numbers are the file's."""
     def chunks():  # type: ignore[no-untyped-def]
-        buffer, size = [], 0
-        with path.open("rb") as f:
-            for line in f:
-                if not line.strip() or json.loads(line)["custom_id"] in done:
-                    continue
-                buffer.append(line if line.endswith(b"\n") else line + b"\n")
-                size += len(line)
-                if size >= UPLOAD_CHUNK_BYTES:
-                    yield b"".join(buffer)
-                    buffer, size = [], 0
+        buffer, size, number = [], 0, 0
+        for line in read_input(path):
+            buffer.append(b"\n" * (line.number - number - 1))
+            number = line.number
+            buffer.append(line.upload if line.upload is not None and line.custom_id not in done else b"\n")
+            size += len(buffer[-1])
+            if size >= UPLOAD_CHUNK_BYTES:
+                yield b"".join(buffer)
+                buffer, size = [], 0
         if buffer:
             yield b"".join(buffer)
     return chunks
@@ -133,12 +173,26 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
     """Runs the backfill to the end; returns how many results (of all the input's requests) are in the output.
     `format`: the results' lines, this service's own ("packscore") or OpenAI Batch output lines ("openai");
     both carry the custom_id that resuming keys on."""
-    ids = read_input_ids(input_path)
-    wanted = set(ids)
+    ids: list[str] = []
+    wanted: set[str] = set()  # the lines the service scores; the others are refused here
+    refused: list[InputLine] = []
+    for line in read_input(input_path):
+        ids.append(line.custom_id)
+        if line.error is None:
+            wanted.add(line.custom_id)
+        else:
+            refused.append(line)
+    if not ids:
+        raise BackfillError(f"{input_path} has no requests")
     done = read_done(out_path)
     state = Path(f"{out_path}.batch")
-    bar = ProgressBar(len(ids), len(done & wanted), stderr)
+    bar = ProgressBar(len(wanted), len(done & wanted), stderr)
     with out_path.open("ab") as out:
+        for line in refused:
+            if line.custom_id not in done:
+                out.write(json.dumps(_error_result(line, format), separators=(",", ":")).encode() + b"\n")
+                done.add(line.custom_id)
+        out.flush()
         for _ in range(2):  # a second batch only if the input gained requests the first one did not have
             if not wanted - done:
                 break

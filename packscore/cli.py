@@ -1,4 +1,4 @@
-"""`packscore serve | worker | migrate | create-key | score | rerank | submit | backfill`."""
+"""`packscore serve | worker | migrate | create-key | wait-ready | score | rerank | submit | backfill`."""
 
 import argparse
 import json
@@ -6,13 +6,24 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-EMBEDDED_DIR = Path(".packscore")
+# Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
+# .packscore in the folder it was started from. It records that folder (EMBEDDED_POINTER) so that the client
+# commands find its key from any folder.
+EMBEDDED_DIR = Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
+EMBEDDED_POINTER = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "packscore" / "embedded_home"
+# How long a client command keeps retrying a service it cannot reach (or that answers 429/503).
+DEFAULT_RETRY_SECONDS = 30.0
+
+
+class CommandError(Exception):
+    """A failure the CLI reports as one line (no traceback), exiting 1."""
 
 
 def _embedded_environment() -> None:
-    """SQLite and a filesystem broker under ./.packscore: runs on a machine with no Postgres or Redis.
+    """SQLite and a filesystem broker under EMBEDDED_DIR: runs on a machine with no Postgres or Redis.
     Set before anything reads the settings; explicit environment variables still win."""
     EMBEDDED_DIR.mkdir(exist_ok=True)
     os.environ.setdefault("DATABASE_URL", f"sqlite:///{(EMBEDDED_DIR / 'packscore.db').resolve()}")
@@ -23,8 +34,8 @@ def _embedded_environment() -> None:
 
 
 def migrate(args: argparse.Namespace | None = None) -> None:
-    from api.settings import get_settings
     from migrations import upgrade
+    from store.settings import get_settings
 
     if args is not None and args.embedded:
         _embedded_environment()
@@ -33,7 +44,7 @@ def migrate(args: argparse.Namespace | None = None) -> None:
 
 def _new_key(name: str) -> tuple[str, str]:
     from api.auth import create_api_key
-    from api.db import session_scope
+    from store.db import session_scope
 
     with session_scope() as session:
         row, key = create_api_key(session, name)
@@ -55,11 +66,16 @@ def _embedded_key() -> None:
         key, secret = _new_key("embedded")
         path.touch(mode=0o600)
         path.write_text(f"{key}\n{secret}\n")
+    try:
+        EMBEDDED_POINTER.parent.mkdir(parents=True, exist_ok=True)
+        EMBEDDED_POINTER.write_text(f"{EMBEDDED_DIR.resolve()}\n")
+    except OSError as exc:  # a read-only home: the commands still find the key from this folder
+        print(f"packscore: could not record {EMBEDDED_DIR.resolve()} in {EMBEDDED_POINTER}: {exc}", flush=True)
     print(f"packscore: API key in {path.resolve()} (first line; the second is its webhook secret)", flush=True)
 
 
 def worker_command(loglevel: str = "INFO") -> list[str]:
-    from api.settings import get_settings
+    from store.settings import get_settings
 
     # solo pool: the task runs in the worker's own process, which loaded the model; nothing forks after JAX.
     return [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
@@ -72,48 +88,127 @@ def worker(args: argparse.Namespace) -> None:
     os.execv(command[0], command)
 
 
+# `serve --embedded` gives its worker this long to finish the pass in flight and hand its other jobs back.
+WORKER_STOP_SECONDS = 8.0
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    # SIGINT too: a background job of a script starts with SIGINT ignored, and uvicorn, once it has shut down,
+    # re-raises the signal that stopped it with the handler it found (SIGTERM's default would end this process
+    # without the `finally` below, and an ignored SIGINT would not end it at all).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
     child = None
-    if args.embedded:
-        _embedded_environment()
-        migrate()
-        _embedded_key()
-        child = subprocess.Popen(worker_command())
-        # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM's default action would
-        # then end this process without the `finally` below and leave the worker running. Raise instead.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        if args.embedded:
+            _embedded_environment()
+            migrate()
+            _embedded_key()
+            child = subprocess.Popen(worker_command())
         uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
     finally:
         if child is not None:
-            child.terminate()  # warm shutdown: a pass in progress finishes, unless it takes too long
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()  # its jobs' leases expire and they run again
-                child.wait()
+            _stop_worker(child)
+
+
+def _stop_worker(child: subprocess.Popen) -> None:
+    """Warm shutdown: the worker finishes the pass in flight, hands its other jobs back to the queue and exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
+    child.terminate()
+    try:
+        child.wait(timeout=WORKER_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        print(f"packscore: the worker did not stop within {WORKER_STOP_SECONDS:.0f} s; killing it (its jobs run "
+              "again once their leases expire)", file=sys.stderr, flush=True)
+        child.kill()
+        child.wait()
+
+
+def _key_files() -> list[Path]:
+    """Where the embedded service's key may be: PACKSCORE_HOME's, the one the last `serve --embedded` recorded,
+    the current folder's."""
+    folders = [EMBEDDED_DIR]
+    if "PACKSCORE_HOME" not in os.environ and EMBEDDED_POINTER.is_file():
+        folders.insert(0, Path(EMBEDDED_POINTER.read_text().strip()))
+    return list(dict.fromkeys(folder.resolve() / "api_key" for folder in folders))
+
+
+def api_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The key from --api-key, else $PACKSCORE_API_KEY, else the embedded service's key file; and where it came
+    from (or, with no key, every place tried), for a 401's message."""
+    if args.api_key:
+        return args.api_key, "--api-key"
+    if os.environ.get("PACKSCORE_API_KEY"):
+        return os.environ["PACKSCORE_API_KEY"], "$PACKSCORE_API_KEY"
+    files = _key_files()
+    for path in files:
+        if path.is_file():
+            return path.read_text().split()[0], str(path)
+    return None, "--api-key, $PACKSCORE_API_KEY, " + ", ".join(map(str, files))
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from packscore.client import Client
 
-    key = args.api_key or os.environ.get("PACKSCORE_API_KEY")
-    if not key and (EMBEDDED_DIR / "api_key").exists():  # the local service of `serve --embedded`
-        key = (EMBEDDED_DIR / "api_key").read_text().split()[0]
-    return Client(args.url, key, max_retries=args.max_retries,
-                  on_retry=lambda message: print(f"\npackscore: {message}", file=sys.stderr))
+    key, args.key_source = api_key(args)
+    return Client(args.url, key, max_retries=args.max_retries, retry_seconds=args.retry_seconds,
+                  on_retry=lambda message: print(f"\npackscore: {args.url}: {message}", file=sys.stderr))
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids "
+                                         "(e.g. 9805,787 for \" yes\" and \" no\" in SmolLM2)") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _request_body(args: argparse.Namespace) -> dict:
-    def parse(text: str) -> str | list[int]:
+    def parse(text: str, what: str) -> str | list[int]:
         # --ids: query and items are comma-separated token ids instead of text.
-        return [int(t) for t in text.split(",") if t.strip()] if args.ids else text
+        if not args.ids:
+            return text
+        try:
+            return _token_ids(text)
+        except argparse.ArgumentTypeError as exc:
+            args.parser.error(f"{what} with --ids: {exc}")
 
-    return {"query": parse(args.query), "items": [parse(item) for item in args.item],
-            "label_token_ids": [int(t) for t in args.labels.split(",")], "apply_softmax": args.softmax,
-            "item_first": args.item_first}
+    return {"query": parse(args.query, "--query"), "items": [parse(item, "--item") for item in args.item],
+            "label_token_ids": args.labels, "apply_softmax": args.softmax, "item_first": args.item_first}
+
+
+def wait_ready(args: argparse.Namespace) -> None:
+    """Polls /readyz until the service answers 200 (database, broker and a warm worker), or gives up."""
+    import httpx
+
+    deadline = time.monotonic() + args.timeout
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"{args.url.rstrip('/')}/readyz", timeout=5)
+            if response.status_code == 200:
+                print(f"{args.url} is ready")
+                return
+            last = f"/readyz answered {response.status_code}: {response.text[:200]}"
+        except httpx.TransportError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(1)
+    raise CommandError(f"{args.url} was not ready after {args.timeout:.0f} s ({last})")
 
 
 def _print_table(items: list, labels: list[int], scores: list[list[float]]) -> None:
@@ -146,8 +241,7 @@ def rerank(args: argparse.Namespace) -> None:
 
 def submit(args: argparse.Namespace) -> None:
     body = _request_body(args)
-    body.update(return_logprobs=args.logprobs, webhook_url=args.webhook_url,
-                metadata=json.loads(args.metadata) if args.metadata else None)
+    body.update(return_logprobs=args.logprobs, webhook_url=args.webhook_url, metadata=args.metadata)
     with _client(args) as client:
         job = client.submit_job(body, idempotency_key=args.idempotency_key)
         if args.wait:
@@ -159,14 +253,12 @@ def submit(args: argparse.Namespace) -> None:
 
 def backfill(args: argparse.Namespace) -> None:
     from packscore.backfill import BackfillError, run_backfill
-    from packscore.client import PackscoreError
 
     try:
         with _client(args) as client:
             run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
-    except (BackfillError, PackscoreError) as exc:
-        print(f"\npackscore backfill: {exc}", file=sys.stderr)
-        sys.exit(1)
+    except BackfillError as exc:
+        raise CommandError(str(exc)) from None
     except KeyboardInterrupt:
         print("\ninterrupted: run the same command again to resume", file=sys.stderr)
         sys.exit(130)
@@ -199,16 +291,25 @@ def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--url", default=os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000"),
                             help="the service (default $PACKSCORE_URL or http://127.0.0.1:8000)")
-    connection.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else ./.packscore/api_key")
+    connection.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the key file of the service that "
+                                              "`packscore serve --embedded` last started ($PACKSCORE_HOME/api_key)")
     connection.add_argument("--max-retries", type=int, default=30,
                             help="retries on 429, 503 and connection errors, with backoff (Retry-After honoured)")
+    connection.add_argument("--retry-seconds", type=float, default=DEFAULT_RETRY_SECONDS,
+                            help="give up on a call after retrying it this long (default %(default)s s)")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("--query", required=True)
     request.add_argument("--item", action="append", required=True, help="repeat for each item")
-    request.add_argument("--labels", required=True, help="label token ids, comma-separated")
+    request.add_argument("--labels", required=True, type=_token_ids,
+                         help="label token ids, comma-separated (9805,787 are \" yes\",\" no\" in SmolLM2)")
     request.add_argument("--softmax", action="store_true", help="apply_softmax over the labels")
     request.add_argument("--item-first", action="store_true")
     request.add_argument("--ids", action="store_true", help="query and items are comma-separated token ids")
+
+    p = commands.add_parser("wait-ready", help="wait until the service is ready (/readyz answers 200)")
+    p.add_argument("--url", default=os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds (default %(default)s)")
+    p.set_defaults(func=wait_ready)
 
     p = commands.add_parser("score", parents=[connection, request], help="score one request, print a table")
     p.set_defaults(func=score)
@@ -226,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=float, default=0.5)
     p.add_argument("--logprobs", action="store_true", help="return_logprobs")
     p.add_argument("--webhook-url")
-    p.add_argument("--metadata", help="a JSON object, echoed back")
+    p.add_argument("--metadata", type=_json_object, help="a JSON object, echoed back")
     p.add_argument("--idempotency-key")
     p.set_defaults(func=submit)
 
@@ -242,8 +343,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.func(args)
+    import httpx
+
+    from packscore.client import PackscoreError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.parser = parser
+    name = f"packscore {args.command}"
+    try:
+        args.func(args)
+    except PackscoreError as exc:
+        hint = f" (key from {args.key_source})" if exc.status == 401 and hasattr(args, "key_source") else ""
+        _fail(f"{name}: {exc.status} {exc.code}: {exc.message}{hint}")
+    except httpx.TransportError as exc:
+        _fail(f"{name}: cannot reach {args.url} ({type(exc).__name__}: {exc}); gave up after "
+              f"{args.retry_seconds:.0f} s of retries. Is the service running? (--url or $PACKSCORE_URL)")
+    except CommandError as exc:
+        _fail(f"{name}: {exc}")
+    except KeyboardInterrupt:
+        _fail(f"{name}: interrupted", 130)
+
+
+def _fail(message: str, status: int = 1) -> None:
+    print(f"\n{message}" if sys.stderr.isatty() else message, file=sys.stderr)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ synchronous; `AsyncClient` has the same methods as coroutines, for callers that 
 is defined once (`_Calls`); the two clients differ only in how they send it and wait.
 
 Every call backs off and retries on 429 and 503 (honouring Retry-After) and on connection failures, so a
-long backfill rides out a restarting service.
+long backfill rides out a restarting service: up to `max_retries` times, and for at most `retry_seconds` from
+the call's first try when that is set (the CLI sets 30 s by default).
 """
 
 import asyncio
@@ -67,18 +68,24 @@ class _Calls(Generic[R]):
 
     max_retries: int
     max_backoff: float
+    retry_seconds: float | None = None
     _on_retry: Callable[[str], None] | None
 
     def _call(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
               **kwargs: Any) -> R:
         raise NotImplementedError
 
-    def _retry_wait(self, method: str, attempt: int, response: httpx.Response | None = None,
+    def _retry_wait(self, method: str, attempt: int, started: float, response: httpx.Response | None = None,
                     error: httpx.TransportError | None = None) -> float | None:
-        """Seconds to wait before sending again, or None to give up (the answer or error then stands)."""
+        """Seconds to wait before sending again, or None to give up (the answer or error then stands): after
+        max_retries retries, or when the next try would start more than retry_seconds after the first."""
         backoff = min(self.max_backoff, 0.5 * 2 ** attempt)
         if attempt >= self.max_retries:
             return None
+        if self.retry_seconds is not None:
+            backoff = min(backoff, max(0.0, started + self.retry_seconds - time.monotonic()))
+            if backoff <= 0:
+                return None
         if error is not None:
             # Connection refused or reset: the service is restarting. A POST that may have arrived is not
             # resent, except after a connect failure, which never reached the server.
@@ -172,9 +179,10 @@ class Client(_Calls[dict]):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
-                 on_retry: Callable[[str], None] | None = None) -> None:
+                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None) -> None:
         self.max_retries = max_retries
         self.max_backoff = max_backoff
+        self.retry_seconds = retry_seconds
         self._sleep = sleep
         self._on_retry = on_retry
         self._http = httpx.Client(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
@@ -191,16 +199,17 @@ class Client(_Calls[dict]):
     def _send(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
               stream: bool = False, **kwargs: Any) -> httpx.Response:
         """One call with retries."""
+        started = time.monotonic()
         for attempt in range(self.max_retries + 1):
             request = _request(self._http, method, path, payload, content, dict(kwargs))
             try:
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
-                if (wait := self._retry_wait(method, attempt, error=exc)) is None:
+                if (wait := self._retry_wait(method, attempt, started, error=exc)) is None:
                     raise
                 self._sleep(wait)
                 continue
-            if (wait := self._retry_wait(method, attempt, response)) is not None:
+            if (wait := self._retry_wait(method, attempt, started, response)) is not None:
                 response.close()
                 self._sleep(wait)
                 continue
@@ -256,9 +265,10 @@ class AsyncClient(_Calls[Awaitable[dict]]):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0,
-                 on_retry: Callable[[str], None] | None = None) -> None:
+                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None) -> None:
         self.max_retries = max_retries
         self.max_backoff = max_backoff
+        self.retry_seconds = retry_seconds
         self._on_retry = on_retry
         self._http = httpx.AsyncClient(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
 
@@ -275,16 +285,17 @@ class AsyncClient(_Calls[Awaitable[dict]]):
                     stream: bool = False, **kwargs: Any) -> httpx.Response:
         """One call with retries."""
         chunks = (lambda: _async_chunks(content())) if content else None
+        started = time.monotonic()
         for attempt in range(self.max_retries + 1):
             request = _request(self._http, method, path, payload, chunks, dict(kwargs))
             try:
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
-                if (wait := self._retry_wait(method, attempt, error=exc)) is None:
+                if (wait := self._retry_wait(method, attempt, started, error=exc)) is None:
                     raise
                 await asyncio.sleep(wait)
                 continue
-            if (wait := self._retry_wait(method, attempt, response)) is not None:
+            if (wait := self._retry_wait(method, attempt, started, response)) is not None:
                 await response.aclose()
                 await asyncio.sleep(wait)
                 continue

@@ -63,7 +63,7 @@ def run_id() -> str:
 @pytest.fixture(scope="session")
 def database() -> Iterator[str]:
     """The run's database (DATABASE_URL points at it), migrated by Alembic."""
-    from api.db import get_engine
+    from store.db import get_engine
 
     with fresh_database(f"packscore_test_{RUN_ID}") as url:
         yield url
@@ -88,7 +88,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def empty_queue(database: str) -> None:
     """No jobs left over from other tests (worker tests drain everything that is queued)."""
-    from api.db import session_scope
+    from store.db import session_scope
 
     with session_scope() as session:
         for table in ("webhook_deliveries", "job_results", "jobs", "passes", "workers"):
@@ -99,7 +99,7 @@ def empty_queue(database: str) -> None:
 def make_key(database: str):  # type: ignore[no-untyped-def]
     """Creates an API key; returns (key, webhook_secret)."""
     from api.auth import create_api_key
-    from api.db import session_scope
+    from store.db import session_scope
 
     def make(name: str = "test") -> tuple[str, str]:
         with session_scope() as session:

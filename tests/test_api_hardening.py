@@ -16,13 +16,13 @@ import uvicorn
 from sqlalchemy import create_engine, event, select, update
 from sqlalchemy.orm import sessionmaker
 
-from api import errors
-from api.db import get_engine, session_scope
 from api.deps import get_db
 from api.main import create_app
-from api.models import Job
-from api.settings import Settings, get_settings
 from core import ERROR_CODES
+from store import errors
+from store.db import get_engine, session_scope
+from store.models import Job
+from store.settings import Settings, get_settings
 from tests.service_harness import free_port
 
 BODY = {"query": "Is it true?", "items": ["yes", "no", "maybe", "never", "always"], "label_token_ids": [1, 2]}
@@ -205,13 +205,13 @@ def documented_errors() -> set[tuple[int, str]]:
 
 def test_readme_documents_every_error_the_api_answers() -> None:
     """Every (status, code) the API can answer is in README's table: the engine's codes, the job error mapping,
-    the generic HTTP codes and every APIError raised in api/."""
+    the generic HTTP codes and every ServiceError raised in api/."""
     answered = {(400, code) for code in ERROR_CODES}
     answered |= {(e.status, e.code) for e in (errors.job_error("j", c, "") for c in ("worker_lost", "internal_error"))}
-    answered |= {(status, code) for status, code in errors._HTTP_CODES.items()}
+    answered |= {(status, code) for status, code in errors.HTTP_CODES.items()}
     answered |= {(500, "internal_error"), (503, "unavailable")}
     for path in (Path(__file__).parent.parent / "api").rglob("*.py"):
-        answered |= {(int(s), c) for s, c in re.findall(r'APIError\(\s*(\d{3}),\s*"(\w+)"', path.read_text())}
+        answered |= {(int(s), c) for s, c in re.findall(r'ServiceError\(\s*(\d{3}),\s*"(\w+)"', path.read_text())}
     missing = answered - documented_errors()
     assert not missing, f"README's error table lacks {sorted(missing)}"
 
@@ -221,7 +221,7 @@ def test_readme_documents_every_error_the_api_answers() -> None:
 def test_upload_that_dies_on_a_database_error_ends_failed(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy.exc import OperationalError
 
-    from api import batches
+    from store import batches
 
     key, _ = make_key()
 
@@ -244,8 +244,8 @@ def test_sweeper_fails_an_upload_abandoned_by_its_api(client, make_key) -> None:
     `validating` (and uncancellable) for ever."""
     from datetime import timedelta
 
-    from api.models import Batch, utcnow
-    from worker import drain as drain_module
+    from store import jobqueue
+    from store.models import Batch, utcnow
 
     key, _ = make_key()
     settings = get_settings()
@@ -259,7 +259,7 @@ def test_sweeper_fails_an_upload_abandoned_by_its_api(client, make_key) -> None:
         old_id, fresh_id = old.id, fresh.id
     headers = {"Authorization": f"Bearer {key}"}
     assert client.post(f"/batches/{old_id}/cancel", headers=headers).json()["error"]["code"] == "batch_validating"
-    drain_module.sweep(settings)
+    jobqueue.sweep(settings)
     old_out = client.get(f"/batches/{old_id}", headers=headers).json()
     assert (old_out["status"], old_out["error"]["code"]) == ("failed", "upload_timeout")
     assert client.get(f"/batches/{fresh_id}", headers=headers).json()["status"] == "validating"
@@ -274,7 +274,7 @@ def _key_id(session, key: str) -> str:  # type: ignore[no-untyped-def]
 
 def _split_seconds(line_bytes: int, chunk: int = 4096) -> float:
     """Best of three: seconds to split one line of `line_bytes` that arrives in `chunk`-byte pieces."""
-    from api import batches
+    from store import batches
 
     settings = Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
     data = b"x" * line_bytes + b"\n"
@@ -335,8 +335,8 @@ def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ig
     burst of 256 calls hold every pooled connection while the threads that could use them waited for one."""
     from fastapi.security import HTTPAuthorizationCredentials
 
-    from api.db import session_factory
     from api.deps import get_api_key
+    from store.db import session_factory
 
     key, _ = make_key()
     with session_factory()() as session:

@@ -5,8 +5,8 @@ import os
 import pytest
 from sqlalchemy import update
 
-from api.db import session_scope
-from api.models import Job
+from store.db import session_scope
+from store.models import Job
 
 QUERY = {"query": "Is this relevant?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
 
@@ -193,7 +193,7 @@ def test_list_pagination_and_filter(client, make_key) -> None:  # type: ignore[n
 
 
 def test_score_validation_and_timeout(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from api.settings import get_settings
+    from store.settings import get_settings
 
     key, _ = make_key()
     assert_error(client.post("/v1/score", json={**QUERY, "model": "nope"}, headers=auth(key)), 400, "unknown_model")
@@ -284,9 +284,9 @@ def test_lone_surrogates_are_rejected(client, make_key) -> None:  # type: ignore
 def test_readyz_says_warming_until_a_worker_is_ready(client) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy import delete
 
-    from api.db import session_scope
-    from api.models import Worker
-    from api.settings import get_settings
+    from store.db import session_scope
+    from store.models import Worker
+    from store.settings import get_settings
     from worker.drain import heartbeat
 
     with session_scope() as session:

@@ -9,12 +9,13 @@ import pytest
 from sqlalchemy import text
 from standardwebhooks import Webhook
 
-from api.db import session_scope
-from api.settings import get_settings
+from store import jobqueue
+from store.db import session_scope
+from store.settings import get_settings
+from tests.load_runner import SCORE_RTOL
 from worker import drain as drain_module
 from worker.scorer import get_scorer
 from worker.webhooks import deliver_due
-from tests.load_runner import SCORE_RTOL
 
 
 def auth(key: str) -> dict[str, str]:
@@ -60,9 +61,9 @@ def drain() -> int:
 
 def one_round(owner: str = "worker-a") -> list:  # type: ignore[type-arg]
     """One claim and run of the worker, as the drain loop does it."""
-    jobs = drain_module.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
+    jobs = jobqueue.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
     drain_module.run_jobs(get_scorer(), owner, jobs)
-    drain_module._settle({job.batch_id for job in jobs if job.batch_id})
+    jobqueue.settle_batches({job.batch_id for job in jobs if job.batch_id})
     return jobs
 
 
@@ -113,8 +114,12 @@ def test_upload_with_good_and_bad_lines(client, make_key, clean) -> None:  # typ
                             "empty_label_token_ids", "label_token_id_out_of_range", "mixed_input_types",
                             "unknown_model", "invalid_input", "duplicate_custom_id", "invalid_input"])
     assert all(line["scores"] is None for line in errors)
-    assert sum(line["custom_id"] is None for line in errors) == 4  # lines with no readable custom_id
-    assert any(e["custom_id"] == "req-0" and e["error"]["code"] == "duplicate_custom_id" for e in errors)
+    # Lines with no readable custom_id, and the repeated one (whose custom_id is the first line's).
+    assert sum(line["custom_id"] is None for line in errors) == 5
+    assert [e["custom_id"] for e in errors if e["error"]["code"] == "duplicate_custom_id"] == [None]
+    duplicate = next(e for e in errors if e["error"]["code"] == "duplicate_custom_id")
+    assert "'req-0' was already used on line 1" in duplicate["error"]["message"], duplicate
+    assert len({line["custom_id"] for line in lines if line["custom_id"] is not None}) == len(good) + len(bad) - 5
     assert all(e["error"]["message"].startswith("line ") for e in errors)
 
 
@@ -181,11 +186,11 @@ def test_results_stream_while_running_then_cancel(client, make_key, clean) -> No
     assert batch["status"] == "in_progress" and batch["counts"]["succeeded"] == len(first)
 
     # Cancel while a round is claimed: queued requests are cancelled now, the running ones finish.
-    running = drain_module.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
+    running = jobqueue.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
     response = client.post(f"/batches/{batch_id}/cancel", headers=auth(key))
     assert response.status_code == 202 and response.json()["status"] == "cancelling"
     drain_module.run_jobs(get_scorer(), "worker-a", running)
-    drain_module._settle({batch_id})
+    jobqueue.settle_batches({batch_id})
     batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
     done = len(first) + len(running)
     assert batch["status"] == "cancelled"
@@ -241,11 +246,11 @@ def test_batch_lane_order(client, make_key, clean) -> None:  # type: ignore[no-u
     bob_batch = upload(client, bob, [request_line(i) for i in range(60)]).json()["id"]
     job = client.post("/jobs", json={"query": "hi", "items": ["x"], "label_token_ids": [1]}, headers=auth(bob))
     settings, tokens = get_settings(), 64
-    first = drain_module.claim_jobs("w", settings, tokens)
+    first = jobqueue.claim_jobs("w", settings, tokens)
     assert [j.id for j in first] == [job.json()["id"]]
     tenants, batches = [], []
     for _ in range(6):
-        claimed = drain_module.claim_jobs("w", settings, tokens)
+        claimed = jobqueue.claim_jobs("w", settings, tokens)
         assert claimed and len({j.batch_id for j in claimed}) == 1
         assert sum(j.prompt_tokens for j in claimed) <= tokens or len(claimed) == 1
         keys = [j.query_key for j in claimed]

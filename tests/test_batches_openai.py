@@ -58,7 +58,7 @@ def test_openai_lines_in_both_output_formats(client, make_key, clean) -> None:  
 
     lines = result_lines(client, alice, batch["id"])
     assert len(lines) == len(GOOD) + len(BAD)
-    # The duplicate line's custom_id is the first line's.
+    # The duplicate line has no custom_id (a join on custom_id finds the first line only).
     native = {line["custom_id"]: line for line in lines if line.get("error", {}).get("code") != "duplicate_custom_id"}
     for custom_id in ("score-v1", "score", "native"):
         np.testing.assert_allclose(native[custom_id]["scores"], scores, rtol=SCORE_RTOL, atol=0)
@@ -123,8 +123,8 @@ def test_bad_lines_answer_as_the_routes(client, make_key) -> None:  # type: igno
 
 def test_line_error_statuses() -> None:
     """A line's own codes get the status of the route error they stand for; the routes' codes their own."""
-    from api.batches import _LINE_ROUTE_CODE
-    from api.errors import error_status
+    from store.batches import _LINE_ROUTE_CODE
+    from store.errors import error_status
 
     statuses = {code: error_status(_LINE_ROUTE_CODE.get(code, code)) for code in (
         "invalid_json", "line_too_long", "duplicate_custom_id", "unknown_url", "method_not_allowed",

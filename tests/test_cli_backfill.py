@@ -122,12 +122,14 @@ def test_backfill_interrupted_and_resumed(service: Service, reference: Scorer, t
         assert len(batches) == 2 and batches[0]["counts"]["total"] == len(extra)
 
 
-def test_backfill_refuses_input_without_unique_custom_ids(service: Service, tmp_path: Path) -> None:
-    source = tmp_path / "input.jsonl"
+def test_backfill_keys_a_repeated_custom_id_by_its_line(service: Service, tmp_path: Path) -> None:
+    # As POST /batches does: the repeat is an error result, and it does not take the first line's custom_id.
+    source, out = tmp_path / "input.jsonl", tmp_path / "out.jsonl"
     write_input(source, [{"custom_id": "a", "query": "q", "items": ["x"], "label_token_ids": [1]}] * 2)
-    proc = cli(service, "backfill", str(source), "--out", str(tmp_path / "out.jsonl"))
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "appears twice" in err
+    run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    lines = {line["custom_id"]: line for line in read_output(out)}
+    assert sorted(lines) == ["a", "line-2"] and lines["line-2"]["error"]["code"] == "duplicate_custom_id"
+    assert lines["a"]["scores"] is not None
 
 
 class ScriptedServer:
@@ -189,3 +191,74 @@ def test_client_backs_off_on_429_and_503() -> None:
             assert failure.value.status == 503 and failure.value.code == "unavailable"
     finally:
         server.close()
+
+
+def failed(service: Service, *args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
+    """A command that must fail: its exit status and stderr, which must be one line and no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "packscore.cli", *args], cwd=REPO, text=True, capture_output=True,
+                          timeout=timeout, env={**service.env, "PACKSCORE_URL": service.base_url, **(env or {})})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    # Besides the retry notes, one line.
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "retrying in" not in line]
+    assert len(lines) == 1 or proc.returncode == 2, proc.stderr
+    return proc.returncode, proc.stderr
+
+
+def test_commands_report_errors_in_one_line(service: Service, tmp_path: Path) -> None:
+    request = ["--query", "Best answer?", "--item", "a", "--labels", "1,2"]
+    home = {"PACKSCORE_HOME": str(tmp_path / "nowhere")}  # no key file to find
+    for command in ("score", "submit"):
+        status, err = failed(service, command, *request, env=home)
+        assert status == 1 and "401 unauthorized" in err and "--api-key" in err and "PACKSCORE_API_KEY" in err, err
+    status, err = failed(service, "rerank", "--query", "q", "--document", "d", "--api-key", "psk_wrong")
+    assert status == 1 and "401 unauthorized: invalid API key (key from --api-key)" in err, err
+    status, err = failed(service, "score", "--query", "q", "--item", "a", "--labels", "1000000000",
+                         "--api-key", service.key)
+    assert status == 1 and "400 label_token_id_out_of_range" in err, err
+    status, err = failed(service, "score", "--query", "q", "--item", "a", "--labels", "yes", "--api-key", service.key)
+    assert status == 2 and "--labels: 'yes' is not a comma-separated list of token ids" in err, err
+
+
+def test_an_unreachable_service_is_named_and_given_up_on(service: Service) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    started = time.monotonic()
+    status, err = failed(service, "score", "--url", url, "--query", "q", "--item", "a", "--labels", "1",
+                         "--api-key", "k", "--retry-seconds", "3")
+    assert status == 1 and f"cannot reach {url}" in err and "gave up after 3 s" in err, err
+    assert time.monotonic() - started < 20
+
+
+def test_backfill_bad_lines_become_error_results(service: Service, reference: Scorer, tmp_path: Path) -> None:
+    good = {"query": "Pick one.", "items": ["a", "b"], "label_token_ids": [5, 17]}
+    file_lines = [
+        json.dumps({**good, "custom_id": "first"}),                  # 1
+        "",                                                           # 2: blank, skipped
+        "this is not json",                                           # 3
+        json.dumps(good),                                             # 4: no custom_id -> "line-4"
+        json.dumps({**good, "custom_id": "first"}),                  # 5: repeats line 1
+        json.dumps({**good, "custom_id": "empty", "label_token_ids": []}),  # 6: the service refuses it
+        json.dumps({**good, "custom_id": 7}),                         # 7: not a string
+        json.dumps({**good, "custom_id": "last"}),                   # 8
+    ]
+    source, out = tmp_path / "input.jsonl", tmp_path / "results.jsonl"
+    source.write_text("\n".join(file_lines) + "\n")
+    run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2", timeout=300)
+    by_id = {line["custom_id"]: line for line in read_output(out)}
+    assert len(by_id) == len(read_output(out)) == 7, read_output(out)  # one result per non-blank line, ids unique
+    errors = {custom_id: line["error"] for custom_id, line in by_id.items() if line.get("error")}
+    assert {k: v["code"] for k, v in errors.items()} == {
+        "line-3": "invalid_json", "line-5": "duplicate_custom_id", "empty": "empty_label_token_ids",
+        "line-7": "invalid_input"}
+    for custom_id, number in (("line-3", 3), ("line-5", 5), ("empty", 6), ("line-7", 7)):
+        assert errors[custom_id]["message"].startswith(f"line {number}: "), errors[custom_id]
+    assert "already used on line 1" in errors["line-5"]["message"]
+    expected = reference.score(good["query"], good["items"], good["label_token_ids"])
+    for custom_id in ("first", "line-4", "last"):
+        np.testing.assert_allclose(by_id[custom_id]["scores"], expected, rtol=SCORE_RTOL, atol=0)
+    # Run again: everything is done, nothing is written twice.
+    run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    assert len(read_output(out)) == 7

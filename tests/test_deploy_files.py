@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.settings import Settings
 from packscore.cli import build_parser
+from store.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())

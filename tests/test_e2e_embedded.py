@@ -4,6 +4,7 @@ no Postgres or Redis involved."""
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +18,11 @@ from core import Scorer
 from tests.load_runner import SCORE_RTOL
 
 
+def running_jobs(folder: Path) -> list[str]:
+    with sqlite3.connect(folder / ".packscore" / "packscore.db") as db:
+        return [row[0] for row in db.execute("SELECT id FROM jobs WHERE status = 'running'")]
+
+
 # Ctrl-C, and what `kill` and process managers send.
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
@@ -25,8 +31,12 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port", str(port)],
-                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # As `make run &` from a script starts it: SIGINT ignored (a background job's lot), in a process group of its
+    # own here so that the whole group can be sent the signal, as Ctrl-C in a terminal does.
+    # (A shell sets SIGINT ignored and execs the service: no preexec_fn, which forks a multithreaded JAX process.)
+    proc = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$0" -m packscore.cli serve --embedded --port "$1"',
+                             sys.executable, str(port)],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -46,12 +56,27 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
         expected = Scorer.from_pretrained("tiny-random").score(**body)
         np.testing.assert_allclose(response.json()["scores"], expected, rtol=SCORE_RTOL, atol=0)
         assert sorted(p.name for p in tmp_path.iterdir()) == [".packscore", "serve.log"]  # nothing else left here
+        # Work in flight when the signal comes: the worker must finish its pass, hand the rest back and exit.
+        many = {**body, "items": [f"candidate {i} " * 20 for i in range(300)]}
+        for _ in range(20):
+            assert httpx.post(f"{base}/jobs", json=many, headers={"Authorization": f"Bearer {key}"},
+                              timeout=60).status_code == 202
+        deadline = time.monotonic() + 60
+        while not running_jobs(tmp_path):
+            assert time.monotonic() < deadline, "no job started"
+            time.sleep(0.1)
     finally:
-        proc.send_signal(stop)
+        signalled = time.monotonic()
+        if stop == signal.SIGINT:
+            os.killpg(proc.pid, stop)  # Ctrl-C: the server and its worker both get it
+        else:
+            proc.send_signal(stop)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    assert time.monotonic() - signalled < 10, (tmp_path / "serve.log").read_text()[-3000:]
+    assert not running_jobs(tmp_path), "a clean stop left jobs running"
     # The worker child went away with the server.
     marker = f"packscore-{proc.pid}@".encode()
     leftovers = []

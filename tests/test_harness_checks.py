@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from api.db import session_scope
 from core import Scorer
+from store.db import session_scope
 from tests.load_runner import scores_agree
 from tests.service_harness import assert_exactly_once, assert_scores
 

@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.orm import sessionmaker
 
-from api.metrics import DatabaseCollector, count, count_pass
 from migrations import upgrade
+from store.counters import DatabaseCollector, count, count_pass
 
 HISTORY = 200_000
 SCAN_NODES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Bitmap Index Scan"}
@@ -111,7 +111,7 @@ def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: 
 
 
 def test_workers_report_their_attention_path(database: str) -> None:
-    from api.settings import get_settings
+    from store.settings import get_settings
     from worker.drain import heartbeat
 
     heartbeat("worker-metrics-tpu", "tiny-random", get_settings(), "pallas-tpu")

@@ -2,7 +2,7 @@
 for PACKSCORE_SOAK_SECONDS (default 120) at concurrency PACKSCORE_SOAK_CONCURRENCY (default 64), half of the
 requests through the synchronous POST /v1/score. No errors, every job terminal exactly once with the engine's
 scores, /healthz's p99 under a second, and the memory trend printed. The long soak is the same runner
-from the command line (README's reliability section)."""
+from the command line (docs/testing.md's reliability section)."""
 
 import json
 import os

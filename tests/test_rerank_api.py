@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from api.deps import get_rerank_prompt, get_request_tokenizer
-from api.rerank import TEMPLATES, RerankTemplate, rerank_prompt, template_for
-from api.settings import get_settings
+from api.deps import get_request_tokenizer, get_rerank_prompt
+from store.rerank import TEMPLATES, RerankTemplate, rerank_prompt, template_for
+from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
 from tests.test_batches_api import auth, clean, drain  # noqa: F401 (clean is a fixture)
 from worker.scorer import get_scorer
@@ -172,7 +172,7 @@ def test_templates(tmp_path: Path) -> None:
 def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
     """tokens(query) + tokens(item), joined in token space as score-semantics.md says, are the tokens of the
     whole prompt: no lone space token at the end of the prefix, none missing at the start of the document."""
-    from api.schemas import RerankInput
+    from store.schemas import RerankInput
 
     tokenizer = get_request_tokenizer().tokenizer
     prompt = rerank_prompt(TEMPLATES["smollm2"], get_request_tokenizer())
@@ -185,7 +185,7 @@ def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
 
 def test_template_substitution_is_one_pass() -> None:
     """{query} and {instruction} are filled in one pass: a placeholder in the request's own text stays as is."""
-    from api.schemas import RerankInput
+    from store.schemas import RerankInput
 
     template = RerankTemplate("I: {instruction}\nQ: {query}\nD:", "\n{instruction}?", "default")
     prompt = rerank_prompt(template, get_request_tokenizer())

@@ -1,4 +1,4 @@
-"""Retention (worker/retention.py) on PostgreSQL and SQLite: what expired is gone, what is live is untouched,
+"""Retention (store/retention.py) on PostgreSQL and SQLite: what expired is gone, what is live is untouched,
 and the deletes go in bounded chunks, each its own transaction."""
 
 from datetime import timedelta
@@ -9,10 +9,10 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import sessionmaker
 
 from api.auth import create_api_key
-from api.models import Batch, Job, JobResult, Pass, WebhookDelivery, utcnow
-from api.settings import get_settings
 from migrations import upgrade
-from worker.retention import prune
+from store.models import Batch, Job, JobResult, Pass, WebhookDelivery, utcnow
+from store.retention import prune
+from store.settings import get_settings
 
 CHUNK = 3
 
@@ -95,7 +95,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
 
     from sqlalchemy import event
 
-    from worker import drain
+    from store import jobqueue
 
     settings = get_settings().model_copy(update={"result_ttl_days": 30, "retention_chunk_rows": CHUNK})
     with sessions.begin() as session:
@@ -111,7 +111,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
         with sessions.begin() as session:
             yield session
 
-    monkeypatch.setattr(drain, "session_scope", claim_scope)
+    monkeypatch.setattr(jobqueue, "session_scope", claim_scope)
     chunk_holds, chunk_may_commit = threading.Event(), threading.Event()
     pruning = sessionmaker(sessions.kw["bind"], expire_on_commit=False)
 
@@ -125,7 +125,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
     pruner.start()
     assert chunk_holds.wait(30)
     claimed: list[Job] = []
-    claimer = threading.Thread(target=lambda: claimed.extend(drain.claim_interactive("worker-x", settings)))
+    claimer = threading.Thread(target=lambda: claimed.extend(jobqueue.claim_interactive("worker-x", settings)))
     start = time.monotonic()
     claimer.start()
     sqlite = sessions.kw["bind"].dialect.name == "sqlite"

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from api.settings import Settings, get_settings
 from core import Scorer
+from store.settings import Settings, get_settings
 from tests.service_harness import Service, assert_scores, wait_terminal
 
 BODY = {"query": "Is this a question?", "items": ["yes", "no"], "label_token_ids": [5, 7]}

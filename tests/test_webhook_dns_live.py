@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session
 
-from api.models import WebhookDelivery
+from store.models import WebhookDelivery
 from tests.conftest import WebhookReceiver
 from tests.service_harness import Service, running_service
 

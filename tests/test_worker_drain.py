@@ -6,12 +6,13 @@ from datetime import timedelta
 import numpy as np
 from sqlalchemy import func, select, update
 
-from api.db import session_scope
-from api.models import Job, JobResult, Pass, WebhookDelivery, utcnow
-from api.settings import get_settings
+from store import jobqueue
+from store.db import session_scope
+from store.models import Job, JobResult, Pass, WebhookDelivery, utcnow
+from store.settings import get_settings
+from tests.load_runner import SCORE_RTOL
 from worker import drain as drain_module
 from worker.scorer import get_scorer
-from tests.load_runner import SCORE_RTOL
 
 
 def auth(key: str) -> dict[str, str]:
@@ -85,7 +86,7 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
 def test_cancel_at_pass_boundary(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     job_id = submit(client, key, {**many_items(300), "webhook_url": "http://127.0.0.1:9/hook"})
-    jobs = drain_module.claim_jobs("worker-a", get_settings())
+    jobs = jobqueue.claim_jobs("worker-a", get_settings())
     client.post(f"/jobs/{job_id}/cancel", headers=auth(key))
     drain_module.run_jobs(get_scorer(), "worker-a", jobs)
     job = job_row(job_id)
@@ -102,10 +103,10 @@ def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  
     body = many_items(40)
     job_id = submit(client, key, body)
     settings = get_settings()
-    stale = drain_module.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
+    stale = jobqueue.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
-    assert drain_module.sweep(settings) is True
+    assert jobqueue.sweep(settings) is True
     assert job_row(job_id).status == "queued"
     assert drain_module.drain(get_scorer(), "worker-b", settings) == 1
     first = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
@@ -120,7 +121,7 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    drain_module.claim_jobs("worker-a", settings)
+    jobqueue.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() + timedelta(seconds=0.5)))
     # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
@@ -129,7 +130,7 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     monkeypatch.setattr(drain_module, "active_jobs", {job_id})
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at > utcnow() + timedelta(seconds=settings.lease_seconds - 1)
-    assert drain_module.sweep(settings) is False
+    assert jobqueue.sweep(settings) is False
     assert job_row(job_id).status == "running"
 
 
@@ -137,11 +138,11 @@ def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    drain_module.claim_jobs("worker-a", settings)
+    jobqueue.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(attempts=settings.max_attempts,
                                            lease_expires_at=utcnow() - timedelta(seconds=1)))
-    drain_module.sweep(settings)
+    jobqueue.sweep(settings)
     job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
     assert job["status"] == "failed" and job["error"]["code"] == "worker_lost"
 
@@ -190,7 +191,7 @@ def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == high).values(priority=10))
     settings = get_settings()
-    jobs = drain_module.claim_jobs("worker-a", settings)
+    jobs = jobqueue.claim_jobs("worker-a", settings)
     assert [j.id for j in jobs] == [high, low]
 
 
@@ -198,11 +199,11 @@ def test_sweeper_rekicks_jobs_whose_message_was_lost(client, make_key, empty_que
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    assert drain_module.sweep(settings) is False  # just queued: its drain message is presumably on its way
+    assert jobqueue.sweep(settings) is False  # just queued: its drain message is presumably on its way
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == job_id)
                         .values(created_at=utcnow() - timedelta(seconds=settings.sweep_interval_seconds + 1)))
-    assert drain_module.sweep(settings) is True
+    assert jobqueue.sweep(settings) is True
 
 
 def test_stopping_between_passes_requeues_without_counting_an_attempt(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
@@ -232,7 +233,7 @@ def test_a_failing_lane_releases_only_its_own_jobs(client, make_key, empty_queue
     key, _ = make_key()
     other = submit(client, key, many_items(2))
     settings = get_settings()
-    assert [j.id for j in drain_module.claim_interactive("worker-a", settings)] == [other]  # the other lane's
+    assert [j.id for j in jobqueue.claim_interactive("worker-a", settings)] == [other]  # the other lane's
     failing = submit(client, key, many_items(2))
 
     def broken_engine(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -8,10 +8,11 @@ import pytest
 from sqlalchemy import select
 from standardwebhooks import Webhook
 
-from api.db import session_scope
-from api.models import WebhookDelivery
-from api.settings import Settings, get_settings
-from worker.webhooks import UnsafeURL, check_url, deliver_due, sign
+from store.db import session_scope
+from store.models import WebhookDelivery
+from store.outbox import UnsafeURL, check_url
+from store.settings import Settings, get_settings
+from worker.webhooks import deliver_due, sign
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -65,7 +66,7 @@ def test_ssrf_allowlist() -> None:
 def _delivery(make_key, url: str) -> tuple[str, str]:  # type: ignore[no-untyped-def]
     _, secret = make_key()
     with session_scope() as session:
-        from api.models import ApiKey
+        from store.models import ApiKey
 
         key_id = session.scalars(select(ApiKey.id).where(ApiKey.webhook_secret == secret)).one()
         row = WebhookDelivery(api_key_id=key_id, url=url, payload=json.dumps({"type": "job.succeeded"}))
@@ -198,7 +199,7 @@ def test_pinned_request_keeps_host_header_and_tls_name(empty_queue, make_key, mo
 def test_dns_failure_is_retried_on_the_schedule(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from datetime import timedelta
 
-    from api.models import utcnow
+    from store.models import utcnow
 
     # The resolver's answer for a name that does not resolve (patched: no dependence on this machine's DNS).
     _fake_dns(monkeypatch, lambda host, n: socket.gaierror(socket.EAI_NONAME, "Name or service not known")

@@ -1,28 +1,18 @@
-"""Claiming ready jobs under a lease, running them coalesced in the engine's packed passes, and the sweeper.
-
-Exactly-once effects on at-least-once delivery: every state change of a claimed job is conditional on
-`lease_owner` still being this worker and the job still running, so a worker that lost its lease (killed,
-paused past the lease, or swept) cannot write a result that another worker also writes.
-"""
+"""The pass loop: claimed jobs run coalesced in the engine's packed passes, with their progress, results and
+cancellations written at each pass boundary (through store/jobqueue.py, whose writes keep the lease condition)."""
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from typing import Literal
 
 import numpy as np
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
 
-from api.batches import expire_uploads, settle_batch
-from api.crud import PRIORITY_BATCH
-from api.db import session_scope
-from api.metrics import count, count_pass
-from api.models import Batch, Job, JobResult, Pass, Worker, utcnow
-from api.settings import Settings
 from core import PassResult, Scorer, ScoringError, TokenizedRequest
-from worker.webhooks import enqueue_job_webhook
+from store import jobqueue
+from store.db import session_scope
+from store.models import Job
+from store.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -44,113 +34,14 @@ class RunningJob:
     closed: bool = field(default=False)  # finished, cancelled or no longer ours
 
 
-def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[Job]:
-    """Both lanes in turn: the ready interactive jobs if any, else one batch round (see the two below)."""
-    return claim_interactive(owner, settings) or claim_batch_round(owner, settings, batch_round_tokens)
-
-
-def claim_interactive(owner: str, settings: Settings) -> list[Job]:
-    """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds."""
-    with session_scope() as session:
-        # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
-        # runs a single worker, and the status condition on the UPDATE keeps the claim atomic there too).
-        # The priority bound keeps a backfill's queued requests out of this index scan.
-        candidates = session.execute(
-            select(Job.id, Job.items_total).where(Job.status == "queued", Job.priority > PRIORITY_BATCH)
-            .order_by(Job.priority.desc(), Job.id).limit(settings.drain_max_jobs)
-            .with_for_update(skip_locked=True)).all()
-        ids, items = [], 0
-        for job_id, n in candidates:
-            if ids and items + n > settings.drain_max_items:
-                break
-            ids.append(job_id)
-            items += n
-        return _lease(session, owner, settings, ids)
-
-
-def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None) -> list[Job]:
-    """Leases one round of batch requests of at most `tokens` prompt tokens (None: BATCH_ROUND_TOKENS, else
-    one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
-    with session_scope() as session:
-        ids = _batch_round(session, settings, tokens or settings.batch_round_tokens or 0)
-        return _lease(session, owner, settings, ids)
-
-
-def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> list[Job]:
-    if not ids:
-        return []
-    now = utcnow()
-    claimed = session.scalars(
-        update(Job).where(Job.id.in_(ids), Job.status == "queued")
-        .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
-                attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
-        .returning(Job)).all()
-    # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
-    return sorted(claimed, key=lambda job: (-job.priority, job.query_key or "", job.id))
-
-
-def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]:
-    """Ids of queued batch requests for one round. Tenants take turns (the one whose batches were claimed
-    from least recently goes first, however many batches it has); a tenant's batches run oldest first; within
-    a batch, requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
-    batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
-                              .where(Batch.status == "in_progress").order_by(Batch.id)).all()
-    served: dict[str, datetime] = {}
-    for _, tenant, claimed_at in batches:
-        if claimed_at is not None and claimed_at > served.get(tenant, datetime.min):
-            served[tenant] = claimed_at
-    for batch_id, _, _ in sorted(batches, key=lambda b: (served.get(b.api_key_id, datetime.min), b.api_key_id)):
-        # The batch row before its requests: the order in which POST /batches/{id}/cancel locks them too, so
-        # a claim and a cancel cannot deadlock.
-        session.execute(update(Batch).where(Batch.id == batch_id).values(last_claimed_at=utcnow()))
-        rows = session.execute(
-            select(Job.id, Job.prompt_tokens).where(Job.batch_id == batch_id, Job.status == "queued")
-            .order_by(Job.query_key, Job.id).limit(settings.drain_max_jobs).with_for_update(skip_locked=True)).all()
-        ids, used = [], 0
-        for job_id, n in rows:
-            if ids and used + n > tokens:
-                break
-            ids.append(job_id)
-            used += n
-        if ids:
-            return ids
-    return []
-
-
-def _finish(session: Session, owner: str, job_id: str, status: str, *, logprobs: np.ndarray | None = None,
-            error: tuple[str, str] | None = None) -> bool:
-    """Moves one of our running jobs to a terminal state; False if it is no longer ours."""
-    values: dict = {"status": status, "finished_at": utcnow(), "lease_owner": None, "lease_expires_at": None}
-    if logprobs is not None:
-        values["items_done"] = len(logprobs)
-    if error is not None:
-        values.update(error_code=error[0], error_message=error[1])
-    changed = session.execute(update(Job).where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
-                              .values(**values).returning(Job.webhook_url)).first()
-    if changed is None:
-        return False
-    count(session, "jobs_finished", label=status)
-    if logprobs is not None:
-        session.add(JobResult(job_id=job_id, n_labels=logprobs.shape[1],
-                              logprobs=np.ascontiguousarray(logprobs, np.float32).tobytes()))
-    if changed.webhook_url:  # loading the job only for its webhook keeps a batch round's writes few
-        job = session.get(Job, job_id)
-        session.refresh(job)
-        enqueue_job_webhook(session, job, logprobs)
-    return True
-
-
 def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) -> None:
     """After each pass: record it, write progress and finished results, apply cancellations, drop lost leases."""
     touched = {part.request for part in result.scores}
     with session_scope() as session:
         n_items = sum(len(p.items) for p in result.scores)
-        session.add(Pass(worker=owner, n_jobs=len(touched), n_items=n_items,
-                         tokens=result.tokens, padded_tokens=result.padded_tokens, seconds=result.seconds))
-        count_pass(session, n_items, result.tokens, result.seconds)
-        open_ids = [r.job_id for r in running if not r.closed]
-        state = dict(session.execute(select(Job.id, Job.cancel_requested).where(
-            Job.id.in_(open_ids), Job.lease_owner == owner, Job.status == "running")).all())
+        jobqueue.record_pass(session, owner, len(touched), n_items, result.tokens, result.padded_tokens,
+                             result.seconds)
+        state = jobqueue.leased(session, owner, [r.job_id for r in running if not r.closed])
         for index, run in enumerate(running):
             if run.closed:
                 continue
@@ -158,14 +49,13 @@ def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) ->
                 log.warning("job %s is no longer leased to %s; dropping it", run.job_id, owner)
                 run.closed = True
             elif state[run.job_id]:
-                _finish(session, owner, run.job_id, "cancelled")
+                jobqueue.finish_job(session, owner, run.job_id, "cancelled")
                 run.closed = True
             elif run.done == run.request.n_items:
-                _finish(session, owner, run.job_id, "succeeded", logprobs=run.logprobs)
+                jobqueue.finish_job(session, owner, run.job_id, "succeeded", logprobs=run.logprobs)
                 run.closed = True
             elif index in touched:
-                session.execute(update(Job).where(Job.id == run.job_id, Job.lease_owner == owner)
-                                .values(items_done=run.done))
+                jobqueue.set_progress(session, owner, run.job_id, run.done)
 
 
 def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[[], None] | None = None) -> None:
@@ -178,11 +68,11 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[
             try:
                 request = scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
             except ScoringError as exc:  # limits changed since the API accepted it
-                _finish(session, owner, job.id, "failed", error=(exc.code, exc.message))
+                jobqueue.finish_job(session, owner, job.id, "failed", error=(exc.code, exc.message))
                 continue
             logprobs = np.full((request.n_items, len(request.label_token_ids)), np.nan, np.float32)
             if request.n_items == 0:
-                _finish(session, owner, job.id, "succeeded", logprobs=logprobs)
+                jobqueue.finish_job(session, owner, job.id, "succeeded", logprobs=logprobs)
                 continue
             running.append(RunningJob(job.id, request, logprobs))
     if not running:
@@ -209,36 +99,8 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[
     if leftover:  # the engine reported fewer items than promised: a bug, not the user's fault
         with session_scope() as session:
             for job_id in leftover:
-                _finish(session, owner, job_id, "failed",
+                jobqueue.finish_job(session, owner, job_id, "failed",
                         error=("internal_error", "the engine did not score every item"))
-
-
-def release(owner: str, settings: Settings, job_ids: list[str], error: str | None) -> None:
-    """Those of these jobs still ours go back to the queue. After an unexpected error, the attempt counts
-    (the job fails after max_attempts); when the worker stops (`error` None), it does not. Only these jobs:
-    the other lane of this process may be running jobs of its own."""
-    with session_scope() as session:
-        jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner,
-                                                 Job.status == "running")).all()
-        for job in jobs:
-            if error is None:
-                job.attempts -= 1
-            _requeue_or_fail(session, job, settings, "internal_error", error or "")
-
-
-def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
-    if job.cancel_requested:
-        job.status = "cancelled"
-    elif job.attempts >= settings.max_attempts:
-        job.status, job.error_code, job.error_message = "failed", code, message
-    else:
-        job.status, job.items_done = "queued", 0
-    job.lease_owner = job.lease_expires_at = None
-    if job.status != "queued":
-        count(session, "jobs_finished", label=job.status)
-        job.finished_at = utcnow()
-        session.flush()
-        enqueue_job_webhook(session, job)
 
 
 def drain(scorer: Scorer, owner: str, settings: Settings, lane: Literal["both", "interactive", "batch"] = "both",
@@ -248,9 +110,9 @@ def drain(scorer: Scorer, owner: str, settings: Settings, lane: Literal["both", 
     `before_pass` runs before each claim and each pass; it raises Stopping to release the claimed jobs
     (back to the queue) and end the drain."""
     round_tokens = settings.batch_round_tokens or scorer.pass_tokens
-    claim = {"both": lambda: claim_jobs(owner, settings, round_tokens),
-             "interactive": lambda: claim_interactive(owner, settings),
-             "batch": lambda: claim_batch_round(owner, settings, round_tokens)}[lane]
+    claim = {"both": lambda: jobqueue.claim_jobs(owner, settings, round_tokens),
+             "interactive": lambda: jobqueue.claim_interactive(owner, settings),
+             "batch": lambda: jobqueue.claim_batch_round(owner, settings, round_tokens)}[lane]
     total = 0
     while True:
         if before_pass is not None:
@@ -261,55 +123,16 @@ def drain(scorer: Scorer, owner: str, settings: Settings, lane: Literal["both", 
         try:
             run_jobs(scorer, owner, jobs, before_pass)
         except Stopping:
-            release(owner, settings, [job.id for job in jobs], None)
+            jobqueue.release(owner, settings, [job.id for job in jobs], None)
             raise
         except Exception as exc:
             log.exception("drain failed; releasing its jobs")
-            release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
-        _settle({job.batch_id for job in jobs if job.batch_id})
-
-
-def _settle(batch_ids: set[str]) -> None:
-    if batch_ids:
-        with session_scope() as session:
-            for batch_id in sorted(batch_ids):
-                settle_batch(session, batch_id)
+            jobqueue.release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
+        jobqueue.settle_batches({job.batch_id for job in jobs if job.batch_id})
 
 
 def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None,
               state: str = "ready") -> None:
-    """Extends the leases of the jobs this process is scoring and marks it alive (for /readyz), with its
-    state ("warming" or "ready") and the attention path its engine runs (for /metrics)."""
-    now = utcnow()
-    with session_scope() as session:
-        if active_jobs:
-            session.execute(update(Job).where(Job.id.in_(list(active_jobs)), Job.lease_owner == owner,
-                                              Job.status == "running")
-                            .values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
-        if not session.execute(update(Worker).where(Worker.id == owner)
-                               .values(last_seen_at=now, attention=attention, state=state)).rowcount:
-            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
-                               state=state))
-
-
-def sweep(settings: Settings) -> bool:
-    """Re-queues jobs whose lease expired (their worker died); returns whether queued jobs wait for a kick
-    (re-queued now, or older than one sweep interval: their broker message may have been lost)."""
-    now = utcnow()
-    with session_scope() as session:
-        expired = session.scalars(select(Job).where(Job.status == "running", Job.lease_expires_at < now)
-                                  .with_for_update(skip_locked=True)).all()
-        for job in expired:
-            log.warning("lease of job %s held by %s expired; re-queueing", job.id, job.lease_owner)
-            _requeue_or_fail(session, job, settings, "worker_lost", "the worker running this job stopped")
-        batch_ids = {job.batch_id for job in expired if job.batch_id}
-        stale = now - timedelta(seconds=settings.sweep_interval_seconds)
-        waiting = session.scalar(select(Job.id).where(Job.status == "queued", Job.created_at < stale).limit(1))
-        session.execute(delete(Worker).where(Worker.last_seen_at < now - timedelta(days=1)))
-        for batch_id in expire_uploads(session, settings):
-            log.warning("batch %s was still uploading after %s s; failed", batch_id,
-                        settings.batch_upload_timeout_seconds)
-    # A batch whose last request failed just now ends; in a transaction of its own, so that no job row lock
-    # is held while the batch row is taken (cancel takes them the other way round).
-    _settle(batch_ids)
-    return bool(expired) or waiting is not None
+    """Extends the leases of the jobs this process is scoring (not of a job left "running" by a failed drain:
+    its lease must expire) and marks the worker alive."""
+    jobqueue.heartbeat(owner, model, settings, active_jobs, attention, state)

@@ -4,8 +4,8 @@ from functools import lru_cache
 
 import jax
 
-from api.settings import get_settings
 from core import Scorer
+from store.settings import get_settings
 
 
 @lru_cache(maxsize=1)

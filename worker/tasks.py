@@ -19,15 +19,15 @@ import time
 import uuid
 from collections.abc import Callable
 
-from celery.signals import worker_ready, worker_shutdown
-from sqlalchemy import delete
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from api.db import session_factory, session_scope
-from api.models import Worker
-from api.settings import get_settings
+from store import jobqueue
+from store.broker import DRAIN_TASK, kick_drain
+from store.db import session_factory
+from store.retention import prune
+from store.settings import get_settings
 from worker import drain as drain_module
-from worker.celery_app import DRAIN_TASK, app, kick_drain
-from worker.retention import prune
+from worker.celery_app import app
 from worker.scorer import get_scorer
 from worker.webhooks import dispatch_due, stop_delivery
 
@@ -45,6 +45,8 @@ _interactive_idle.set()
 _batch_lane: threading.Thread | None = None
 _batch_lane_lock = threading.Lock()
 _batch_lane_wanted = threading.Event()
+# A stopping worker waits this long at most for webhook attempts in flight.
+STOP_DELIVERY_SECONDS = 3.0
 # Set once the engine's programs are warm (WARMUP): until then the heartbeat says "warming" and nothing drains.
 _ready = threading.Event()
 
@@ -67,16 +69,25 @@ def _drain() -> int:
     return claimed
 
 
+def _stop_at_pass_boundary() -> None:
+    if _stop.is_set():
+        raise drain_module.Stopping()
+
+
 def _drain_once() -> int:
     settings = get_settings()
-    if settings.database_url.startswith("sqlite"):
-        return drain_module.drain(get_scorer(), WORKER_ID, settings)
-    _interactive_idle.clear()
     try:
-        return drain_module.drain(get_scorer(), WORKER_ID, settings, lane="interactive")
-    finally:
-        _interactive_idle.set()
-        _wake_batch_lane()
+        if settings.database_url.startswith("sqlite"):
+            return drain_module.drain(get_scorer(), WORKER_ID, settings, before_pass=_stop_at_pass_boundary)
+        _interactive_idle.clear()
+        try:
+            return drain_module.drain(get_scorer(), WORKER_ID, settings, lane="interactive",
+                                      before_pass=_stop_at_pass_boundary)
+        finally:
+            _interactive_idle.set()
+            _wake_batch_lane()
+    except drain_module.Stopping:  # its jobs went back to the queue; another worker (or the next start) runs them
+        return 0
 
 
 def _wake_batch_lane() -> None:
@@ -137,7 +148,7 @@ def _maintain() -> None:
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
     # for good while /readyz said ready); the jobs table, not the broker, is the queue of record.
-    if drain_module.sweep(settings) and not _drain_lock.locked():
+    if jobqueue.sweep(settings) and not _drain_lock.locked():
         kick_drain()
         threading.Thread(target=_drain, name="sweeper-drain", daemon=True).start()
 
@@ -174,17 +185,28 @@ def _start(**_: object) -> None:
     log.info("worker %s ready (model %s)", WORKER_ID, settings.model)
 
 
+@worker_shutting_down.connect
+def _stopping(**_: object) -> None:
+    # Sent from the signal handler, while the drain task may still run: Celery's warm shutdown waits for the
+    # task to end, and a drain would otherwise run every ready job first. Drains stop at the next pass boundary
+    # and hand their jobs back to the queue.
+    _stop.set()
+
+
 @worker_shutdown.connect
 def _stop_loops(**_: object) -> None:
     _stop.set()
-    # No new webhook attempts; those in flight get up to their timeout to end and be recorded (the rest are
-    # retried once their lease expires).
-    stop_delivery(get_settings().webhook_timeout_seconds)
+    # No new webhook attempts; those in flight get a few seconds to end and be recorded (the rest are retried
+    # once their lease expires).
+    stop_delivery(min(get_settings().webhook_timeout_seconds, STOP_DELIVERY_SECONDS))
     lane = _batch_lane
     if lane is not None:
         lane.join(timeout=30)  # it releases its jobs at the next pass boundary
+    # A drain in the sweeper's thread (a daemon, which the exit would cut off mid-pass with its jobs running)
+    # also stops at its next pass boundary.
+    if _drain_lock.acquire(timeout=30):
+        _drain_lock.release()
     try:
-        with session_scope() as session:
-            session.execute(delete(Worker).where(Worker.id == WORKER_ID))
+        jobqueue.deregister(WORKER_ID)
     except Exception:
         log.warning("could not deregister worker %s", WORKER_ID)

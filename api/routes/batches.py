@@ -9,12 +9,13 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from api import batches
 from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
-from api.errors import APIError
-from api.models import Batch
-from api.schemas import BatchCreate, BatchList, BatchOut
-from worker.celery_app import kick_drain
+from api.schemas import BatchList
+from store import batches
+from store.broker import kick_drain
+from store.errors import ServiceError
+from store.models import Batch
+from store.schemas import BatchCreate, BatchOut
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/batches", tags=["batches"])
@@ -32,7 +33,7 @@ async def _json_body(request: Request, limit: int) -> BatchCreate:
     async for data in request.stream():
         body += data
         if len(body) > limit:
-            raise APIError(413, "body_too_large", f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
+            raise ServiceError(413, "body_too_large", f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
     return await run_in_threadpool(batches.parse_batch_body, bytes(body))
 
 
@@ -49,10 +50,10 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     becomes an error result of its own. An upload with no JSON object line is a 400."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > settings.batch_max_bytes:
-        raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
+        raise ServiceError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        raise APIError(415, "unsupported_media_type", "send the JSONL file as the raw request body")
+        raise ServiceError(415, "unsupported_media_type", "send the JSONL file as the raw request body")
     body = None
     if content_type == "application/json":
         body = await _json_body(request, settings.max_body_bytes)
@@ -63,7 +64,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
         except ValueError:
             meta = None
         if metadata is not None and not isinstance(meta, dict):
-            raise APIError(422, "invalid_input", "metadata must be a JSON object")
+            raise ServiceError(422, "invalid_input", "metadata must be a JSON object")
     batch = await run_in_threadpool(batches.start_batch, session, key, request_tokenizer, settings, webhook_url, meta)
     ingest = batches.Ingest(session, batch, request_tokenizer, settings, prompt)
     deadline = time.monotonic() + settings.batch_upload_timeout_seconds
@@ -79,7 +80,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     except ClientDisconnect:
         await _fail_upload(session, batch, "upload_interrupted", "the client went away during the upload")
         raise
-    except APIError as exc:
+    except ServiceError as exc:
         await _fail_upload(session, batch, exc.code, exc.message)
         exc.extra["batch_id"] = batch.id
         raise

@@ -6,8 +6,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import func, select, text
 
 from api.deps import SessionDep, SettingsDep
-from api.models import Worker, utcnow
-from worker.celery_app import broker_reachable
+from store.broker import broker_reachable
+from store.models import Worker, utcnow
 
 router = APIRouter(tags=["health"])
 

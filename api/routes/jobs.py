@@ -2,10 +2,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
-from api import crud
 from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
-from api.schemas import JobBody, JobCreate, JobList, JobOut, JobStatus
-from worker.celery_app import kick_drain
+from api.schemas import JobBody, JobList
+from store import jobs as job_store
+from store.broker import kick_drain
+from store.schemas import JobCreate, JobOut, JobStatus
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -21,33 +22,33 @@ def create_job(body: JobBody, key: CurrentKey, session: SessionDep, request_toke
     if body.kind == "rerank":
         score_input, rerank = prompt.score_input(body)
         body = JobCreate(**score_input.model_dump(), webhook_url=body.webhook_url, metadata=body.metadata)
-    job, created = crud.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key,
+    job, created = job_store.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key,
                                    rerank=rerank)
     if created:
         kick_drain()
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/jobs/{job.id}"
-    return crud.read_job(session, job)
+    return job_store.read_job(session, job)
 
 
 @router.get("", response_model=JobList)
 def list_jobs(key: CurrentKey, session: SessionDep, status: JobStatus | None = None,
               limit: Annotated[int, Query(ge=1, le=100)] = 20, cursor: str | None = None) -> JobList:
     """This key's jobs, newest first, without scores (fetch a job for those). Pass `next_cursor` as `cursor`."""
-    jobs, next_cursor = crud.list_jobs(session, key, status, limit, cursor)
-    return JobList(data=[crud.read_job(session, job, with_scores=False) for job in jobs], next_cursor=next_cursor)
+    jobs, next_cursor = job_store.list_jobs(session, key, status, limit, cursor)
+    return JobList(data=[job_store.read_job(session, job, with_scores=False) for job in jobs], next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobOut)
 def get_job(job_id: str, key: CurrentKey, session: SessionDep) -> JobOut:
-    return crud.read_job(session, crud.get_job(session, key, job_id))
+    return job_store.read_job(session, job_store.get_job(session, key, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses={202: {"model": JobOut}})
 def cancel_job(job_id: str, key: CurrentKey, session: SessionDep, response: Response) -> JobOut:
     """Queued: cancelled now (200). Running: cancelled at the next pass boundary (202). Finished: 409."""
-    job = crud.cancel_job(session, crud.get_job(session, key, job_id))
+    job = job_store.cancel_job(session, job_store.get_job(session, key, job_id))
     if job.status != "cancelled":
         response.status_code = 202
-    return crud.read_job(session, job)
+    return job_store.read_job(session, job)

@@ -2,16 +2,16 @@ from fastapi import APIRouter
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import crud
 from api.deps import CurrentKey, JobWaiterDep, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
-from api.errors import APIError, job_error
-from api.models import ApiKey, Job
-from api.schemas import (ErrorBody, RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse,
-                         route_body)
-from api.settings import Settings
+from api.schemas import ErrorBody
 from api.waiter import JobWaiter
 from core import RequestTokenizer
-from worker.celery_app import kick_drain
+from store import jobs as job_store
+from store.broker import kick_drain
+from store.errors import ServiceError, job_error
+from store.models import PRIORITY_SYNC, ApiKey, Job
+from store.schemas import RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse, route_body
+from store.settings import Settings
 
 router = APIRouter(tags=["score"])
 
@@ -42,20 +42,20 @@ async def rerank(body: RerankRequest, key: CurrentKey, session: SessionDep, requ
 async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session,
                request_tokenizer: RequestTokenizer, settings: Settings,
                waiter: JobWaiter) -> ScoreResponse | RerankResponse:
-    job, _ = await run_in_threadpool(crud.create_job, session, key, body, request_tokenizer, settings,
-                                     priority=crud.PRIORITY_SYNC, rerank=rerank)
+    job, _ = await run_in_threadpool(job_store.create_job, session, key, body, request_tokenizer, settings,
+                                     priority=PRIORITY_SYNC, rerank=rerank)
     await run_in_threadpool(kick_drain)
     if not await waiter.wait(job.id, settings.score_timeout_seconds):
-        raise APIError(504, "timeout", f"job {job.id} is not finished yet; poll GET /jobs/{job.id}", job_id=job.id)
+        raise ServiceError(504, "timeout", f"job {job.id} is not finished yet; poll GET /jobs/{job.id}", job_id=job.id)
     return await run_in_threadpool(_response, session, job)
 
 
 def _response(session: Session, job: Job) -> ScoreResponse | RerankResponse:
     session.refresh(job)
-    logprobs = crud.read_logprobs(session, job)
+    logprobs = job_store.read_logprobs(session, job)
     session.commit()  # the connection goes back to the pool now, not when the response has been sent
     if job.status == "cancelled":
-        raise APIError(409, "cancelled", f"job {job.id} was cancelled", job_id=job.id)
+        raise ServiceError(409, "cancelled", f"job {job.id} was cancelled", job_id=job.id)
     if job.error_code is not None or logprobs is None:
         raise job_error(job.id, job.error_code or "internal_error", job.error_message or "")
     return route_body(job, logprobs)

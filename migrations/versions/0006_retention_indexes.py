@@ -1,4 +1,4 @@
-"""Indexes for retention (worker/retention.py): finished jobs by finish time, passes by creation time, so
+"""Indexes for retention (store/retention.py): finished jobs by finish time, passes by creation time, so
 that finding the next chunk to delete does not scan the tables.
 
 Revision ID: 0006

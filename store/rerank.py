@@ -11,9 +11,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from api.schemas import RerankInput, ScoreInput
 from core import RequestTokenizer
 from core.requests import ModelSource
+from store.schemas import RerankInput, ScoreInput
 
 
 @dataclass(frozen=True)

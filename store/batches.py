@@ -11,8 +11,8 @@ A line is either a job's fields with a `custom_id` or an OpenAI Batch API line (
 
 import hashlib
 import json
-from datetime import timedelta
 from collections.abc import AsyncIterator, Iterable, Iterator
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import numpy as np
@@ -20,18 +20,18 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Row, case, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from api.crud import PRIORITY_BATCH, job_request
-from api.db import session_factory
-from api.errors import APIError, error_status
-from api.metrics import count
-from api.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, WebhookDelivery,
-                        new_id, utcnow)
-from api.rerank import RerankPrompt
-from api.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
-                         RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results, route_body)
-from api.settings import Settings
 from core import RequestTokenizer, ScoringError, scores_from_logprobs
-from worker.webhooks import UnsafeURL, check_url, enqueue_webhook
+from store.counters import count
+from store.db import session_factory
+from store.errors import ServiceError, error_status
+from store.jobs import job_request
+from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult,
+                          WebhookDelivery, new_id, utcnow)
+from store.outbox import enqueue_webhook, vet_webhook_url
+from store.rerank import RerankPrompt
+from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
+                           RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results, route_body)
+from store.settings import Settings
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 # With this many lines read and none of them a JSON object, the upload is not JSONL: stop reading it.
@@ -41,8 +41,8 @@ OPENAI_URLS = {"/v1/score": ScoreRequest, "/score": ScoreRequest, "/v1/rerank": 
                "/rerank": RerankRequest}
 
 
-def upload_timeout() -> APIError:
-    return APIError(408, "upload_timeout", "the upload did not finish within BATCH_UPLOAD_TIMEOUT_SECONDS")
+def upload_timeout() -> ServiceError:
+    return ServiceError(408, "upload_timeout", "the upload did not finish within BATCH_UPLOAD_TIMEOUT_SECONDS")
 
 
 class _LineError(Exception):
@@ -60,11 +60,7 @@ def _storable(text: str) -> str:
 def start_batch(session: Session, key: ApiKey, request_tokenizer: RequestTokenizer, settings: Settings, webhook_url: str | None,
                 metadata: dict | None) -> Batch:
     """Commits the batch row (status validating), so it is visible while its upload streams in."""
-    if webhook_url is not None:
-        try:
-            check_url(webhook_url, settings.webhook_allowlist)
-        except UnsafeURL as exc:
-            raise APIError(400, "invalid_webhook_url", str(exc)) from None
+    vet_webhook_url(webhook_url, settings.webhook_allowlist)
     batch = Batch(api_key_id=key.id, model=request_tokenizer.model_name, webhook_url=webhook_url, metadata_=metadata)
     session.add(batch)
     session.commit()
@@ -86,8 +82,9 @@ class Ingest:
         self.total = 0  # requests: non-blank lines
         self.objects = 0  # lines that are JSON objects
         self.queued = 0
-        # 16-byte digests, not the ids: duplicate detection in bounded memory (a few MB per 100k lines).
-        self._seen: set[bytes] = set()
+        # 16-byte digests, not the ids: duplicate detection in bounded memory (about 10 MB per 100k lines), with
+        # the line each id was first used on.
+        self._seen: dict[bytes, int] = {}
         self._rows: list[dict] = []
 
     def add_lines(self, lines: Iterable[bytes | None]) -> None:
@@ -117,11 +114,11 @@ class Ingest:
     def _add(self, value: Any, error: _LineError | None = None) -> None:
         self.total += 1
         if self.total > self.settings.batch_max_requests:
-            raise APIError(413, "batch_too_large", f"a batch holds at most {self.settings.batch_max_requests} requests")
+            raise ServiceError(413, "batch_too_large", f"a batch holds at most {self.settings.batch_max_requests} requests")
         if isinstance(value, dict):
             self.objects += 1
         elif self.objects == 0 and self.lines >= NOT_JSONL_AFTER_LINES:
-            raise APIError(400, "invalid_jsonl", f"none of the first {self.lines} lines is a JSON object")
+            raise ServiceError(400, "invalid_jsonl", f"none of the first {self.lines} lines is a JSON object")
         custom_id = value.get("custom_id") if isinstance(value, dict) else None
         now = utcnow()
         # Every row has every key: the chunk is one multi-row INSERT.
@@ -135,9 +132,12 @@ class Ingest:
                 raise error
             row.update(self._validate(value))
         except _LineError as exc:
+            # A repeated custom_id's error line has none: a join on custom_id then finds the first line's result only.
+            if exc.code == "duplicate_custom_id" or not (isinstance(custom_id, str) and custom_id):
+                custom_id = None
             row.update(status="failed", error_code=exc.code, finished_at=now,
                        error_message=_storable(f"line {self.lines}: {exc.message}")[:2000],
-                       custom_id=_storable(custom_id)[:256] if isinstance(custom_id, str) and custom_id else None)
+                       custom_id=_storable(custom_id)[:256] if custom_id else None)
         self._rows.append(row)
         if len(self._rows) >= self.settings.batch_chunk_rows:
             self._flush()
@@ -161,8 +161,9 @@ class Ingest:
             custom_id, return_logprobs = body.custom_id, body.return_logprobs
         digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         if digest in self._seen:
-            raise _LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line")
-        self._seen.add(digest)
+            raise _LineError("duplicate_custom_id",
+                             f"custom_id {custom_id!r} was already used on line {self._seen[digest]}")
+        self._seen[digest] = self.lines
         return self._request(body, custom_id, return_logprobs, rerank)
 
     def _request(self, body: ScoreInput, custom_id: str, return_logprobs: bool, rerank: dict | None) -> dict:
@@ -189,9 +190,9 @@ class Ingest:
         """Commits the requests; the batch is then in progress (or already completed if no line was valid)."""
         self._flush()
         if self.total == 0:
-            raise APIError(400, "empty_batch", "the batch has no requests")
+            raise ServiceError(400, "empty_batch", "the batch has no requests")
         if self.objects == 0:
-            raise APIError(400, "invalid_jsonl", "no line of the upload is a JSON object")
+            raise ServiceError(400, "invalid_jsonl", "no line of the upload is a JSON object")
         now = utcnow()
         if not self.session.execute(update(Batch).where(Batch.id == self.batch.id, Batch.status == "validating")
                                     .values(status="in_progress", total=self.total, in_progress_at=now)).rowcount:
@@ -238,7 +239,7 @@ async def jsonl_lines(stream: AsyncIterator[bytes], settings: Settings) -> Async
     async for data in stream:
         received += len(data)
         if received > settings.batch_max_bytes:
-            raise APIError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
+            raise ServiceError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
         start = 0
         while (cut := data.find(b"\n", start)) >= 0:
             if not overlong:
@@ -270,7 +271,7 @@ def parse_batch_body(body: bytes) -> BatchCreate:
         return BatchCreate.model_validate(json.loads(body))
     except ValueError as exc:  # ValidationError is a ValueError too
         message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
-        raise APIError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
+        raise ServiceError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
 
 
 def expire_uploads(session: Session, settings: Settings) -> list[str]:
@@ -309,7 +310,7 @@ def _enqueue_batch_webhook(session: Session, batch: Batch) -> None:
 def get_batch(session: Session, key: ApiKey, batch_id: str) -> Batch:
     batch = session.scalar(select(Batch).where(Batch.id == batch_id, Batch.api_key_id == key.id))
     if batch is None:  # another tenant's batch is indistinguishable from a missing one
-        raise APIError(404, "not_found", f"no batch {batch_id!r}")
+        raise ServiceError(404, "not_found", f"no batch {batch_id!r}")
     return batch
 
 
@@ -350,9 +351,9 @@ def list_batches(session: Session, key: ApiKey, limit: int, cursor: str | None) 
 def cancel_batch(session: Session, batch: Batch) -> Batch:
     """Queued requests are cancelled now; running ones finish (the batch is cancelling until they have)."""
     if batch.status in BATCH_TERMINAL_STATUSES:
-        raise APIError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
+        raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
     if batch.status == "validating":
-        raise APIError(409, "batch_validating", f"batch {batch.id} is still being uploaded")
+        raise ServiceError(409, "batch_validating", f"batch {batch.id} is still being uploaded")
     now = utcnow()
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
                     .values(status="cancelling"))

@@ -7,7 +7,7 @@ from functools import lru_cache
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.settings import get_settings
+from store.settings import get_settings
 
 
 @lru_cache

@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     # worker's sweeper if the API died with it.
     batch_upload_timeout_seconds: float = 3600.0
 
-    # Retention (worker/retention.py): finished jobs, their results and webhook deliveries, and finished batches
+    # Retention (store/retention.py): finished jobs, their results and webhook deliveries, and finished batches
     # are deleted this long after they finished (as the OpenAI Batch API keeps files); passes after their own.
     result_ttl_days: float = 30.0
     pass_history_days: float = 7.0
@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     # Rows per database round trip while an upload streams in, and per page of streamed results.
     batch_chunk_rows: int = 1000
 
-    # How /v1/rerank turns a query and documents into a scoring request (api/rerank.py): "auto" (Qwen3-Reranker's
+    # How /v1/rerank turns a query and documents into a scoring request (store/rerank.py): "auto" (Qwen3-Reranker's
     # template for Qwen3 models, "smollm2" for others), a built-in name ("qwen3-reranker", "smollm2"), or a JSON
     # object {"prefix", "suffix", "instruction", "labels": [yes, no]} whose prefix holds {instruction} and {query}.
     rerank_template: str = "auto"

@@ -12,8 +12,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.models import BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, Batch, Job, JobResult, Pass, WebhookDelivery, utcnow
-from api.settings import Settings
+from store.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, Batch, Job, JobResult, Pass, WebhookDelivery,
+                          utcnow)
+from store.settings import Settings
 
 
 @dataclass

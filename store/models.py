@@ -107,6 +107,12 @@ class Job(Base):
     query_key: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
+# Interactive requests run before jobs; the requests of batches (offline backfills) run after both.
+PRIORITY_SYNC = 10
+PRIORITY_JOB = 0
+PRIORITY_BATCH = -10
+
+
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")
 
 
@@ -206,7 +212,7 @@ class Worker(Base):
 
 
 class CounterRow(Base):
-    """A running total kept as events happen (see api.metrics.count). A total is the sum over its shards: each
+    """A running total kept as events happen (see store.counters.count). A total is the sum over its shards: each
     transaction adds to one shard chosen at random, so concurrent workers seldom wait on the same row."""
 
     __tablename__ = "counters"

@@ -8,18 +8,13 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
-from api.metrics import count
-from api.models import ApiKey, Job, JobResult, WebhookDelivery, utcnow
-from api.schemas import JobCreate, JobOut, ScoreInput, job_out
-from api.settings import Settings
 from core import RequestTokenizer
-from worker.webhooks import UnsafeURL, check_url, enqueue_job_webhook
-
-# Interactive requests run before jobs; the requests of batches (offline backfills) run after both.
-PRIORITY_SYNC = 10
-PRIORITY_JOB = 0
-PRIORITY_BATCH = -10
+from store.counters import count
+from store.errors import ServiceError
+from store.models import PRIORITY_JOB, ApiKey, Job, JobResult, WebhookDelivery, utcnow
+from store.outbox import enqueue_job_webhook, vet_webhook_url
+from store.schemas import JobOut, ScoreInput, job_out
+from store.settings import Settings
 
 
 def _request_hash(body: ScoreInput, rerank: dict | None) -> str:
@@ -32,7 +27,7 @@ def _request_hash(body: ScoreInput, rerank: dict | None) -> str:
 def _find_idempotent(session: Session, key: ApiKey, idempotency_key: str, request_hash: str) -> Job | None:
     job = session.scalar(select(Job).where(Job.api_key_id == key.id, Job.idempotency_key == idempotency_key))
     if job is not None and job.request_hash != request_hash:
-        raise APIError(409, "idempotency_conflict",
+        raise ServiceError(409, "idempotency_conflict",
                        "this Idempotency-Key was already used with a different request body")
     return job
 
@@ -48,25 +43,21 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
                priority: int = PRIORITY_JOB, idempotency_key: str | None = None,
                rerank: dict | None = None) -> tuple[Job, bool]:
     """Validates and stores a queued job; returns (job, created). An Idempotency-Key replay returns the
-    earlier job with created=False. `rerank` (api/rerank.py) makes it a rerank job: kept with the request,
+    earlier job with created=False. `rerank` (store/rerank.py) makes it a rerank job: kept with the request,
     it says how to present the scores."""
     request_hash = _request_hash(body, rerank)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= 255:
-            raise APIError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
+            raise ServiceError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
         existing = _find_idempotent(session, key, idempotency_key, request_hash)
         if existing is not None:
             return existing, False
     if body.model is not None and body.model != request_tokenizer.model_name:
-        raise APIError(400, "unknown_model", f"model {body.model!r} is not served here; this service runs "
+        raise ServiceError(400, "unknown_model", f"model {body.model!r} is not served here; this service runs "
                                              f"{request_tokenizer.model_name!r}")
     tokenized = request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
     webhook_url = getattr(body, "webhook_url", None)
-    if webhook_url is not None:
-        try:
-            check_url(webhook_url, settings.webhook_allowlist)
-        except UnsafeURL as exc:
-            raise APIError(400, "invalid_webhook_url", str(exc)) from None
+    vet_webhook_url(webhook_url, settings.webhook_allowlist)
     job = Job(
         api_key_id=key.id,
         priority=priority,
@@ -96,7 +87,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     job = session.scalar(select(Job).where(Job.id == job_id, Job.api_key_id == key.id))
     if job is None:  # another tenant's job is indistinguishable from a missing one
-        raise APIError(404, "not_found", f"no job {job_id!r}")
+        raise ServiceError(404, "not_found", f"no job {job_id!r}")
     return job
 
 
@@ -142,5 +133,5 @@ def cancel_job(session: Session, job: Job) -> Job:
     session.commit()
     session.refresh(job)
     if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not done):
-        raise APIError(409, "job_finished", f"job {job.id} is already {job.status}")
+        raise ServiceError(409, "job_finished", f"job {job.id} is already {job.status}")
     return job

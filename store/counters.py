@@ -1,0 +1,134 @@
+"""Running totals and live figures from the database, for /metrics. Job, pass and webhook figures come from the
+database, so every worker's passes show up here without a shared metrics store, and a scrape costs the same
+at ten rows of history or ten million: running totals are kept in the `counters` table as events happen
+(`count`), and the gauges count only live rows (queued and running jobs, pending deliveries) through indexes."""
+
+import random
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import event, func, select
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session, SessionTransaction
+
+from store.db import session_factory
+from store.models import PRIORITY_BATCH, TERMINAL_STATUSES, CounterRow, Job, WebhookDelivery, Worker, utcnow
+from store.settings import get_settings
+
+ITEMS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LIVE_JOB_STATUSES = ("queued", "running")
+COUNTER_SHARDS = 8
+_PENDING = "packscore_counts"
+
+
+def count(session: Session, name: str, amount: float = 1.0, label: str = "") -> None:
+    """Adds `amount` to the running total `name{label}` when this session's transaction commits; nothing if
+    it rolls back, so the totals agree with the rows they count."""
+    session.connection()  # begins the transaction if need be, so that its rollback drops these counts
+    pending = session.info.setdefault(_PENDING, {})
+    pending[name, label] = pending.get((name, label), 0.0) + amount
+
+
+def count_pass(session: Session, n_items: int, tokens: int, seconds: float) -> None:
+    count(session, "passes")
+    count(session, "pass_items", n_items)
+    count(session, "pass_tokens", tokens)
+    count(session, "pass_seconds", seconds)
+    for bucket in ITEMS_BUCKETS:
+        if n_items <= bucket:
+            count(session, "pass_items_bucket", label=str(bucket))
+    for bucket in SECONDS_BUCKETS:
+        if seconds <= bucket:
+            count(session, "pass_seconds_bucket", label=str(bucket))
+
+
+@event.listens_for(Session, "before_commit")
+def _write_counts(session: Session) -> None:
+    pending = session.info.pop(_PENDING, None)
+    if not pending:
+        return
+    shard = random.randrange(COUNTER_SHARDS)
+    # Sorted: concurrent transactions lock counter rows in the same order, so they can wait but not deadlock.
+    rows = [{"name": name, "label": label, "shard": shard, "value": amount}
+            for (name, label), amount in sorted(pending.items())]
+    insert = postgresql_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    statement = insert(CounterRow).values(rows)
+    session.execute(statement.on_conflict_do_update(
+        index_elements=["name", "label", "shard"], set_={"value": CounterRow.value + statement.excluded.value}))
+
+
+@event.listens_for(Session, "after_soft_rollback")
+def _drop_counts(session: Session, previous_transaction: SessionTransaction) -> None:
+    if previous_transaction.parent is None:  # the whole transaction, not a savepoint within it
+        session.info.pop(_PENDING, None)
+
+
+def _pass_histogram(name: str, doc: str, totals: dict, buckets: tuple, measure: str) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc)
+    family.add_metric([], [(str(b), totals.get((f"{measure}_bucket", str(b)), 0)) for b in buckets]
+                      + [("+Inf", totals.get(("passes", ""), 0))], sum_value=totals.get((measure, ""), 0))
+    return family
+
+
+class DatabaseCollector(Collector):
+    def __init__(self, sessions: Callable[[], Session] | None = None) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator:  # type: ignore[type-arg]
+        with (self.sessions or session_factory())() as session:
+            totals = {(name, label): value for name, label, value in session.execute(
+                select(CounterRow.name, CounterRow.label, func.sum(CounterRow.value))
+                .group_by(CounterRow.name, CounterRow.label))}
+            # By priority too (the index's second column): it tells the lanes apart.
+            live_rows = session.execute(select(Job.status, Job.priority, func.count())
+                                        .where(Job.status.in_(LIVE_JOB_STATUSES)).group_by(Job.status, Job.priority)).all()
+            pending_deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery)
+                                                .where(WebhookDelivery.status == "pending"))
+            cutoff = utcnow() - timedelta(seconds=get_settings().worker_stale_seconds)
+            workers = dict(session.execute(select(Worker.attention, func.count()).where(Worker.last_seen_at >= cutoff)
+                                           .group_by(Worker.attention)).all())
+
+        live = {status: sum(n for s, _, n in live_rows if s == status) for status in LIVE_JOB_STATUSES}
+        jobs = GaugeMetricFamily("packscore_jobs", "Jobs queued or running now", labels=["status"])
+        for status in LIVE_JOB_STATUSES:
+            jobs.add_metric([status], live.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily("packscore_queue_depth", "Jobs waiting for a worker", value=live.get("queued", 0))
+        lanes = GaugeMetricFamily("packscore_queue_depth_by_lane", "Jobs waiting for a worker, by lane: interactive "
+                                  "(/v1/score, /v1/rerank, POST /jobs) or batch", labels=["lane"])
+        queued = [(priority, n) for status, priority, n in live_rows if status == "queued"]
+        lanes.add_metric(["interactive"], sum(n for priority, n in queued if priority > PRIORITY_BATCH))
+        lanes.add_metric(["batch"], sum(n for priority, n in queued if priority <= PRIORITY_BATCH))
+        yield lanes
+        finished = CounterMetricFamily("packscore_jobs_finished", "Jobs that reached a terminal status",
+                                       labels=["status"])
+        for status in TERMINAL_STATUSES:
+            finished.add_metric([status], totals.get(("jobs_finished", status), 0))
+        yield finished
+
+        yield CounterMetricFamily("packscore_passes", "Packed forward passes run by workers",
+                                  value=totals.get(("passes", ""), 0))
+        yield CounterMetricFamily("packscore_pass_tokens", "Real tokens computed in passes",
+                                  value=totals.get(("pass_tokens", ""), 0))
+        yield _pass_histogram("packscore_pass_items", "Items scored per pass", totals, ITEMS_BUCKETS, "pass_items")
+        yield _pass_histogram("packscore_pass_seconds", "Pass latency", totals, SECONDS_BUCKETS, "pass_seconds")
+
+        yield GaugeMetricFamily("packscore_webhook_deliveries_pending", "Webhook deliveries waiting to succeed",
+                                value=pending_deliveries)
+        delivered = CounterMetricFamily("packscore_webhook_deliveries_finished",
+                                        "Webhook deliveries that succeeded or gave up", labels=["status"])
+        for status in ("delivered", "failed"):
+            delivered.add_metric([status], totals.get(("webhook_deliveries_finished", status), 0))
+        yield delivered
+        yield CounterMetricFamily("packscore_webhook_attempts", "Webhook delivery attempts",
+                                  value=totals.get(("webhook_attempts", ""), 0))
+        yield GaugeMetricFamily("packscore_workers", "Workers seen recently", value=sum(workers.values()))
+        paths = GaugeMetricFamily("packscore_worker_attention", "Workers seen recently, by the attention path "
+                                  "their engine runs", labels=["path"])
+        for path, total in sorted(workers.items(), key=lambda kv: kv[0] or ""):
+            paths.add_metric([path or "unknown"], total)
+        yield paths

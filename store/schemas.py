@@ -1,0 +1,286 @@
+"""The wire format shared by the API, the batch files and the webhooks: scoring and rerank requests as the API
+validates them and batch lines carry them, and jobs and batches as responses, result lines and webhook payloads
+show them (the OpenAPI schema at /docs comes from these and api/schemas.py)."""
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
+                      field_validator, model_validator)
+from sqlalchemy import Row
+
+from core import scores_from_logprobs
+from store.models import Job, WebhookDelivery
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class _ValidUnicode(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: object) -> object:
+        # JSON allows lone surrogates ("\ud800"); neither the tokenizer nor the database can take them.
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+        except (TypeError, ValueError):
+            pass  # not JSON-shaped: the field validators say what is wrong
+        return data
+
+
+class ScoreInput(_ValidUnicode):
+    """The scoring request of score-semantics.md. Types are loose on purpose where the engine gives the
+    precise error code (mixed text/ids, empty lists, out-of-range ids)."""
+
+    query: str | list[StrictInt]
+    items: list[str | list[StrictInt]]
+    label_token_ids: list[StrictInt]
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
+    model: str | None = None
+
+
+class JobCreate(ScoreInput):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["score"] = "score"
+
+    return_logprobs: StrictBool = False
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    metadata: dict[str, Any] | None = None
+
+
+class ScoreRequest(ScoreInput):
+    """/v1/score as in vLLM and SGLang: `text_1` and `text_2` are accepted for `query` and `items`, and a single
+    item may be a string."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str | list[StrictInt] = Field(validation_alias=AliasChoices("query", "text_1"))
+    items: list[str | list[StrictInt]] = Field(validation_alias=AliasChoices("items", "text_2"))
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _single_item(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["scoring"] = "scoring"
+    created: int
+    model: str
+    scores: list[list[float]]
+    usage: Usage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankInput(_ValidUnicode):
+    """/v1/rerank as Cohere, Jina and vLLM define it (store/rerank.py says how it is scored)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    # None or 0 (vLLM's default): every document.
+    top_n: StrictInt | None = Field(default=None, ge=0)
+    return_documents: StrictBool = True
+    # The task, in Qwen3-Reranker's words; the template's default when unset.
+    instruction: str | None = None
+
+
+class RerankRequest(RerankInput):
+    model_config = ConfigDict(extra="ignore")
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    object: Literal["rerank"] = "rerank"
+    created: int
+    model: str
+    results: list[RerankResult]
+    usage: Usage
+
+
+class Progress(BaseModel):
+    items_done: int
+    items_total: int
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class WebhookState(BaseModel):
+    id: str
+    url: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    delivered_at: datetime | None
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    kind: Literal["score", "rerank"] = "score"
+    status: JobStatus
+    model: str
+    progress: Progress
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempts: int
+    usage: Usage
+    scores: list[list[float]] | None = None
+    logprobs: list[list[float]] | None = None
+    # A rerank job's answer, as /v1/rerank gives it (its scores are [P(yes), P(no)] per document, in order).
+    results: list[RerankResult] | None = None
+    error: ErrorInfo | None = None
+    webhook_url: str | None
+    webhook: WebhookState | None = None
+    metadata: dict[str, Any] | None
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # Stored naive in UTC; shown with an explicit offset.
+    return value.replace(tzinfo=UTC) if value else None
+
+
+def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
+    """A rerank job's results from its [documents, (yes, no)] log-probabilities: most relevant first."""
+    rerank = request["rerank"]
+    relevance = scores_from_logprobs(logprobs, True)[:, 0] if len(logprobs) else np.zeros(0)
+    order = np.argsort(-relevance, kind="stable")[: rerank["top_n"] or None]
+    # The stored items are the documents between the template's separator and suffix; they are not stored twice.
+    # (Jobs stored before the separator existed have none.)
+    start, end = len(rerank.get("separator", "")), len(rerank["suffix"])
+    return [RerankResult(index=int(i), relevance_score=float(relevance[i]),
+                         document=RerankDocument(text=request["items"][i][start:len(request["items"][i]) - end])
+                         if rerank["return_documents"] else None) for i in order]
+
+
+def route_body(job: "Job | Row", logprobs: np.ndarray) -> "ScoreResponse | RerankResponse":
+    """What the synchronous route (/v1/score or /v1/rerank) answers for a succeeded job. `job` is a Job or a
+    row of its columns id, created_at, model, request and prompt_tokens."""
+    usage = Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens)
+    created = int(job.created_at.replace(tzinfo=UTC).timestamp())
+    if "rerank" in job.request:
+        return RerankResponse(id=job.id, created=created, model=job.model,
+                              results=rerank_results(job.request, logprobs), usage=usage)
+    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage,
+                         scores=scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist())
+
+
+def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDelivery | None = None) -> JobOut:
+    """The public view of a job; `logprobs` ([items, labels]) only for a succeeded job whose scores are shown."""
+    scores = raw = results = None
+    if logprobs is not None:
+        scores = scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist()
+        raw = np.asarray(logprobs, np.float64).tolist() if job.return_logprobs else None
+        results = rerank_results(job.request, logprobs) if "rerank" in job.request else None
+    return JobOut(
+        id=job.id,
+        kind="rerank" if "rerank" in job.request else "score",
+        status=job.status,
+        model=job.model,
+        progress=Progress(items_done=job.items_done, items_total=job.items_total),
+        created_at=_utc(job.created_at),
+        started_at=_utc(job.started_at),
+        finished_at=_utc(job.finished_at),
+        attempts=job.attempts,
+        usage=Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens),
+        scores=scores,
+        logprobs=raw,
+        results=results,
+        error=ErrorInfo(code=job.error_code, message=job.error_message or "") if job.error_code else None,
+        webhook_url=job.webhook_url,
+        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
+        metadata=job.metadata_,
+    )
+
+
+BatchStatus = Literal["validating", "in_progress", "cancelling", "completed", "cancelled", "failed"]
+
+
+def _no_nul(value: str) -> str:
+    # The database cannot store NUL in a text column; one such line must not fail the whole upload.
+    if "\x00" in value:
+        raise ValueError("custom_id must not contain NUL characters")
+    return value
+
+
+CustomId = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_no_nul)]
+
+
+class BatchLine(ScoreInput):
+    """One line of a batch file: a scoring request (as for POST /jobs) with the caller's `custom_id`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: CustomId
+    return_logprobs: StrictBool = False
+
+
+class OpenAIBatchLine(BaseModel):
+    """One line of an OpenAI Batch API input file (vLLM's run-batch reads the same): the body of a POST to one
+    of the synchronous routes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: CustomId
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+class BatchCreate(BaseModel):
+    """The JSON body form of POST /batches (small batches; large ones upload a JSONL file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[Any]
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    metadata: dict[str, Any] | None = None
+
+
+class BatchCounts(BaseModel):
+    total: int
+    succeeded: int
+    failed: int
+    cancelled: int
+
+
+class BatchOut(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    status: BatchStatus
+    model: str
+    counts: BatchCounts
+    progress: Progress
+    created_at: datetime
+    in_progress_at: datetime | None
+    finished_at: datetime | None
+    error: ErrorInfo | None = None
+    webhook_url: str | None
+    webhook: WebhookState | None = None
+    metadata: dict[str, Any] | None

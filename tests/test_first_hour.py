@@ -1,0 +1,100 @@
+"""A new user's first hour (issue 22): errors a person can act on, /docs offline, the CLI's key lookup."""
+
+from tests.test_api_jobs import assert_error, auth
+
+GOOD = {"query": "Is the city in France? Answer yes or no.", "items": ["\nCity: Lyon\nAnswer:"],
+        "label_token_ids": [9805, 787]}
+
+
+def test_malformed_json_names_line_and_column(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    body = b'{\n  "query": "q",\n  "items": ["a",]\n}'
+    response = client.post("/jobs", content=body, headers={**auth(key), "content-type": "application/json"})
+    assert_error(response, 422, "invalid_input")
+    message = response.json()["error"]["message"]
+    assert "line 3, column 17" in message and "not valid JSON" in message, message
+
+
+def test_a_body_without_a_json_content_type_is_named(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    import json
+
+    for headers, named in (({}, "no content-type"), ({"content-type": "text/plain"}, "'text/plain'")):
+        response = client.post("/v1/score", content=json.dumps(GOOD), headers={**auth(key), **headers})
+        assert_error(response, 415, "unsupported_media_type")
+        message = response.json()["error"]["message"]
+        assert "application/json" in message and named in message, message
+    # The same body with the right content-type is fine (the content-type, not the body, was wrong).
+    response = client.post("/jobs", content=json.dumps(GOOD), headers={**auth(key), "content-type": "application/json"})
+    assert response.status_code == 202, response.text
+
+
+def test_a_private_webhook_address_refusal_names_the_allowlist(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    response = client.post("/jobs", json={**GOOD, "webhook_url": "http://10.1.2.3:9/hook"}, headers=auth(key))
+    assert_error(response, 400, "invalid_webhook_url")
+    assert "WEBHOOK_ALLOWLIST" in response.json()["error"]["message"]
+    # A malformed URL is not something the allowlist could fix: no hint there.
+    response = client.post("/jobs", json={**GOOD, "webhook_url": "ftp://example.com/x"}, headers=auth(key))
+    assert_error(response, 400, "invalid_webhook_url")
+    assert "WEBHOOK_ALLOWLIST" not in response.json()["error"]["message"]
+
+
+def test_the_key_in_x_api_key_or_a_wrong_scheme(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    assert client.get("/jobs", headers={"X-API-Key": key}).status_code == 200
+    for headers in ({"Authorization": key}, {"Authorization": f"Token {key}"}):
+        response = client.get("/jobs", headers=headers)
+        assert_error(response, 401, "unauthorized")
+        message = response.json()["error"]["message"]
+        assert "not 'Bearer <key>'" in message and "X-API-Key" in message, message
+    response = client.get("/jobs")
+    assert_error(response, 401, "unauthorized")
+    assert "missing API key" in response.json()["error"]["message"]
+    assert "X-API-Key" in response.json()["error"]["message"]
+    assert_error(client.get("/jobs", headers={"X-API-Key": key + "x"}), 401, "unauthorized")
+
+
+def test_docs_load_nothing_from_outside(client) -> None:  # type: ignore[no-untyped-def]
+    page = client.get("/docs")
+    assert page.status_code == 200
+    assert "cdn" not in page.text.lower() and "https://" not in page.text
+    import re
+
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+    assets = [url for url in urls if url.endswith(("swagger-ui-bundle.js", "swagger-ui.css"))]
+    assert len(assets) == 2, urls
+    for url in assets:
+        assert url.startswith("/"), url  # served here
+        response = client.get(url)
+        assert response.status_code == 200 and len(response.content) > 10_000, url
+
+
+def test_the_cli_finds_the_embedded_key_from_any_folder(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from packscore import cli
+
+    home = tmp_path / "service" / ".packscore"
+    home.mkdir(parents=True)
+    (home / "api_key").write_text("psk_embedded\nwhsec_x\n")
+    pointer = tmp_path / "config" / "packscore" / "embedded_home"
+    pointer.parent.mkdir(parents=True)
+    pointer.write_text(f"{home}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(cli, "EMBEDDED_POINTER", pointer)
+    monkeypatch.setattr(cli, "EMBEDDED_DIR", cli.Path(".packscore"))
+    monkeypatch.delenv("PACKSCORE_API_KEY", raising=False)
+    monkeypatch.delenv("PACKSCORE_HOME", raising=False)
+    args = argparse.Namespace(api_key=None)
+    assert cli.api_key(args) == ("psk_embedded", str(home / "api_key"))
+    monkeypatch.setenv("PACKSCORE_API_KEY", "psk_env")
+    assert cli.api_key(args) == ("psk_env", "$PACKSCORE_API_KEY")
+    assert cli.api_key(argparse.Namespace(api_key="psk_flag")) == ("psk_flag", "--api-key")
+    monkeypatch.delenv("PACKSCORE_API_KEY")
+    pointer.unlink()
+    key, tried = cli.api_key(args)
+    assert key is None and "--api-key" in tried and "$PACKSCORE_API_KEY" in tried
+    assert str(elsewhere / ".packscore" / "api_key") in tried
