@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -68,15 +68,15 @@ _key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API 
 HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
-def get_api_key(request: Request, session: SessionDep,
-                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                header_key: Annotated[str | None, Depends(_key_header)]) -> ApiKey:
+def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                header_key: Annotated[str | None, Depends(_key_header)] = None,
+                authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
     challenge = {"WWW-Authenticate": "Bearer"}
     if credentials is not None:
         presented = credentials.credentials
     elif header_key:
         presented = header_key
-    elif "authorization" in request.headers:
+    elif authorization is not None:
         raise ServiceError(401, "unauthorized", f"the Authorization header is not 'Bearer <key>': {HOW_TO_SEND_KEY}",
                            challenge)
     else:

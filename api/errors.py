@@ -59,7 +59,8 @@ def _not_json_body(request: Request, exc: RequestValidationError) -> str | None:
     content_type = request.headers.get("content-type")
     if content_type and content_type.split(";")[0].strip().lower().endswith(("/json", "+json")):
         return None
-    if not any(tuple(err.get("loc", ())) == ("body",) for err in exc.errors()):
+    # A body that is there but was not read as JSON (no body at all is "missing", answered as before).
+    if not any(tuple(err.get("loc", ())) == ("body",) and err.get("type") != "missing" for err in exc.errors()):
         return None
     got = f"content-type {content_type!r}" if content_type else "no content-type"
     return f"send the body as JSON with 'content-type: application/json' (this request had {got})"

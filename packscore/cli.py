@@ -1,4 +1,4 @@
-"""`packscore serve | worker | migrate | create-key | wait-ready | score | rerank | submit | backfill`."""
+"""`packscore serve | worker | migrate | create-key | wait-ready | score | rerank | submit | wait-batch | backfill`."""
 
 import argparse
 import json
@@ -251,6 +251,14 @@ def submit(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def wait_batch(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        batch = client.wait_batch(args.batch_id, poll=args.poll)
+    print(json.dumps(batch, indent=2))
+    if batch["status"] != "completed":
+        sys.exit(1)
+
+
 def backfill(args: argparse.Namespace) -> None:
     from packscore.backfill import BackfillError, run_backfill
 
@@ -330,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", type=_json_object, help="a JSON object, echoed back")
     p.add_argument("--idempotency-key")
     p.set_defaults(func=submit)
+
+    p = commands.add_parser("wait-batch", parents=[connection], help="wait until a batch has ended; print it as JSON")
+    p.add_argument("batch_id")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between checks")
+    p.set_defaults(func=wait_batch)
 
     p = commands.add_parser("backfill", parents=[connection],
                             help="run a JSONL file as a batch, resumably; results to --out, progress to stderr")

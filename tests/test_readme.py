@@ -1,0 +1,93 @@
+"""README's examples run as written (issue 22): its ```sh blocks in order, as one shell session, and each of
+its ```python blocks, against `packscore serve --embedded` with the bundled model, from the folder the service
+was started in (where `make run` leaves `.packscore/`). A block preceded by `<!-- not run by
+tests/test_readme.py: why -->` is left out; every other one must succeed. curl answers 4xx/5xx count as
+failures."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP = re.compile(r"<!-- not run by tests/test_readme\.py: [^>]+ -->\s*$")
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
+
+
+def readme_blocks(language: str) -> list[tuple[int, str]]:
+    """(line number, text) of README's fenced blocks in `language`, without those marked as not run."""
+    text = (REPO / "README.md").read_text()
+    blocks = []
+    for match in BLOCK.finditer(text):
+        before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if match.group(1) == language and not SKIP.search(before):
+            blocks.append((text.count("\n", 0, match.start()) + 1, match.group(2)))
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int, dict[str, str]]]:
+    folder = tmp_path_factory.mktemp("readme")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The bundled model, as `make run` serves it; nothing of the test suite's service settings.
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR", "BROKER_KEY_PREFIX", "MODEL", "MAX_ITEMS",
+        "MAX_TOKENS", "PASS_TOKENS", "MAX_BODY_BYTES", "LEASE_SECONDS", "PACKSCORE_HOME", "PACKSCORE_API_KEY")}
+    env.update(WARMUP="none", PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+               PACKSCORE_URL=f"http://127.0.0.1:{port}", XDG_CONFIG_HOME=str(folder / "config"))
+    log = open(folder / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port", str(port)],
+                            cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (folder / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield folder, port, env
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def as_run_here(text: str, port: int) -> str:
+    return text.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def test_readme_has_examples_to_run() -> None:
+    assert len(readme_blocks("sh")) >= 5 and len(readme_blocks("python")) >= 3
+
+
+def test_shell_examples(embedded: tuple[Path, int, dict[str, str]]) -> None:
+    folder, port, env = embedded
+    script = ["set -euo pipefail", "curl() { command curl --fail-with-body \"$@\"; }",
+              "make() { [ \"$*\" = run ] || { echo \"README runs make $*\" >&2; return 1; }; }  # already running"]
+    for line, block in readme_blocks("sh"):
+        block = block.replace("make run &", "make run")
+        script += [f"echo '--- README.md line {line}' >&2", as_run_here(block, port).replace(".venv/bin/", "")]
+    result = subprocess.run(["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{result.stderr[-4000:]}\n{result.stdout[-2000:]}"
+    assert '"scores"' in result.stdout and '"results"' in result.stdout
+
+
+@pytest.mark.parametrize("line", [line for line, _ in readme_blocks("python")])
+def test_python_examples(embedded: tuple[Path, int, dict[str, str]], line: int) -> None:
+    folder, port, env = embedded
+    block = dict(readme_blocks("python"))[line]
+    result = subprocess.run([sys.executable, "-c", as_run_here(block, port)], cwd=folder, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"README.md line {line}:\n{result.stderr[-4000:]}"
