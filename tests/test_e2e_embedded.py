@@ -3,7 +3,6 @@ no Postgres or Redis involved."""
 
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
+from tests.service_harness import free_port, wait_ready
 
 
 def running_jobs(folder: Path) -> list[str]:
@@ -27,9 +27,7 @@ def running_jobs(folder: Path) -> list[str]:
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     # As `make run &` from a script starts it: SIGINT ignored (a background job's lot), in a process group of its
     # own here so that the whole group can be sent the signal, as Ctrl-C in a terminal does.
@@ -39,15 +37,7 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
                             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.5)
+        wait_ready(base, proc, (tmp_path / "serve.log"), 120)
         assert (tmp_path / ".packscore" / "packscore.db").exists()
         key = (tmp_path / ".packscore" / "api_key").read_text().split()[0]
         body = {"query": "Is the sky blue?", "items": ["yes", "no"], "label_token_ids": [1, 2], "apply_softmax": True}

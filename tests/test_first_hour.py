@@ -98,3 +98,49 @@ def test_the_cli_finds_the_embedded_key_from_any_folder(tmp_path, monkeypatch) -
     key, tried = cli.api_key(args)
     assert key is None and "--api-key" in tried and "$PACKSCORE_API_KEY" in tried
     assert str(elsewhere / ".packscore" / "api_key") in tried
+
+
+def test_the_gguf_tokenizer_is_transformers_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """core reads a GGUF's tokenizer without PyTorch; what it builds is what AutoTokenizer builds."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from core.requests import _gguf_tokenizer, bundled_model_path
+
+    path = bundled_model_path()
+    ours = _gguf_tokenizer(str(path))
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours.save_pretrained(tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "reference")
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        if (tmp_path / "reference" / name).exists():
+            assert (tmp_path / "ours" / name).read_text() == (tmp_path / "reference" / name).read_text(), name
+    config = {k: v for k, v in json.loads((tmp_path / "ours" / "tokenizer_config.json").read_text()).items()
+              if k not in ("local_files_only", "is_local")}
+    assert config == {k: v for k, v in json.loads((tmp_path / "reference" / "tokenizer_config.json").read_text())
+                      .items() if k not in ("local_files_only", "is_local")}
+    for text in ("Is the city in France? Answer yes or no.", "\nCity: Lyon\nAnswer:", " yes", "héllo 世界 🙂",
+                 "<|im_start|>user\nhi<|im_end|>", "  two  spaces\t", ""):
+        assert ours(text)["input_ids"] == reference(text)["input_ids"], text
+        assert (ours(text, add_special_tokens=False)["input_ids"]
+                == reference(text, add_special_tokens=False)["input_ids"]), text
+
+
+def test_the_api_process_never_imports_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # As the API starts: the bundled model's tokenizer and the rerank template, first converted from the GGUF and
+    # then read from MODEL_CACHE_DIR; torch is installed here (the tests use it) but must not be imported.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from api.deps import get_request_tokenizer, get_rerank_prompt; "
+            "t = get_request_tokenizer(); get_rerank_prompt(); "
+            "r = t.tokenize('Is the city in France?', [' Lyon'], [9805, 787], False); assert r.n_items == 1; "
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "MODEL": "smollm2-135m", "MODEL_CACHE_DIR": str(tmp_path)}
+    for run in ("converting", "cached"):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == "False", (run, result.stdout)
+    assert any(tmp_path.rglob("tokenizer.json"))  # the second run read the converted folder

@@ -6,15 +6,14 @@ failures."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.service_harness import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP = re.compile(r"<!-- not run by tests/test_readme\.py: [^>]+ -->\s*$")
@@ -35,9 +34,7 @@ def readme_blocks(language: str) -> list[tuple[int, str]]:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int, dict[str, str]]]:
     folder = tmp_path_factory.mktemp("readme")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The bundled model, as `make run` serves it; nothing of the test suite's service settings.
     env = {k: v for k, v in os.environ.items() if k not in (
         "DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR", "BROKER_KEY_PREFIX", "MODEL", "MAX_ITEMS",
@@ -48,15 +45,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, i
     proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port", str(port)],
                             cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (folder / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+        wait_ready(f"http://127.0.0.1:{port}", proc, (folder / "serve.log"), 300)
         yield folder, port, env
     finally:
         proc.terminate()
