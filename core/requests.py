@@ -34,6 +34,27 @@ class TokenizedRequest:
     def n_items(self) -> int:
         return len(self.items)
 
+    def to_bytes(self) -> bytes:
+        """Compact storage (int32s): item_first, the counts, the labels, the items' lengths, then the tokens."""
+        header = [int(self.item_first), len(self.label_token_ids), len(self.query), len(self.items)]
+        parts = [header, self.label_token_ids, [len(item) for item in self.items], self.query, *self.items]
+        return np.concatenate([np.asarray(part, "<i4") for part in parts]).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "TokenizedRequest":
+        values = np.frombuffer(data, "<i4").tolist()
+        item_first, n_labels, n_query, n_items = values[:4]
+        at = 4 + n_labels + n_items
+        labels, lengths = values[4:4 + n_labels], values[4 + n_labels:at]
+        query, at = tuple(values[at:at + n_query]), at + n_query
+        items = []
+        for length in lengths:
+            items.append(tuple(values[at:at + length]))
+            at += length
+        if at != len(values):
+            raise ValueError(f"stored tokens hold {len(values)} values, their header says {at}")
+        return cls(query, tuple(items), tuple(labels), bool(item_first))
+
     @property
     def prompt_tokens(self) -> int:
         """Distinct tokens the request scores (the shared query counted once unless item_first)."""

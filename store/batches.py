@@ -123,7 +123,8 @@ class Ingest:
         now = utcnow()
         # Every row has every key: the chunk is one multi-row INSERT.
         row = {"id": new_id("job"), "api_key_id": self.batch.api_key_id, "batch_id": self.batch.id,
-               "priority": PRIORITY_BATCH, "model": self.batch.model, "request": {}, "return_logprobs": False,
+               "priority": PRIORITY_BATCH, "model": self.batch.model, "request": {}, "tokens": None,
+               "return_logprobs": False,
                "request_hash": "", "items_total": 0, "items_done": 0, "prompt_tokens": 0, "attempts": 0,
                "cancel_requested": False, "created_at": now, "custom_id": None, "query_key": None,
                "error_code": None, "error_message": None, "finished_at": None}
@@ -176,6 +177,7 @@ class Ingest:
         self.queued += 1
         query_key = hashlib.blake2b(json.dumps(body.query).encode(), digest_size=16).hexdigest()
         return {"status": "queued", "custom_id": custom_id, "request": job_request(body, rerank),
+                "tokens": tokenized.to_bytes(),
                 "return_logprobs": return_logprobs, "items_total": tokenized.n_items,
                 "prompt_tokens": tokenized.prompt_tokens, "query_key": query_key}
 

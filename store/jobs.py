@@ -63,6 +63,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
         priority=priority,
         model=request_tokenizer.model_name,
         request=job_request(body, rerank),
+        tokens=tokenized.to_bytes(),
         return_logprobs=getattr(body, "return_logprobs", False),
         metadata_=getattr(body, "metadata", None),
         webhook_url=webhook_url,

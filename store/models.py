@@ -78,6 +78,9 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     model: Mapped[str] = mapped_column(String(100))
     request: Mapped[dict] = mapped_column(JSON)
+    # The request in token space (core's TokenizedRequest.to_bytes), written at submission; NULL for jobs queued
+    # before it existed, whose workers tokenize `request`.
+    tokens: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     return_logprobs: Mapped[bool] = mapped_column(Boolean, default=False)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -33,7 +33,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
 def wait_ready(base_url: str, proc: subprocess.Popen, log: Path, seconds: float) -> None:
     """Until the service's /readyz answers 200; fails with its log if it exits or takes longer."""
     deadline = time.monotonic() + seconds
@@ -47,6 +46,7 @@ def wait_ready(base_url: str, proc: subprocess.Popen, log: Path, seconds: float)
         time.sleep(0.5)
 
 
+@contextmanager
 def fresh_database(admin_url: str, name: str) -> Iterator[str]:
     """Creates database `name` on the server of `admin_url`, migrates it to head, yields its URL and drops it."""
     from migrations import upgrade

@@ -4,7 +4,10 @@ lease loss (exactly one result write) and the sweeper."""
 from datetime import timedelta
 
 import numpy as np
+import pytest
 from sqlalchemy import func, select, update
+
+from core import TokenizedRequest
 
 from store import jobqueue
 from store.db import session_scope
@@ -153,6 +156,8 @@ def test_request_invalid_at_the_worker_fails(client, make_key, empty_queue) -> N
     with session_scope() as session:  # e.g. limits were lowered between submission and run
         job = session.get(Job, job_id)
         job.request = {**job.request, "label_token_ids": [10**9]}
+        stored = TokenizedRequest.from_bytes(job.tokens)  # and as the API stored it, in token space
+        job.tokens = TokenizedRequest(stored.query, stored.items, (10**9,), stored.item_first).to_bytes()
     drain_module.drain(get_scorer(), "worker-a", get_settings())
     job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
     assert job["status"] == "failed" and job["error"]["code"] == "label_token_id_out_of_range"
@@ -268,3 +273,42 @@ def test_a_drain_request_during_a_drain_is_not_lost(monkeypatch) -> None:  # typ
     monkeypatch.setattr(tasks, "_drain_once", drain_once)
     assert tasks._drain() == 2
     assert runs == [1, 0, 1]
+
+
+def test_token_ids_stored_at_submission_score_as_the_text(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The API stores the request in token space; the worker scores those tokens without tokenizing, with the
+    scores of the text. A job queued before tokens were stored (NULL) is tokenized from its text and scores
+    the same."""
+    key, _ = make_key()
+    body = {"query": "Is this review positive?", "items": [" great phone", " it broke", ""], "label_token_ids": [5, 17],
+            "item_first": True}
+    ids = [client.post("/jobs", json=body, headers={"Authorization": f"Bearer {key}"}).json()["id"] for _ in range(2)]
+    scorer = get_scorer()
+    expected = scorer.tokenize(body["query"], body["items"], body["label_token_ids"], True)
+    with session_scope() as session:
+        stored = session.get(Job, ids[0]).tokens
+        assert TokenizedRequest.from_bytes(stored) == expected
+        session.get(Job, ids[1]).tokens = None  # as queued before the upgrade
+
+    jobs = jobqueue.claim_jobs("worker-a", get_settings())
+    assert {job.id for job in jobs} == set(ids)
+    with monkeypatch.context() as patch:
+        def no_tokenizing(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("the worker tokenized a request stored as token ids")
+
+        patch.setattr(scorer.requests, "_encode", no_tokenizing)
+        drain_module.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is not None])
+    drain_module.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is None])
+    reference = scorer.score(body["query"], body["items"], body["label_token_ids"], item_first=True)
+    for job_id in ids:
+        job = client.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}).json()
+        assert job["status"] == "succeeded", job
+        np.testing.assert_allclose(job["scores"], reference, rtol=1e-6, atol=0)
+
+
+def test_tokenized_request_bytes_round_trip() -> None:
+    for request in (TokenizedRequest((1, 2, 3), ((4,), (), (5, 6, 7)), (9, 10), False),
+                    TokenizedRequest((), (), (1,), True), TokenizedRequest((2 ** 31 - 1,), ((0,),), (3,), True)):
+        assert TokenizedRequest.from_bytes(request.to_bytes()) == request
+    with pytest.raises(ValueError):
+        TokenizedRequest.from_bytes(TokenizedRequest((1,), ((2,),), (3,)).to_bytes() + b"\0\0\0\0")

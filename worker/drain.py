@@ -58,15 +58,26 @@ def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) ->
                 jobqueue.set_progress(session, owner, run.job_id, run.done)
 
 
+def _tokenized(scorer: Scorer, job: Job) -> TokenizedRequest:
+    """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
+    another model) is tokenized from its text here."""
+    if job.tokens is not None and job.model == scorer.model_name:
+        # Checked again as token ids (no tokenizer involved): this worker's limits may differ from the API's.
+        stored = TokenizedRequest.from_bytes(job.tokens)
+        return scorer.tokenize(list(stored.query), [list(item) for item in stored.items],
+                               list(stored.label_token_ids), stored.item_first)
+    r = job.request
+    return scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
+
+
 def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[[], None] | None = None) -> None:
     """Scores claimed jobs together: the engine coalesces them into packed passes. `before_pass` runs before
     each pass (the batch lane waits there while interactive jobs run)."""
     running: list[RunningJob] = []
     with session_scope() as session:
         for job in jobs:
-            r = job.request
             try:
-                request = scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
+                request = _tokenized(scorer, job)
             except ScoringError as exc:  # limits changed since the API accepted it
                 jobqueue.finish_job(session, owner, job.id, "failed", error=(exc.code, exc.message))
                 continue
