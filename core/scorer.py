@@ -324,7 +324,8 @@ class Scorer:
         arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens)
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
-        logprobs, kv, shape_key = self._execute(arrays, cached, cached_lengths, labels, keep_kv)
+        handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
+        logprobs = self._fetch(handle)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv))
@@ -402,7 +403,9 @@ class Scorer:
             out = _place_rows(out, part, jnp.int32(offset), jnp.int32(length))
         return out
 
-    def _execute(self, arrays, cached: list[tuple], cached_lengths: list[int], labels: np.ndarray, keep_kv: bool):
+    def _launch(self, arrays, cached: list[tuple], cached_lengths: list[int], labels: np.ndarray, keep_kv: bool):
+        """Dispatches a pass to the device without waiting for it (JAX dispatches asynchronously): returns
+        (its log-probabilities as a device handle for `_fetch`, its keys/values, its shape key)."""
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], cached_lengths, C) for i in (0, 1))
         width = self._table_width(T, C, arrays.tile_ids.shape[1])
@@ -413,7 +416,11 @@ class Scorer:
         logprobs, kv = program(self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta),
                                meta(arrays.kv_meta), tables, cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
                                jnp.int32(arrays.n_rows), jnp.int32(arrays.real_tokens))
-        return np.asarray(logprobs), kv, shape_key
+        return logprobs, kv, shape_key
+
+    def _fetch(self, handle) -> np.ndarray:  # type: ignore[no-untyped-def]
+        """Waits for a launched pass's log-probabilities and copies them to the host."""
+        return np.asarray(handle)
 
     # ---- one-request convenience API --------------------------------------------------
 

@@ -75,12 +75,9 @@ def _embedded_key() -> None:
 
 
 def worker_command(loglevel: str = "INFO") -> list[str]:
-    from store.settings import get_settings
+    from worker.celery_app import worker_argv
 
-    # solo pool: the task runs in the worker's own process, which loaded the model; nothing forks after JAX.
-    return [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "solo", "--concurrency", "1",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", get_settings().queue_name,
-            "--loglevel", loglevel, "--hostname", f"packscore-{os.getpid()}@%h"]
+    return [sys.executable, "-m", "celery", "-A", "worker.tasks", *worker_argv(loglevel)]
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -1,6 +1,16 @@
 """The workers' Celery app (store/broker.py configures it; the API sends its kicks through the same settings)."""
 
+import os
+
 from store.broker import make_celery
 from store.settings import get_settings
 
 app = make_celery(get_settings(), include=("worker.tasks",))
+
+
+def worker_argv(loglevel: str = "INFO") -> list[str]:
+    """`celery worker`'s arguments: the solo pool (the task runs in the worker's own process, which loaded the
+    model; nothing forks after JAX), on this deployment's queue."""
+    return ["worker", "--pool", "solo", "--concurrency", "1", "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-Q", get_settings().queue_name, "--loglevel", loglevel,
+            "--hostname", f"packscore-{os.getpid()}@%h"]

@@ -1,15 +1,27 @@
 """The one engine instance of a process (loaded once: JAX weights and compiled passes are reused)."""
 
-from functools import lru_cache
-
 import jax
 
 from core import Scorer
 from store.settings import get_settings
 
+_scorer: Scorer | None = None
 
-@lru_cache(maxsize=1)
+
 def get_scorer() -> Scorer:
+    global _scorer
+    if _scorer is None:
+        _scorer = _load()
+    return _scorer
+
+
+def install_scorer(scorer: Scorer) -> None:
+    """Serves with this engine instead of the configured one (the capacity benchmark's simulated device)."""
+    global _scorer
+    _scorer = scorer
+
+
+def _load() -> Scorer:
     settings = get_settings()
     if settings.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", settings.compile_cache_dir)

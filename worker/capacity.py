@@ -1,0 +1,425 @@
+"""Capacity benchmark: how busy the service keeps an accelerator, with the device simulated.
+
+    python -m worker.capacity [--target tpu-v6e|tpu-v5e|cuda-h100 | --device-tokens-per-s R]
+                              [--shapes contract,small,backfill] [--workers 1,2] [--device-seconds 10]
+
+It starts the real service on a fresh Postgres database (with Redis): one API process and N workers whose
+device step is simulated. A simulated pass takes (real tokens of the pass) / R seconds of a device timeline
+of its own, which runs beside the worker's Python, as an accelerator does; everything else (the API, the
+database, the broker, tokenization, planning, packing, the pass loop) is the real code. R defaults to
+`core.aot`'s roofline for Qwen3-0.6B on the target: an estimate, so the duty cycle says how much of such a
+device the service would keep busy, not how fast any device is.
+
+For each traffic shape it queues the jobs first (POST /jobs from 16 persistent clients, or one batch upload),
+then starts the workers, and reports:
+- duty: simulated device seconds / (wall seconds x workers), the wall from the first claim to the last finish
+  by the jobs' own timestamps;
+- items/s, and the ideal items/s (every device busy all the time);
+- API jobs/s while the jobs were submitted;
+- CPU milliseconds per job of the API (during submission), the workers (host work only: the device is a
+  sleep) and Postgres (all its processes, submission and drain separately), from /proc;
+- an estimate (labelled so): how many such workers one Postgres core could feed at 90% duty.
+
+The simulated workers are started by this module only (`python -m worker.capacity simulated-worker`), never by
+a setting of a serving deployment; their heartbeat and /metrics say attention="simulated".
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SIMULATED = "simulated"
+CLIENTS = 16  # persistent HTTP clients submitting jobs
+
+
+@dataclass(frozen=True)
+class Shape:
+    query_tokens: int
+    items: int
+    item_tokens: int
+    batch: bool  # one batch upload of JSONL lines instead of POST /jobs
+
+
+SHAPES = {
+    "contract": Shape(2000, 500, 20, batch=False),  # the seeds' accelerator contract request
+    "small": Shape(50, 10, 10, batch=False),
+    "backfill": Shape(200, 20, 15, batch=True),
+}
+# Words the bundled tokenizer reads as one token each after a space: a text of n words is about n tokens.
+WORDS = ("the cat dog house tree river city water light stone paper music table window garden bread "
+         "green blue red black white small large old new happy quick slow bright dark warm cold").split()
+
+
+# ---- the simulated device ------------------------------------------------------------------------------------
+
+def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-untyped-def]
+    """The served model's tokenizer and limits, with a simulated device in place of its weights' passes."""
+    from core import Scorer
+
+    class SimulatedScorer(Scorer):
+        """Passes take tokens / rate seconds on a device timeline of their own; scores are a constant."""
+
+        device_free_at = 0.0
+
+        @property
+        def attention_path(self) -> str:
+            return SIMULATED
+
+        def _launch(self, arrays, cached, cached_lengths, labels, keep_kv):  # type: ignore[no-untyped-def]
+            self._tables(arrays, arrays.tile_ids.shape[1])  # the host work a real pass does
+            start = max(time.monotonic(), self.device_free_at)
+            self.device_free_at = start + arrays.real_tokens / tokens_per_second
+            logprobs = np.full((len(arrays.score_rows), labels.shape[1]), np.log(0.5), np.float32)
+            shape_key = (len(arrays.tokens), arrays.cache_len, len(arrays.score_rows), labels.shape[1], keep_kv)
+            return (self.device_free_at, logprobs), (None, None), shape_key
+
+        def _fetch(self, handle) -> np.ndarray:  # type: ignore[no-untyped-def]
+            ready_at, logprobs = handle
+            time.sleep(max(0.0, ready_at - time.monotonic()))
+            return logprobs
+
+        def _prefix_rows(self, keys_or_values, lo: int, hi: int):  # type: ignore[no-untyped-def]
+            return np.zeros((1, hi - lo, 1, 1), np.int8)  # a token: the simulated device keeps nothing
+
+        def warm_up(self) -> int:
+            return 0
+
+    # The real weights load but never run: the device is simulated.
+    scorer = SimulatedScorer.from_pretrained(settings.model, settings.model_cache_dir, attention="xla",
+                                             pass_tokens=settings.pass_tokens or 16384, **settings.request_limits)
+    # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.
+    scorer.always_keep_kv = scorer.host_prefix_cache = False
+    return scorer
+
+
+def run_simulated_worker(tokens_per_second: float) -> None:
+    from store.settings import get_settings
+    from worker import scorer as worker_scorer
+    from worker.celery_app import app, worker_argv
+
+    worker_scorer.install_scorer(simulated_scorer(get_settings(), tokens_per_second))
+    import worker.tasks  # noqa: F401  (registers the task)
+
+    app.worker_main(worker_argv("WARNING"))
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (from /proc; a process gone counts 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def postgres_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def postgres_cpu() -> float:
+    return cpu_seconds(postgres_pids())
+
+
+def host_cpu() -> str:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?")
+    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in ("amx_bf16", "avx512_bf16")
+                                                             if f in flags.split())
+
+
+def roofline_tokens_per_second(target: str) -> float:
+    """Tokens/s of `core.aot`'s roofline for Qwen3-0.6B (bfloat16) on `target` at the accelerators' pass size:
+    an estimate from published peaks."""
+    import jax.numpy as jnp
+
+    from core import aot
+
+    figures = aot.roofline(aot.MODELS["qwen3-0.6b"], aot.TARGETS[target], aot.contract_passes(16384), jnp.bfloat16)
+    c = aot.CONTRACT
+    return figures["items_per_second_roofline"] * (c["query_tokens"] / c["items"] + c["item_tokens"])
+
+
+# ---- traffic ---------------------------------------------------------------------------------------------------
+
+def _text(rng: np.random.Generator, words: int, tag: str = "") -> str:
+    picked = rng.choice(WORDS, size=max(words - len(tag.split()), 1))
+    return " ".join([*tag.split(), *picked])
+
+
+def request_body(shape: Shape, index: int, rng: np.random.Generator) -> dict:
+    # The index in the query: requests share no prefix (the roofline assumes none).
+    return {"query": _text(rng, shape.query_tokens, f"request {index}:"),
+            "items": [_text(rng, shape.item_tokens) for _ in range(shape.items)],
+            "label_token_ids": [9805, 787]}
+
+
+def jobs_for(shape: Shape, tokens_per_second: float, device_seconds: float) -> int:
+    """Jobs holding at least `device_seconds` of simulated device time."""
+    tokens = shape.query_tokens + shape.items * shape.item_tokens
+    return int(np.ceil(device_seconds * tokens_per_second / tokens))
+
+
+@dataclass
+class Run:
+    shape: str
+    workers: int
+    jobs: int
+    items: int = 0
+    submit_seconds: float = 0.0
+    api_cpu: float = 0.0
+    postgres_submit_cpu: float = 0.0
+    wall: float = 0.0
+    device_seconds: float = 0.0
+    worker_cpu: float = 0.0
+    postgres_drain_cpu: float = 0.0
+    failed: int = 0
+
+    def figures(self) -> dict:
+        jobs = self.jobs
+        per_worker_jobs_s = 0.9 * jobs / self.device_seconds  # a worker at 90% duty
+        pg_ms = (self.postgres_submit_cpu + self.postgres_drain_cpu) / jobs * 1e3
+        return {
+            "shape": self.shape, "workers": self.workers, "jobs": jobs, "items": self.items,
+            "duty": round(self.device_seconds / (self.wall * self.workers), 3),
+            "items_per_s": round(self.items / self.wall),
+            "ideal_items_per_s": round(self.items / self.device_seconds * self.workers),
+            "api_jobs_per_s": round(jobs / self.submit_seconds, 1),
+            "api_cpu_ms_per_job": round(self.api_cpu / jobs * 1e3, 3),
+            "worker_cpu_ms_per_job": round(self.worker_cpu / jobs * 1e3, 3),
+            "postgres_cpu_ms_per_job": {"submit": round(self.postgres_submit_cpu / jobs * 1e3, 3),
+                                        "drain": round(self.postgres_drain_cpu / jobs * 1e3, 3)},
+            "estimate_workers_per_postgres_core_at_90pct_duty": round(1e3 / (pg_ms * per_worker_jobs_s), 1),
+            "wall_s": round(self.wall, 2), "device_s": round(self.device_seconds, 2), "failed": self.failed,
+        }
+
+
+class Bench:
+    """One service (API + workers) on a fresh database per run."""
+
+    def __init__(self, admin_url: str, redis_url: str, tokens_per_second: float, logs: Path) -> None:
+        self.admin_url, self.redis_url = admin_url, redis_url
+        self.rate = tokens_per_second
+        self.logs = logs
+
+    def _env(self, database_url: str, prefix: str) -> dict[str, str]:
+        return {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": self.redis_url,
+                "BROKER_KEY_PREFIX": prefix, "WARMUP": "none", "PASS_TOKENS": "16384",
+                "PYTHONPATH": str(REPO)}
+
+    def _spawn(self, args: list[str], env: dict, log: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=REPO,
+                                stdout=open(self.logs / log, "ab"), stderr=subprocess.STDOUT)
+
+    def run(self, name: str, workers: int, device_seconds: float) -> dict:
+        import httpx
+        from sqlalchemy import create_engine, func, make_url, select, text
+
+        from migrations import upgrade
+        from store.models import Job, Pass
+
+        shape = SHAPES[name]
+        n_jobs = jobs_for(shape, self.rate, device_seconds)
+        tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{tag}"'))
+        url = make_url(self.admin_url).set(database=tag).render_as_string(hide_password=False)
+        procs: list[subprocess.Popen] = []
+        try:
+            upgrade(url)
+            env = self._env(url, tag)
+            created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
+                                     env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
+            key = created.split("api_key=", 1)[1].split()[0]
+            port = _free_port()
+            base = f"http://127.0.0.1:{port}"
+            api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
+                              f"{tag}-api.log")
+            procs.append(api)
+            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
+            run = Run(name, workers, n_jobs)
+            rng = np.random.default_rng(0)
+            bodies = [request_body(shape, i, rng) for i in range(n_jobs)]
+            run.items = n_jobs * shape.items
+            api_cpu, pg_cpu, start = cpu_seconds([api.pid]), postgres_cpu(), time.perf_counter()
+            (_upload_batch if shape.batch else _submit_jobs)(base, key, bodies)
+            run.submit_seconds = time.perf_counter() - start
+            run.api_cpu, run.postgres_submit_cpu = cpu_seconds([api.pid]) - api_cpu, postgres_cpu() - pg_cpu
+            engine = create_engine(url)
+            with engine.connect() as conn:
+                queued = conn.scalar(select(func.count()).select_from(Job).where(Job.status == "queued"))
+            assert queued == n_jobs, f"{queued} of {n_jobs} jobs queued; see {self.logs}"
+            worker_procs = [self._spawn(["worker.capacity", "simulated-worker", "--device-tokens-per-s",
+                                         str(self.rate)], env, f"{tag}-worker{i}.log") for i in range(workers)]
+            procs += worker_procs
+            # Their CPU counts from the first claim: loading the model is not the pass loop's work.
+            with engine.connect() as conn:
+                _wait(lambda: conn.scalar(select(func.count()).select_from(Job).where(Job.status != "queued")),
+                      300, "the first claim", interval=0.02)
+            worker_cpu, pg_cpu = cpu_seconds([p.pid for p in worker_procs]), postgres_cpu()
+            with engine.connect() as conn:
+                _wait(lambda: not conn.scalar(select(func.count()).select_from(Job)
+                                              .where(Job.status.in_(("queued", "running")))), 3600, "the jobs")
+            run.worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
+            run.postgres_drain_cpu = postgres_cpu() - pg_cpu
+            with engine.connect() as conn:
+                first, last = conn.execute(select(func.min(Job.started_at), func.max(Job.finished_at))).one()
+                tokens = conn.scalar(select(func.sum(Pass.tokens)))
+                run.failed = conn.scalar(select(func.count()).select_from(Job).where(Job.status != "succeeded"))
+            engine.dispose()
+            run.wall = (last - first).total_seconds()
+            run.device_seconds = tokens / self.rate
+            return run.figures()
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
+            admin.dispose()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(check, seconds: float, what: str, interval: float = 0.2) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    failure = None
+    while True:
+        try:
+            if check():
+                return
+        except Exception as exc:  # not up yet (refused connections and the like)
+            failure = exc
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {seconds:.0f} s for {what} (last error: {failure!r})")
+        time.sleep(interval)
+
+
+def _submit_jobs(base: str, key: str, bodies: list[dict]) -> None:
+    import httpx
+
+    queue = list(reversed(bodies))
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def client() -> None:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+            while True:
+                with lock:
+                    if not queue or errors:
+                        return
+                    body = queue.pop()
+                response = http.post("/jobs", json=body)
+                if response.status_code != 202:
+                    errors.append(response.text)
+
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"POST /jobs failed: {errors[0]}")
+
+
+def _upload_batch(base: str, key: str, bodies: list[dict]) -> None:
+    import httpx
+
+    lines = b"".join(json.dumps({"custom_id": f"line-{i}", **body}).encode() + b"\n" for i, body in enumerate(bodies))
+    response = httpx.post(f"{base}/batches", content=lines, timeout=3600,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/jsonl"})
+    if response.status_code != 201:
+        raise RuntimeError(f"POST /batches failed: {response.text}")
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the roofline needs no device (nor libtpu's start-up)
+    from core.aot import TARGETS
+
+    parser = argparse.ArgumentParser(prog="python -m worker.capacity", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    simulated = sub.add_parser("simulated-worker", help="(started by the benchmark) a worker with a simulated device")
+    simulated.add_argument("--device-tokens-per-s", type=float, required=True)
+    parser.add_argument("--target", choices=sorted(TARGETS), default="tpu-v6e")
+    parser.add_argument("--device-tokens-per-s", type=float, help="the simulated device's rate (default: the "
+                        "target's roofline)")
+    parser.add_argument("--shapes", default="contract,small,backfill")
+    parser.add_argument("--workers", default="1,2", help="worker counts to run each shape with")
+    parser.add_argument("--runs", help="shape:workers pairs instead of every combination, e.g. small:1,backfill:2")
+    parser.add_argument("--device-seconds", type=float, default=10.0, help="simulated device time per run")
+    parser.add_argument("--database-url", default=os.environ.get("CAPACITY_ADMIN_URL",
+                                                                 "postgresql+psycopg://root@127.0.0.1:5432/postgres"))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.command == "simulated-worker":
+        run_simulated_worker(args.device_tokens_per_s)
+        return 0
+    rate = args.device_tokens_per_s or roofline_tokens_per_second(args.target)
+    runs = ([tuple(pair.split(":")) for pair in args.runs.split(",")] if args.runs else
+            [(shape, w) for shape in args.shapes.split(",") for w in args.workers.split(",")])
+    logs = Path(tempfile.mkdtemp(prefix="capacity-"))
+    header = {"host": host_cpu(), "device_tokens_per_s": round(rate),
+              "rate_from": "--device-tokens-per-s" if args.device_tokens_per_s else
+              f"core.aot roofline, Qwen3-0.6B bf16 on {args.target} (an estimate)", "logs": str(logs)}
+    print(json.dumps(header), flush=True)
+    bench = Bench(args.database_url, args.redis_url, rate, logs)
+    results = []
+    for shape, workers in runs:
+        figures = bench.run(shape, int(workers), args.device_seconds)
+        results.append(figures)
+        print(json.dumps(figures), flush=True)
+    print("\n| shape | workers | jobs | duty | items/s | ideal items/s | API jobs/s | CPU ms/job: API, workers, "
+          "Postgres (submit+drain) | workers per Postgres core at 90% (estimate) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f in results:
+        pg = f["postgres_cpu_ms_per_job"]
+        print(f"| {f['shape']} | {f['workers']} | {f['jobs']} | {f['duty']:.2f} | {f['items_per_s']:,} | "
+              f"{f['ideal_items_per_s']:,} | {f['api_jobs_per_s']} | {f['api_cpu_ms_per_job']:.2f}, "
+              f"{f['worker_cpu_ms_per_job']:.2f}, {pg['submit']:.2f}+{pg['drain']:.2f} | "
+              f"{f['estimate_workers_per_postgres_core_at_90pct_duty']} |")
+    if args.json:
+        args.json.write_text(json.dumps({**header, "runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
