@@ -10,11 +10,11 @@ from core.errors import ERROR_CODES, ScoringError
 from core.requests import MODEL_NAMES, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 
 if TYPE_CHECKING:
-    from core.scorer import ItemScores, PassResult, Scorer
+    from core.scorer import InFlightPass, ItemScores, PassResult, Scorer
 
-_ENGINE = ("ItemScores", "PassResult", "Scorer")
+_ENGINE = ("InFlightPass", "ItemScores", "PassResult", "Scorer")
 
-__all__ = ["ERROR_CODES", "MODEL_NAMES", "ItemScores", "PassResult", "RequestTokenizer", "Scorer", "ScoringError",
+__all__ = ["ERROR_CODES", "MODEL_NAMES", "InFlightPass", "ItemScores", "PassResult", "RequestTokenizer", "Scorer", "ScoringError",
            "TokenizedRequest", "scores_from_logprobs"]
 
 

@@ -161,6 +161,23 @@ def _place_rows(out: jax.Array, window: jax.Array, offset: jax.Array, length: ja
     return jax.lax.dynamic_update_slice_in_dim(out, merged, start, axis=1)
 
 
+class InFlightPass:
+    """A launched pass (see Scorer.launch)."""
+
+    def __init__(self, scorer: "Scorer", requests: list[TokenizedRequest], arrays, handle, shape_key: tuple,
+                 start: float) -> None:
+        self._scorer, self._requests, self._arrays, self._handle = scorer, requests, arrays, handle
+        self.shape_key, self._start = shape_key, start
+
+    def result(self) -> PassResult:
+        """Waits for the pass and returns its scores (once)."""
+        logprobs = self._scorer._fetch(self._handle)
+        _return_free_memory()
+        arrays = self._arrays
+        return PassResult(_collect_scores(self._requests, arrays, logprobs), arrays.real_tokens,
+                          len(arrays.tokens), time.perf_counter() - self._start, self.shape_key)
+
+
 class _Programs:
     """The compiled pass programs of this process, least recently used first. At most `limit` stay resident:
     a worker serving varied traffic must not keep every shape it ever met. An evicted program is compiled
@@ -220,6 +237,10 @@ class Scorer:
         # (prefix span) and every set of cached prefix lengths would compile a small program, and JAX keeps
         # them all (the engine's memory grew by about 2 MB a request on the tiny model).
         self.host_prefix_cache = on_cpu
+        # A pass loop may launch the next pass before it waits for the one running (Scorer.launch): on an
+        # accelerator that hides the host's work; on CPU the "device" is the host's own cores, so there is
+        # nothing to hide, and a pass launched ahead only delays a job that arrives meanwhile by a pass.
+        self.launches_ahead = not on_cpu
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
@@ -297,19 +318,38 @@ class Scorer:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.
 
         Every item is reported exactly once. Stop iterating to cancel at a pass boundary. Threads may iterate
-        at once (the worker's two lanes): their passes run one at a time.
+        at once: their passes run one at a time.
         mode "single" runs one pass per query+item sequence, sharing nothing (the baseline).
         """
         if mode not in ("packed", "single"):
             raise ScoringError("invalid_input", "mode must be 'packed' or 'single'")
         requests = list(requests)
-        for plan in plan_passes(requests, self.pass_tokens, mode, is_cached=self._prefix_cache.__contains__):
-            with self._engine_lock:  # also guards the prefix cache
-                result = self._run_plan(requests, plan)
-                _return_free_memory()
-            yield result
+        for plan in plan_passes(requests, self.pass_tokens, mode, is_cached=self.is_cached):
+            yield self._run_plan(requests, plan)
+
+    def is_cached(self, prefix: tuple[int, ...]) -> bool:
+        """Whether the prefix cache holds this prefix's keys/values (or a launched pass will put them there)."""
+        return prefix in self._prefix_cache
+
+    def plan_pass(self, requests: Sequence[TokenizedRequest]) -> PassPlan | None:
+        """The first pass the engine would run for these requests (None if they hold no item): a pass loop
+        that takes new requests between passes plans one pass at a time."""
+        plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached)
+        return plans[0] if plans else None
+
+    def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan) -> "InFlightPass":
+        """Dispatches one planned pass without waiting for the device (JAX dispatches asynchronously), so
+        the host can plan the next pass while this one runs; `InFlightPass.result()` waits for its scores.
+        Passes run in launch order. A prefix the pass keeps counts as cached from now on."""
+        with self._engine_lock:  # also guards the prefix cache
+            return self._launch_plan(list(requests), plan)
 
     def _run_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> PassResult:
+        with self._engine_lock:
+            launched = self._launch_plan(requests, plan)
+        return launched.result()
+
+    def _launch_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> "InFlightPass":
         start = time.perf_counter()
         cached = []  # held here: computing one prefix again may evict another this pass needs
         cached_lengths = []
@@ -317,7 +357,7 @@ class Scorer:
             if not seq.prefix_cached:
                 continue
             if seq.prefix not in self._prefix_cache:  # evicted since planning (e.g. by the other lane's passes)
-                self._run_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]))
+                self._launch_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)])).result()
             self._prefix_cache.move_to_end(seq.prefix)
             cached.append(self._prefix_cache[seq.prefix])
             cached_lengths.append(len(seq.prefix))
@@ -325,12 +365,10 @@ class Scorer:
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
-        logprobs = self._fetch(handle)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv))
-        return PassResult(_collect_scores(requests, arrays, logprobs), arrays.real_tokens, len(arrays.tokens),
-                          time.perf_counter() - start, shape_key)
+        return InFlightPass(self, requests, arrays, handle, shape_key, start)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
         """The XLA path loops over each query tile's own windows and tiles, so its tables take the widest

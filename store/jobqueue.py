@@ -7,10 +7,16 @@ paused past the lease, or swept) cannot write a result that another worker also 
 """
 
 import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from store.batches import expire_uploads, settle_batch
@@ -23,12 +29,28 @@ from store.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[Job]:
+@dataclass(frozen=True)
+class ClaimedJob:
+    """What the worker needs of a job it leased (not its whole row)."""
+
+    id: str
+    priority: int
+    model: str
+    tokens: bytes | None  # the request as token ids (None: a job queued before they were stored)
+    request: dict | None  # the request's text, read only for such a job
+    batch_id: str | None
+    webhook_url: str | None
+
+
+_CLAIMED = (Job.id, Job.priority, Job.model, Job.tokens, Job.batch_id, Job.webhook_url, Job.query_key)
+
+
+def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[ClaimedJob]:
     """Both lanes in turn: the ready interactive jobs if any, else one batch round (see the two below)."""
     return claim_interactive(owner, settings) or claim_batch_round(owner, settings, batch_round_tokens)
 
 
-def claim_interactive(owner: str, settings: Settings) -> list[Job]:
+def claim_interactive(owner: str, settings: Settings) -> list[ClaimedJob]:
     """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds."""
     with session_scope() as session:
         # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
@@ -47,7 +69,7 @@ def claim_interactive(owner: str, settings: Settings) -> list[Job]:
         return _lease(session, owner, settings, ids)
 
 
-def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None) -> list[Job]:
+def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None) -> list[ClaimedJob]:
     """Leases one round of batch requests of at most `tokens` prompt tokens (None: BATCH_ROUND_TOKENS, else
     one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
     with session_scope() as session:
@@ -55,17 +77,21 @@ def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None)
         return _lease(session, owner, settings, ids)
 
 
-def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> list[Job]:
+def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> list[ClaimedJob]:
     if not ids:
         return []
     now = utcnow()
-    claimed = session.scalars(
+    claimed = session.execute(
         update(Job).where(Job.id.in_(ids), Job.status == "queued")
         .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
                 attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
-        .returning(Job)).all()
+        .returning(*_CLAIMED)).all()
+    untokenized = [row.id for row in claimed if row.tokens is None]
+    texts = dict(session.execute(select(Job.id, Job.request).where(Job.id.in_(untokenized))).all()) \
+        if untokenized else {}
     # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
-    return sorted(claimed, key=lambda job: (-job.priority, job.query_key or "", job.id))
+    return [ClaimedJob(row.id, row.priority, row.model, row.tokens, texts.get(row.id), row.batch_id, row.webhook_url)
+            for row in sorted(claimed, key=lambda row: (-row.priority, row.query_key or "", row.id))]
 
 
 def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]:
@@ -97,26 +123,47 @@ def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]
 
 
 def finish_job(session: Session, owner: str, job_id: str, status: str, *, logprobs: np.ndarray | None = None,
-            error: tuple[str, str] | None = None) -> bool:
+               error: tuple[str, str] | None = None) -> bool:
     """Moves one of our running jobs to a terminal state; False if it is no longer ours."""
-    values: dict = {"status": status, "finished_at": utcnow(), "lease_owner": None, "lease_expires_at": None}
-    if logprobs is not None:
-        values["items_done"] = len(logprobs)
+    if status == "succeeded":
+        return bool(finish_succeeded(session, owner, {job_id: logprobs}))
+    return bool(_finish(session, owner, [job_id], status, error))
+
+
+def _finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
+            **values: Any) -> list[str]:
+    """Moves those of these jobs still running under our lease to `status`, in one statement; returns their
+    ids. Their webhooks (if any) are queued with them."""
+    if not job_ids:
+        return []
+    values.update(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
     if error is not None:
         values.update(error_code=error[0], error_message=error[1])
-    changed = session.execute(update(Job).where(Job.id == job_id, Job.lease_owner == owner, Job.status == "running")
-                              .values(**values).returning(Job.webhook_url)).first()
-    if changed is None:
-        return False
-    count(session, "jobs_finished", label=status)
-    if logprobs is not None:
-        session.add(JobResult(job_id=job_id, n_labels=logprobs.shape[1],
-                              logprobs=np.ascontiguousarray(logprobs, np.float32).tobytes()))
-    if changed.webhook_url:  # loading the job only for its webhook keeps a batch round's writes few
-        job = session.get(Job, job_id)
-        session.refresh(job)
-        enqueue_job_webhook(session, job, logprobs)
-    return True
+    changed = session.execute(update(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner, Job.status == "running")
+                              .values(**values).returning(Job.id, Job.webhook_url)).all()
+    if changed:
+        count(session, "jobs_finished", len(changed), label=status)
+    return [row.id for row in changed]
+
+
+def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[str]:
+    """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
+    them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
+    another worker gets no second result). Returns their ids."""
+    done = _finish(session, owner, list(results), "succeeded", items_done=Job.items_total)
+    if done:
+        session.execute(insert(JobResult), [
+            {"job_id": job_id, "n_labels": results[job_id].shape[1],
+             "logprobs": np.ascontiguousarray(results[job_id], np.float32).tobytes()} for job_id in done])
+        _enqueue_webhooks(session, done, results)
+    return done
+
+
+def _enqueue_webhooks(session: Session, job_ids: list[str], results: dict[str, np.ndarray] | None = None) -> None:
+    # Loads only the jobs that have a webhook: a batch round's writes stay few.
+    for job in session.scalars(select(Job).where(Job.id.in_(job_ids), Job.webhook_url.is_not(None))
+                               .execution_options(populate_existing=True)):
+        enqueue_job_webhook(session, job, (results or {}).get(job.id))
 
 
 def record_pass(session: Session, owner: str, n_jobs: int, n_items: int, tokens: int, padded_tokens: int,
@@ -132,8 +179,47 @@ def leased(session: Session, owner: str, job_ids: list[str]) -> dict[str, bool]:
         Job.id.in_(job_ids), Job.lease_owner == owner, Job.status == "running")).all())
 
 
-def set_progress(session: Session, owner: str, job_id: str, items_done: int) -> None:
-    session.execute(update(Job).where(Job.id == job_id, Job.lease_owner == owner).values(items_done=items_done))
+def set_progress(session: Session, owner: str, progress: list[tuple[str, int]]) -> None:
+    """items_done of these running jobs of ours: one statement (executemany)."""
+    if progress:
+        table = Job.__table__
+        session.execute(update(table).where(table.c.id == bindparam("job"), table.c.lease_owner == owner)
+                        .values(items_done=bindparam("done")), [{"job": j, "done": n} for j, n in progress])
+
+
+@dataclass
+class Boundary:
+    """The writes of one pass boundary (see write_boundaries)."""
+
+    owner: str
+    n_items: int
+    tokens: int
+    padded_tokens: int
+    seconds: float
+    progress: list[tuple[str, int]]  # (job id, items done) of jobs the pass advanced
+    finished: list[tuple[Any, np.ndarray]]  # (claimed job, its log-probabilities) of jobs the pass completed
+    open_ids: list[str]  # the jobs still running after it: their cancel flags and leases are checked
+
+
+def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
+    """After one or more passes, in the caller's transaction and a few statements whatever the number of jobs
+    or passes: the Pass rows, cancellations, finished results, progress. Returns the ids the pass loop must
+    drop: finished, cancelled, or no longer leased to it."""
+    owner = boundaries[0].owner
+    for b in boundaries:
+        record_pass(session, owner, len(b.progress) + len(b.finished), b.n_items, b.tokens, b.padded_tokens,
+                    b.seconds)
+    finished = {job.id: logprobs for b in boundaries for job, logprobs in b.finished}
+    progress = {job_id: done for b in boundaries for job_id, done in b.progress if job_id not in finished}
+    open_ids = {job_id for b in boundaries for job_id in b.open_ids} - finished.keys()
+    state = leased(session, owner, [*open_ids, *finished])
+    cancelled = [job_id for job_id, flag in state.items() if flag]
+    for job_id in open_ids - state.keys():
+        log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
+    _enqueue_webhooks(session, _finish(session, owner, cancelled, "cancelled"))
+    finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if state.get(job_id) is False})
+    set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if state.get(job_id) is False])
+    return (open_ids - state.keys()) | set(cancelled) | finished.keys()
 
 
 def release(owner: str, settings: Settings, job_ids: list[str], error: str | None) -> None:
@@ -162,6 +248,157 @@ def _requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, 
         job.finished_at = utcnow()
         session.flush()
         enqueue_job_webhook(session, job)
+
+
+class WriterFailed(Exception):
+    """A write of the JobWriter failed (the database went away): the pass loop ends."""
+
+
+class JobWriter:
+    """The database work of a pass loop, in a thread of its own behind the device: pass boundaries, claims,
+    finishes and hand-backs, run one at a time in the order given (an urgent claim goes first). Boundaries
+    queued behind one another are written together, in one transaction. At most `depth` boundaries wait, so a
+    loop that outruns the database waits instead of piling up results. After a failed write the rest are
+    dropped (their jobs' leases expire and they run again: every write keeps the lease condition) and every
+    later call raises WriterFailed."""
+
+    def __init__(self, on_closed: Callable[[set[str]], None], depth: int = 4) -> None:
+        """`on_closed(ids)`: called with the jobs that ended or were dropped (the heartbeat stops on them)."""
+        self._tasks: deque[tuple[Callable[[], Any] | Boundary | None, Future, dict]] = deque()
+        self._changed = threading.Condition()
+        self._urgent = 0  # urgent tasks at the head of the queue
+        self._depth = depth
+        self._on_closed = on_closed
+        self._closed: set[str] = set()
+        self._lock = threading.Lock()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="job-writer", daemon=True)
+        self._thread.start()
+
+    def _next(self) -> list[tuple]:
+        """What to write next: an urgent claim, else every queued boundary (together), else the oldest task.
+        Boundaries go before claims and hand-backs queued earlier: they hold finished jobs whose callers wait,
+        and the others do not depend on them."""
+        with self._changed:
+            while not self._tasks:
+                self._changed.wait()
+            if not self._urgent and any(isinstance(task[0], Boundary) for task in self._tasks):
+                taken = [task for task in self._tasks if isinstance(task[0], Boundary)]
+                self._tasks = deque(task for task in self._tasks if not isinstance(task[0], Boundary))
+            else:
+                taken = [self._tasks.popleft()]
+                self._urgent = max(self._urgent - 1, 0)
+            self._changed.notify_all()
+            return taken
+
+    def _run(self) -> None:
+        while (tasks := self._next())[0][0] is not None:  # None: the end (see close)
+            try:
+                if self.failure is not None:
+                    raise WriterFailed(repr(self.failure))
+                if isinstance(tasks[0][0], Boundary):
+                    self._write_boundaries(tasks)
+                    results = [None] * len(tasks)
+                else:
+                    results = [tasks[0][0]()]
+            except BaseException as exc:  # noqa: BLE001  (handed to whoever waits, and ends the loop)
+                if self.failure is None:
+                    log.exception("a database write of the pass loop failed")
+                    self.failure = exc
+                for _, future, _ in tasks:
+                    future.set_exception(exc)
+                continue
+            for (_, future, _), result in zip(tasks, results):
+                future.set_result(result)
+
+    def _put(self, task: Callable[[], Any] | Boundary | None, batch_of: dict | None = None,
+             urgent: bool = False) -> Future:
+        if self.failure is not None:
+            raise WriterFailed(repr(self.failure))
+        future: Future = Future()
+        with self._changed:
+            if isinstance(task, Boundary):
+                while sum(isinstance(t[0], Boundary) for t in self._tasks) >= self._depth and self.failure is None:
+                    self._changed.wait()
+            if urgent:
+                self._tasks.appendleft((task, future, batch_of or {}))
+                self._urgent += 1
+            else:
+                self._tasks.append((task, future, batch_of or {}))
+            self._changed.notify_all()
+        return future
+
+    def submit(self, work: Callable[[], Any], urgent: bool = False) -> Future:
+        """Runs `work()` in the writer's thread, after what was queued before (before it, if urgent); its
+        result comes in the future."""
+        return self._put(work, urgent=urgent)
+
+    def _write_boundaries(self, tasks: list[tuple]) -> None:
+        batch_of: dict[str, str] = {}
+        for _, _, batches in tasks:
+            batch_of.update(batches)
+        with session_scope() as session:
+            closed = write_boundaries(session, [task for task, _, _ in tasks])
+        self._settle_and_close(closed, batch_of)
+
+    def _in_session(self, write: Callable[[Session], set[str]], batch_of: dict[str, str]) -> Future:
+        def work() -> None:
+            with session_scope() as session:
+                closed = write(session)
+            self._settle_and_close(closed, batch_of)
+        return self.submit(work)
+
+    def _settle_and_close(self, closed: set[str], batch_of: dict[str, str]) -> None:
+        # A batch whose last request ended just now ends too; in a transaction of its own, so that no job row
+        # lock is held while the batch row is taken (cancel takes them the other way round).
+        settle_batches({batch_of[job_id] for job_id in closed if job_id in batch_of})
+        self._close(closed)
+
+    def _close(self, ids: set[str]) -> None:
+        if ids:
+            with self._lock:
+                self._closed |= ids
+            self._on_closed(ids)
+
+    def take_closed(self) -> set[str]:
+        """The jobs found cancelled or lost since the last call (the loop drops them)."""
+        with self._lock:
+            closed, self._closed = self._closed, set()
+            return closed
+
+    def boundary(self, b: Boundary, batch_of: dict[str, str]) -> Future:
+        """Queues a pass boundary's writes (`batch_of`: the batch of each of its jobs that has one)."""
+        return self._put(b, batch_of)
+
+    def finish(self, owner: str, job: Any, logprobs: np.ndarray) -> Future:
+        def write(session: Session) -> set[str]:
+            finish_succeeded(session, owner, {job.id: logprobs})
+            return {job.id}
+        return self._in_session(write, {job.id: job.batch_id} if job.batch_id else {})
+
+    def fail(self, owner: str, job: Any, error: tuple[str, str]) -> Future:
+        def write(session: Session) -> set[str]:
+            _enqueue_webhooks(session, _finish(session, owner, [job.id], "failed", error))
+            return {job.id}
+        return self._in_session(write, {job.id: job.batch_id} if job.batch_id else {})
+
+    def release(self, owner: str, settings: Settings, job_ids: list[str], error: str | None,
+                batch_ids: set[str]) -> Future:
+        def work() -> None:
+            release(owner, settings, job_ids, error)
+            settle_batches(batch_ids)  # after an error a request may have failed for good
+            self._close(set(job_ids))
+        return self.submit(work)
+
+    def close(self, timeout: float = 60) -> BaseException | None:
+        """Waits for the queued writes, ends the thread; returns the failure that stopped it, if any."""
+        with self._changed:
+            while self._tasks and self._thread.is_alive():  # the end marker must come after every boundary
+                self._changed.wait(0.1)
+            self._tasks.append((None, Future(), {}))
+            self._changed.notify_all()
+        self._thread.join(timeout)
+        return self.failure
 
 
 def settle_batches(batch_ids: set[str]) -> None:

@@ -1,6 +1,8 @@
 """The drain loop in-process on PostgreSQL: coalescing, results, progress, cancel at a pass boundary,
 lease loss (exactly one result write) and the sweeper."""
 
+import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -67,18 +69,19 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
     body = many_items(300)
     job_id = submit(client, key, body)
     scorer = get_scorer()
-    original = scorer.iter_passes
+    original = jobqueue.write_boundaries
     seen: list[int] = []
 
-    def spying(requests):  # type: ignore[no-untyped-def]
-        for result in original(requests):
-            yield result
-            seen.append(job_row(job_id).items_done)  # after the worker's pass-boundary write
+    def spying(session, boundaries):  # type: ignore[no-untyped-def]
+        closed = original(session, boundaries)
+        for _ in boundaries:  # boundaries queued together are written together
+            seen.append(session.scalar(select(Job.items_done).where(Job.id == job_id)))  # as this write left it
+        return closed
 
-    monkeypatch.setattr(scorer, "iter_passes", spying)
+    monkeypatch.setattr(jobqueue, "write_boundaries", spying)
     drain_module.drain(scorer, "worker-a", get_settings())
     assert len(seen) > 2, "the job should take several passes (PASS_TOKENS is small in tests)"
-    assert seen[0] < 300 and seen == sorted(seen)
+    assert seen[0] < 300 and seen == sorted(seen) and seen[-1] == 300
     job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
     assert job["status"] == "succeeded"
     monkeypatch.undo()
@@ -94,7 +97,8 @@ def test_cancel_at_pass_boundary(client, make_key, empty_queue) -> None:  # type
     drain_module.run_jobs(get_scorer(), "worker-a", jobs)
     job = job_row(job_id)
     assert job.status == "cancelled" and job.lease_owner is None
-    assert count(Pass) == 1  # stopped at the first boundary
+    # Seen at the first boundary; the passes launched before it was written are discarded.
+    assert count(Pass) <= 3
     assert count(JobResult) == 0
     with session_scope() as session:
         delivery = session.scalars(select(WebhookDelivery)).one()
@@ -130,7 +134,9 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at < utcnow() + timedelta(seconds=1)
-    monkeypatch.setattr(drain_module, "active_jobs", {job_id})
+    held = drain_module.ActiveJobs()
+    held.add([job_id])
+    monkeypatch.setattr(drain_module, "active_jobs", held)
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at > utcnow() + timedelta(seconds=settings.lease_seconds - 1)
     assert jobqueue.sweep(settings) is False
@@ -177,13 +183,12 @@ def test_engine_crash_requeues(client, make_key, empty_queue, monkeypatch) -> No
     job_id = submit(client, key, many_items(3))
     scorer = get_scorer()
 
-    def broken(requests):  # type: ignore[no-untyped-def]
+    def broken(requests, plan):  # type: ignore[no-untyped-def]
         raise RuntimeError("device lost")
-        yield  # a generator, like the real one
 
     settings = get_settings()
     monkeypatch.setattr(settings, "max_attempts", 2)
-    monkeypatch.setattr(scorer, "iter_passes", broken)
+    monkeypatch.setattr(scorer, "launch", broken)
     drain_module.drain(scorer, "worker-a", settings)
     job = job_row(job_id)
     assert job.status == "failed" and job.error_code == "internal_error" and job.attempts == 2
@@ -213,66 +218,63 @@ def test_sweeper_rekicks_jobs_whose_message_was_lost(client, make_key, empty_que
 
 def test_stopping_between_passes_requeues_without_counting_an_attempt(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
-    job_id = submit(client, key, many_items(3))
-    calls = []
+    job_id = submit(client, key, many_items(300))
+    looked = []
 
-    def stop_at_the_first_pass() -> None:
-        calls.append(1)
-        if len(calls) == 2:  # the first call is before the claim
-            raise drain_module.Stopping()
+    def stop_after_the_first_pass() -> bool:
+        looked.append(count(Pass))
+        return looked[-1] >= 1
 
-    try:
-        drain_module.drain(get_scorer(), "worker-a", get_settings(), lane="interactive",
-                           before_pass=stop_at_the_first_pass)
-    except drain_module.Stopping:
-        pass
-    else:
-        raise AssertionError("Stopping did not end the drain")
+    drain_module.drain(get_scorer(), "worker-a", get_settings(), stop_after_the_first_pass)
     job = job_row(job_id)
     assert (job.status, job.attempts, job.lease_owner) == ("queued", 0, None)
+    assert 1 <= count(Pass) <= 3  # the passes in flight finish, no more
     assert drain_module.drain(get_scorer(), "worker-a", get_settings()) == 1
     assert job_row(job_id).status == "succeeded"
 
 
-def test_a_failing_lane_releases_only_its_own_jobs(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_loop_releases_only_its_own_jobs(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     other = submit(client, key, many_items(2))
     settings = get_settings()
-    assert [j.id for j in jobqueue.claim_interactive("worker-a", settings)] == [other]  # the other lane's
+    assert [j.id for j in jobqueue.claim_interactive("worker-a", settings)] == [other]  # held elsewhere
     failing = submit(client, key, many_items(2))
 
     def broken_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("engine fault")
 
-    monkeypatch.setattr(drain_module, "run_jobs", broken_engine)
+    monkeypatch.setattr(get_scorer(), "launch", broken_engine)
     # Released after each fault and claimed again by the same drain, until it runs out of attempts.
-    assert drain_module.drain(get_scorer(), "worker-a", settings, lane="interactive") == settings.max_attempts
+    assert drain_module.drain(get_scorer(), "worker-a", settings) == settings.max_attempts
     job = job_row(failing)
     assert (job.status, job.attempts, job.error_code) == ("failed", settings.max_attempts, "internal_error")
+    assert "engine fault" in job.error_message
     assert (job_row(other).status, job_row(other).lease_owner) == ("running", "worker-a")
 
 
 def test_a_drain_request_during_a_drain_is_not_lost(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A drain message that arrives while the process drains (after that drain's last claim, say) returns at
-    once, and the running drain looks once more."""
-    import threading
-
+    """A drain message that arrives while the pass loop runs (after its last claim, say) returns at once, and
+    the loop looks once more."""
     from worker import tasks
 
     runs = []
 
-    def drain_once() -> int:
+    def drain(scorer, owner, settings, should_stop, wake):  # type: ignore[no-untyped-def]
+        wake.clear()  # as the loop does when it claims
         runs.append(1)
         if len(runs) == 1:
-            other = threading.Thread(target=lambda: runs.append(tasks._drain()))
-            other.start()
-            other.join()
-            assert runs[-1] == 0  # it did not wait for this drain
+            start = time.monotonic()
+            tasks._drain()
+            assert time.monotonic() - start < 1  # it did not wait for this drain
         return 1
 
-    monkeypatch.setattr(tasks, "_drain_once", drain_once)
-    assert tasks._drain() == 2
-    assert runs == [1, 0, 1]
+    monkeypatch.setattr(drain_module, "drain", drain)
+    monkeypatch.setattr(tasks, "get_scorer", lambda: None)
+    tasks._drain()
+    deadline = time.monotonic() + 10
+    while tasks._loop is not None and time.monotonic() < deadline:  # the loop's thread ends when idle
+        time.sleep(0.05)
+    assert runs == [1, 1]
 
 
 def test_token_ids_stored_at_submission_score_as_the_text(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -312,3 +314,92 @@ def test_tokenized_request_bytes_round_trip() -> None:
         assert TokenizedRequest.from_bytes(request.to_bytes()) == request
     with pytest.raises(ValueError):
         TokenizedRequest.from_bytes(TokenizedRequest((1,), ((2,),), (3,)).to_bytes() + b"\0\0\0\0")
+
+
+def test_a_cancel_while_the_next_pass_is_launched(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The cancel lands after pass 2 was launched and before pass 1's boundary is written: the job ends
+    cancelled at that boundary, with no result, and pass 2's scores for it are dropped."""
+    key, _ = make_key()
+    job_id = submit(client, key, {**many_items(300), "webhook_url": "http://127.0.0.1:9/hook"})
+    scorer = get_scorer()
+    monkeypatch.setattr(scorer, "launches_ahead", True)
+    original, launches = scorer.launch, []
+
+    def launch(requests, plan):  # type: ignore[no-untyped-def]
+        launches.append(1)
+        flight = original(requests, plan)
+        if len(launches) == 2:  # pass 1 not collected yet
+            assert client.post(f"/jobs/{job_id}/cancel", headers=auth(key)).status_code == 202
+        return flight
+
+    monkeypatch.setattr(scorer, "launch", launch)
+    drain_module.drain(scorer, "worker-a", get_settings())
+    job = job_row(job_id)
+    assert (job.status, job.lease_owner, job.items_done < 300) == ("cancelled", None, True)
+    # The loop drops the job once the writer has written that boundary: the passes launched meanwhile (the
+    # writer runs behind the device) still run, no more.
+    assert count(JobResult) == 0 and count(Pass) <= 5
+    with session_scope() as session:
+        assert '"job.cancelled"' in session.scalars(select(WebhookDelivery)).one().payload
+
+
+def test_a_lease_lost_while_results_wait_in_the_writer(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Another worker took the job over (the sweeper re-queued it) while its results were queued behind the
+    device: the queued write is refused, and the other worker's result is the only one."""
+    key, _ = make_key()
+    job_id = submit(client, key, {**many_items(5), "webhook_url": "http://127.0.0.1:9/hook"})
+    original = jobqueue.write_boundaries
+
+    def taken_over_meanwhile(session, boundaries):  # type: ignore[no-untyped-def]
+        with session_scope() as other:  # committed before this boundary's transaction writes
+            other.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b", attempts=2))
+        return original(session, boundaries)
+
+    monkeypatch.setattr(jobqueue, "write_boundaries", taken_over_meanwhile)
+    drain_module.drain(get_scorer(), "worker-a", get_settings())
+    job = job_row(job_id)
+    assert (job.status, job.lease_owner) == ("running", "worker-b")
+    assert count(JobResult) == 0 and count(WebhookDelivery) == 0
+    monkeypatch.undo()
+    drain_module.run_jobs(get_scorer(), "worker-b", [jobqueue.ClaimedJob(job_id, job.priority, job.model, job.tokens,
+                                                                          None, None, job.webhook_url)])
+    assert job_row(job_id).status == "succeeded" and count(JobResult) == 1 and count(WebhookDelivery) == 1
+
+
+def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The writer holds several boundaries when the process dies (here: the writes never commit). The jobs'
+    leases expire, the sweeper re-queues them, another worker runs them: each gets one result and one
+    webhook."""
+    key, _ = make_key()
+    ids = [submit(client, key, {**many_items(100 + i), "webhook_url": "http://127.0.0.1:9/hook"}) for i in range(6)]
+    settings = get_settings()
+    queued = threading.Event()
+
+    def killed(session, boundaries):  # type: ignore[no-untyped-def]
+        queued.wait(5)  # the loop queues more boundaries behind this one meanwhile
+        raise SystemExit("killed")  # nothing of this transaction commits, nothing after it runs
+
+    original_boundary = jobqueue.JobWriter.boundary
+
+    def boundary(self, b, batch_of):  # type: ignore[no-untyped-def]
+        future = original_boundary(self, b, batch_of)
+        if len(self._tasks) >= 2:
+            queued.set()
+        return future
+
+    monkeypatch.setattr(jobqueue, "write_boundaries", killed)
+    monkeypatch.setattr(jobqueue.JobWriter, "boundary", boundary)
+    with pytest.raises(SystemExit):
+        drain_module.drain(get_scorer(), "worker-dead", settings)
+    assert queued.is_set(), "the writer should have held queued boundaries"
+    monkeypatch.undo()
+    assert drain_module.active_jobs.snapshot() == set()  # the heartbeat no longer extends their leases
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "running")) == len(ids)
+        session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    assert count(JobResult) == 0 and count(WebhookDelivery) == 0
+    assert jobqueue.sweep(settings) is True
+    assert drain_module.drain(get_scorer(), "worker-b", settings) == len(ids)
+    for job_id in ids:
+        assert job_row(job_id).status == "succeeded"
+    assert count(JobResult) == len(ids) and count(WebhookDelivery) == len(ids)

@@ -100,6 +100,7 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
                                              pass_tokens=settings.pass_tokens or 16384, **settings.request_limits)
     # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.
     scorer.always_keep_kv = scorer.host_prefix_cache = False
+    scorer.launches_ahead = True
     return scorer
 
 

@@ -1,64 +1,110 @@
-"""The pass loop: claimed jobs run coalesced in the engine's packed passes, with their progress, results and
-cancellations written at each pass boundary (through store/jobqueue.py, whose writes keep the lease condition)."""
+"""The pass loop: one engine thread per worker process keeps the device busy with packed passes.
+
+It works like the serving engines' overlap schedulers: pass n+1 is planned, packed and launched while pass n
+runs on the device, and only then does the loop wait for pass n's scores. Everything that touches the
+database runs in a writer thread behind it (`store.jobqueue.JobWriter`): each pass boundary's writes (the Pass
+row, progress, finished results, cancellations, in a few statements) and the claims of the next jobs, which
+the loop asks for while it still has work (one round ahead). The device waits for neither.
+
+Continuous batching: claimed jobs join the next pass. Each pass takes the pending items of the running jobs,
+interactive before batch and oldest first, with a job's share capped at half a pass while other jobs wait,
+so that a long job advances a pass at a time beside new ones instead of holding them back.
+
+Exactly-once effects hold as before: every write keeps the lease condition, so a result written after the
+lease was lost (or by a worker killed with writes still queued, whose jobs run again) is not written.
+"""
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from core import PassResult, Scorer, ScoringError, TokenizedRequest
+from core import InFlightPass, Scorer, ScoringError, TokenizedRequest
 from store import jobqueue
-from store.db import session_scope
-from store.models import Job
-from store.settings import Settings
+from core.packing import ladder
+from store.jobqueue import Boundary, ClaimedJob, JobWriter, WriterFailed
+from store.models import PRIORITY_BATCH
+from store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-# Jobs this process is scoring right now: the only leases its heartbeat extends. A job left "running" by a
-# failed drain (say the database went away) must not be kept alive by a heartbeat; its lease expires instead.
-active_jobs: set[str] = set()
+
+class ActiveJobs:
+    """The jobs this process holds (claimed, not yet finished or handed back): the only leases its heartbeat
+    extends. A job left "running" by a failed loop (say the database went away) is dropped from here, so its
+    lease expires and another worker runs it."""
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, ids) -> None:  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._ids.update(ids)
+
+    def discard(self, ids) -> None:  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._ids.difference_update(ids)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ids.clear()
+
+    def snapshot(self) -> set[str]:
+        with self._lock:
+            return set(self._ids)
 
 
-class Stopping(Exception):
-    """The worker is shutting down: a drain releases its jobs at the next pass boundary."""
+active_jobs = ActiveJobs()
+
+
+class WakeUp(threading.Event):
+    """Set when a job may be waiting (a broker kick, the sweeper). A running pass loop listens: it claims the
+    interactive jobs at once, from the setter's thread, so they join the next pass without waiting for the
+    loop to come round."""
+
+    listener: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        super().set()
+        if (listener := self.listener) is not None:
+            listener()
 
 
 @dataclass
 class RunningJob:
-    job_id: str
+    claimed: ClaimedJob
     request: TokenizedRequest
-    logprobs: np.ndarray
+    order: int  # claim order: oldest first within a priority
+    logprobs: np.ndarray = field(init=False)
+    pending: list[int] = field(init=False)  # items not yet in a launched pass
+    pending_tokens: int = field(init=False)  # their tokens (with the query, which runs once per item first)
     done: int = 0
-    closed: bool = field(default=False)  # finished, cancelled or no longer ours
+
+    def __post_init__(self) -> None:
+        self.logprobs = np.full((self.request.n_items, len(self.request.label_token_ids)), np.nan, np.float32)
+        self.pending = list(range(self.request.n_items))
+        self.pending_tokens = sum(self.item_cost(i) for i in self.pending) + (
+            0 if self.request.item_first else len(self.request.query))
+
+    def item_cost(self, i: int) -> int:
+        return len(self.request.items[i]) + (len(self.request.query) if self.request.item_first else 0)
+
+    @property
+    def job_id(self) -> str:
+        return self.claimed.id
 
 
-def _pass_boundary(owner: str, result: PassResult, running: list[RunningJob]) -> None:
-    """After each pass: record it, write progress and finished results, apply cancellations, drop lost leases."""
-    touched = {part.request for part in result.scores}
-    with session_scope() as session:
-        n_items = sum(len(p.items) for p in result.scores)
-        jobqueue.record_pass(session, owner, len(touched), n_items, result.tokens, result.padded_tokens,
-                             result.seconds)
-        state = jobqueue.leased(session, owner, [r.job_id for r in running if not r.closed])
-        for index, run in enumerate(running):
-            if run.closed:
-                continue
-            if run.job_id not in state:
-                log.warning("job %s is no longer leased to %s; dropping it", run.job_id, owner)
-                run.closed = True
-            elif state[run.job_id]:
-                jobqueue.finish_job(session, owner, run.job_id, "cancelled")
-                run.closed = True
-            elif run.done == run.request.n_items:
-                jobqueue.finish_job(session, owner, run.job_id, "succeeded", logprobs=run.logprobs)
-                run.closed = True
-            elif index in touched:
-                jobqueue.set_progress(session, owner, run.job_id, run.done)
+@dataclass
+class _Launched:
+    flight: InFlightPass
+    owners: list[tuple[RunningJob, list[int]]]  # per request of the pass: its job and the job's item indices
 
 
-def _tokenized(scorer: Scorer, job: Job) -> TokenizedRequest:
+def tokenized(scorer: Scorer, job: ClaimedJob) -> TokenizedRequest:
     """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
     another model) is tokenized from its text here."""
     if job.tokens is not None and job.model == scorer.model_name:
@@ -70,80 +116,279 @@ def _tokenized(scorer: Scorer, job: Job) -> TokenizedRequest:
     return scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
 
 
-def run_jobs(scorer: Scorer, owner: str, jobs: list[Job], before_pass: Callable[[], None] | None = None) -> None:
-    """Scores claimed jobs together: the engine coalesces them into packed passes. `before_pass` runs before
-    each pass (the batch lane waits there while interactive jobs run)."""
-    running: list[RunningJob] = []
-    with session_scope() as session:
+class PassLoop:
+    """Runs claimed jobs in packed passes until none is left or it is told to stop (see the module's doc)."""
+
+    def __init__(self, scorer: Scorer, owner: str, settings: Settings, writer: JobWriter,
+                 claim: Callable[[bool], list[ClaimedJob]]) -> None:
+        """`claim(interactive_only)` leases the next jobs (called in the writer's thread)."""
+        self.scorer, self.owner, self.settings, self.writer = scorer, owner, settings, writer
+        self._claim = claim
+        self.running: list[RunningJob] = []
+        self._order = 0
+        self.claimed_total = 0
+        self._urgent: list[Future] = []  # claims made for wake-ups (see WakeUp)
+        self._urgent_lock = threading.Lock()
+
+    def _claim_now(self) -> None:
+        with self._urgent_lock:
+            if any(not claim.done() for claim in self._urgent):
+                return  # the claim on its way takes this job too
+            try:
+                self._urgent.append(self.writer.submit(lambda: self._claim(True), urgent=True))
+            except WriterFailed:
+                pass
+
+    def _admit_urgent(self) -> None:
+        with self._urgent_lock:
+            done = [claim for claim in self._urgent if claim.done()]
+            self._urgent = [claim for claim in self._urgent if not claim.done()]
+        for claim in done:
+            self._admit(claim.result())
+
+    # ---- claims -----------------------------------------------------------------------------------------
+
+    def _admit(self, jobs: list[ClaimedJob]) -> None:
+        self.claimed_total += len(jobs)
+        active_jobs.add(job.id for job in jobs)
         for job in jobs:
             try:
-                request = _tokenized(scorer, job)
+                request = tokenized(self.scorer, job)
             except ScoringError as exc:  # limits changed since the API accepted it
-                jobqueue.finish_job(session, owner, job.id, "failed", error=(exc.code, exc.message))
+                self.writer.fail(self.owner, job, (exc.code, exc.message))
                 continue
-            logprobs = np.full((request.n_items, len(request.label_token_ids)), np.nan, np.float32)
+            run = RunningJob(job, request, self._order)
+            self._order += 1
             if request.n_items == 0:
-                jobqueue.finish_job(session, owner, job.id, "succeeded", logprobs=logprobs)
+                self.writer.finish(self.owner, job, run.logprobs)
                 continue
-            running.append(RunningJob(job.id, request, logprobs))
-    if not running:
-        return
-    active_jobs.update(r.job_id for r in running)
-    passes = scorer.iter_passes([r.request for r in running])
-    try:
-        while True:
-            if before_pass is not None:
-                before_pass()
-            if (result := next(passes, None)) is None:
+            self.running.append(run)
+
+    def _pending_tokens(self) -> int:
+        return sum(r.pending_tokens for r in self.running)
+
+    def _window(self) -> list[tuple[RunningJob, list[int]]]:
+        """The pending items the next pass is planned from, up to a pass of tokens: interactive jobs before
+        batch ones, oldest first, each taking what the jobs after it would leave, but at least half the pass.
+        So a job that arrives while a long one runs joins the next pass, and two long jobs share passes."""
+        waiting = sorted((r for r in self.running if r.pending), key=lambda r: (-r.claimed.priority, r.order))
+        if waiting and waiting[0].claimed.priority > PRIORITY_BATCH:
+            # The interactive lane goes before batch rounds: batch requests wait while interactive jobs run.
+            waiting = [r for r in waiting if r.claimed.priority > PRIORITY_BATCH]
+        remaining = self._pass_budget(waiting)
+        wanted_after = [0] * (len(waiting) + 1)  # what the jobs after each one would take
+        for k in range(len(waiting) - 1, -1, -1):
+            wanted_after[k] = min(remaining, wanted_after[k + 1] + waiting[k].pending_tokens)
+        window, queries = [], set()
+        for k, run in enumerate(waiting):
+            if remaining <= 0:
                 break
-            for part in result.scores:
-                run = running[part.request]
-                run.logprobs[part.items] = part.logprobs
-                run.done += len(part.items)
-            _pass_boundary(owner, result, running)
-            if all(r.closed for r in running):
-                break  # closing the generator cancels the remaining passes
-    finally:
-        passes.close()
-        active_jobs.difference_update(r.job_id for r in running)
-    leftover = [r.job_id for r in running if not r.closed]
-    if leftover:  # the engine reported fewer items than promised: a bug, not the user's fault
-        with session_scope() as session:
-            for job_id in leftover:
-                jobqueue.finish_job(session, owner, job_id, "failed",
-                        error=("internal_error", "the engine did not score every item"))
+            req = run.request
+            cap = max(remaining - wanted_after[k + 1], remaining // 2)
+            shared = req.item_first or req.query in queries or self.scorer.is_cached(req.query)
+            used, taken = 0 if shared else len(req.query), []
+            for i in run.pending:
+                cost = run.item_cost(i)
+                if taken and used + cost > cap:
+                    break
+                taken.append(i)
+                used += cost
+            if window and used > remaining:
+                continue
+            queries.add(req.query)
+            window.append((run, taken))
+            remaining -= used
+        return window
 
+    def _pass_budget(self, waiting: list[RunningJob]) -> int:
+        """A pass's tokens: a full pass; or while jobs that have not run yet wait (a /v1/score call holds a
+        connection open for its job), the shortest pass length that holds them, older jobs filling the rest:
+        they are answered after a short pass instead of a full one. A backlog still fills whole passes."""
+        if waiting and waiting[0].claimed.priority <= PRIORITY_BATCH:
+            # BATCH_ROUND_TOKENS: a shorter batch pass is a shorter wait for an interactive job arriving.
+            return min(self.scorer.pass_tokens, self.settings.batch_round_tokens or self.scorer.pass_tokens)
+        fresh = sum(r.pending_tokens for r in waiting
+                    if r.claimed.priority > PRIORITY_BATCH and len(r.pending) == r.request.n_items)
+        lengths = ladder(self.scorer.pass_tokens, max(self.scorer.block_q, self.scorer.block_k))
+        return next((n for n in lengths if n >= fresh), lengths[-1]) if fresh else self.scorer.pass_tokens
 
-def drain(scorer: Scorer, owner: str, settings: Settings, lane: Literal["both", "interactive", "batch"] = "both",
-          before_pass: Callable[[], None] | None = None) -> int:
-    """Runs the ready jobs of `lane` until none is left; returns how many jobs it claimed. Lanes: "interactive",
-    "batch" (one round per claim), or "both" (a batch round only when no interactive job is ready).
-    `before_pass` runs before each claim and each pass; it raises Stopping to release the claimed jobs
-    (back to the queue) and end the drain."""
-    round_tokens = settings.batch_round_tokens or scorer.pass_tokens
-    claim = {"both": lambda: jobqueue.claim_jobs(owner, settings, round_tokens),
-             "interactive": lambda: jobqueue.claim_interactive(owner, settings),
-             "batch": lambda: jobqueue.claim_batch_round(owner, settings, round_tokens)}[lane]
-    total = 0
-    while True:
-        if before_pass is not None:
-            before_pass()
-        if not (jobs := claim()):
-            return total
-        total += len(jobs)
+    def _launch_next(self) -> _Launched | None:
+        window = self._window()
+        if not window:
+            return None
+        views = [TokenizedRequest(run.request.query, tuple(run.request.items[i] for i in taken),
+                                  run.request.label_token_ids, run.request.item_first) for run, taken in window]
+        plan = self.scorer.plan_pass(views)
+        in_pass: dict[int, set[int]] = {}
+        for seq in plan.sequences:
+            for r, i, *_ in seq.items:
+                in_pass.setdefault(r, set()).add(i)
+            for r, i in seq.scored_at_prefix_end:
+                in_pass.setdefault(r, set()).add(i)
+        for r, (run, taken) in enumerate(window):
+            chosen = {taken[i] for i in in_pass.get(r, ())}
+            if chosen and len(chosen) == len(run.pending) and not run.request.item_first:
+                run.pending_tokens = 0
+            else:
+                run.pending_tokens -= sum(run.item_cost(i) for i in chosen)
+            run.pending = [i for i in run.pending if i not in chosen]
+        return _Launched(self.scorer.launch(views, plan), [(run, taken) for run, taken in window])
+
+    def _collect(self, launched: _Launched) -> None:
+        """Waits for a launched pass, keeps its scores and queues its boundary writes."""
+        result = launched.flight.result()
+        touched: dict[str, RunningJob] = {}
+        for part in result.scores:
+            run, taken = launched.owners[part.request]
+            items = np.asarray(taken)[part.items]
+            run.logprobs[items] = part.logprobs
+            run.done += len(items)
+            touched[run.job_id] = run
+        finished = [r for r in touched.values() if r.done == r.request.n_items]
+        self.running = [r for r in self.running if r.done < r.request.n_items]
+        self.writer.boundary(Boundary(
+            owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
+            padded_tokens=result.padded_tokens, seconds=result.seconds,
+            progress=[(r.job_id, r.done) for r in touched.values() if r.done < r.request.n_items],
+            finished=[(r.claimed, r.logprobs) for r in finished],
+            open_ids=[r.job_id for r in self.running]),
+            {r.job_id: r.claimed.batch_id for r in [*finished, *self.running] if r.claimed.batch_id})
+
+    def _drop_closed(self) -> None:
+        """Drops the jobs the writer found cancelled or no longer ours (their items still in flight are
+        discarded when their pass ends)."""
+        closed = self.writer.take_closed()
+        if closed:
+            self.running = [r for r in self.running if r.job_id not in closed]
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+
+    def run(self, should_stop: Callable[[], bool], wake: threading.Event) -> None:
+        """Until no job is left (or `should_stop`): claims ahead, launches pass n+1, then collects pass n.
+        `wake` set (a new job was queued) makes it claim again. On stop, the pass in flight is finished and
+        written; every other held job goes back to the queue."""
+        inflight: _Launched | None = None
+        claiming = None  # the claim the writer is running for us
+        exhausted = False  # the last claim found nothing
+        if isinstance(wake, WakeUp):
+            wake.listener = self._claim_now
         try:
-            run_jobs(scorer, owner, jobs, before_pass)
-        except Stopping:
-            jobqueue.release(owner, settings, [job.id for job in jobs], None)
+            while True:
+                self._drop_closed()
+                self._admit_urgent()
+                if claiming is not None and (claiming.done() or (not self.running and inflight is None)):
+                    jobs = claiming.result()
+                    claiming = None
+                    exhausted = not jobs
+                    self._admit(jobs)
+                if should_stop():
+                    break
+                short = self._pending_tokens() < 2 * self.scorer.pass_tokens
+                if claiming is None and (wake.is_set() or (short and not exhausted)):
+                    wake.clear()
+                    # With work in hand, or interactive jobs running (batch rounds wait for them, claims
+                    # included), claim interactive jobs only.
+                    interactive_only = not short or any(r.claimed.priority > PRIORITY_BATCH for r in self.running)
+                    claiming = self.writer.submit(lambda: self._claim(interactive_only))
+                launched = self._launch_next()
+                if inflight is not None:
+                    self._collect(inflight)
+                inflight = launched
+                if inflight is not None and not self.scorer.launches_ahead:
+                    self._collect(inflight)  # before the next claim: a job that came meanwhile joins the next pass
+                    inflight = None
+                if inflight is None and self.running and not any(r.pending for r in self.running):
+                    self._fail_unscored()
+                if inflight is None and not self.running and claiming is None and exhausted:
+                    break  # a wake-up's claim still on its way is handed back below (the wake-up drains again)
+        except WriterFailed:
             raise
         except Exception as exc:
-            log.exception("drain failed; releasing its jobs")
-            jobqueue.release(owner, settings, [job.id for job in jobs], f"{type(exc).__name__}: {exc}")
-        jobqueue.settle_batches({job.batch_id for job in jobs if job.batch_id})
+            log.exception("the pass loop failed; handing its jobs back")
+            self._hand_back(None, claiming, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if isinstance(wake, WakeUp):
+                wake.listener = None
+        self._hand_back(inflight, claiming, None)
+
+    def _fail_unscored(self) -> None:
+        """Jobs with nothing left to launch and nothing in flight, yet not every item scored: an engine bug,
+        not the user's fault."""
+        for run in self.running:
+            self.writer.fail(self.owner, run.claimed, ("internal_error", "the engine did not score every item"))
+        self.running = []
+
+    def _hand_back(self, inflight: _Launched | None, claiming, error: str | None) -> None:  # type: ignore[no-untyped-def]
+        """Finishes the pass in flight and hands every other held job back to the queue: after `error` the
+        attempt counts (the job fails after max_attempts); when the worker stops (None), it does not."""
+        try:
+            if inflight is not None:
+                self._collect(inflight)
+            if claiming is not None:
+                self._admit(claiming.result())
+            for claim in self._urgent:
+                self._admit(claim.result())
+            self._urgent = []
+        except Exception:
+            log.exception("the pass loop could not finish its last pass")
+        held = self.running
+        self.running = []
+        if held:
+            try:
+                self.writer.release(self.owner, self.settings, [r.job_id for r in held], error,
+                                    {r.claimed.batch_id for r in held if r.claimed.batch_id})
+            except WriterFailed:
+                pass  # their leases expire
+
+
+def _claimer(owner: str, settings: Settings, round_tokens: int) -> Callable[[bool], list[ClaimedJob]]:
+    def claim(interactive_only: bool) -> list[ClaimedJob]:
+        if interactive_only:
+            return jobqueue.claim_interactive(owner, settings)
+        return jobqueue.claim_jobs(owner, settings, round_tokens)
+    return claim
+
+
+def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[[], bool] = lambda: False,
+          wake: threading.Event | None = None) -> int:
+    """Runs the ready jobs until none is left (interactive before batch); returns how many it claimed. A
+    failed database write ends it: the jobs it held are left to their leases (the heartbeat stops extending
+    them) and the failure is raised."""
+    claim = _claimer(owner, settings, settings.batch_round_tokens or scorer.pass_tokens)
+    return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event())
+
+
+def run_jobs(scorer: Scorer, owner: str, jobs: list[ClaimedJob]) -> None:
+    """Runs these claimed jobs (and claims nothing else)."""
+    given = [jobs]
+    _run_loop(scorer, owner, get_settings(), lambda _: given.pop() if given else [], lambda: False,
+              threading.Event())
+
+
+def _run_loop(scorer: Scorer, owner: str, settings: Settings, claim: Callable[[bool], list[ClaimedJob]],
+              should_stop: Callable[[], bool], wake: threading.Event) -> int:
+    writer = JobWriter(active_jobs.discard)
+    loop = PassLoop(scorer, owner, settings, writer, claim)
+    try:
+        while True:
+            try:
+                loop.run(should_stop, wake)
+                break
+            except WriterFailed:
+                break  # the writer's own failure is raised below
+            except Exception:  # an engine fault: its jobs went back to the queue (the attempt counts)
+                continue
+    finally:
+        failure = writer.close()
+    if failure is not None:
+        log.error("database writes failed (%s); the jobs held are left to their leases", failure)
+        active_jobs.clear()
+        raise failure
+    return loop.claimed_total
 
 
 def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None,
               state: str = "ready") -> None:
-    """Extends the leases of the jobs this process is scoring (not of a job left "running" by a failed drain:
-    its lease must expire) and marks the worker alive."""
-    jobqueue.heartbeat(owner, model, settings, active_jobs, attention, state)
+    """Extends the leases of the jobs this process holds and marks the worker alive."""
+    jobqueue.heartbeat(owner, model, settings, active_jobs.snapshot(), attention, state)
