@@ -24,18 +24,21 @@ def assert_error(response, status: int, code: str) -> None:  # type: ignore[no-u
 
 def test_create_and_get_job(client, make_key) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
-    response = client.post("/jobs", json={**QUERY, "metadata": {"note": "'; DROP TABLE jobs; --"}}, headers=auth(key))
+    response = client.post("/jobs", json={**QUERY, "metadata": {"note": "'; DROP TABLE jobs; --", "n": [1.5, None]},
+                                          "webhook_url": "http://127.0.0.1:9/hook", "return_logprobs": True},
+                           headers=auth(key))
     assert response.status_code == 202, response.text
     job = response.json()
     assert response.headers["Location"] == f"/jobs/{job['id']}"
     assert job["status"] == "queued"
     assert job["progress"] == {"items_done": 0, "items_total": 2}
     assert job["usage"]["prompt_tokens"] > 0
-    assert job["metadata"] == {"note": "'; DROP TABLE jobs; --"}
+    assert job["metadata"] == {"note": "'; DROP TABLE jobs; --", "n": [1.5, None]}
     assert job["model"] == "tiny-random"
     fetched = client.get(f"/jobs/{job['id']}", headers=auth(key))
     assert fetched.status_code == 200
-    assert fetched.json()["id"] == job["id"]
+    # The POST answers from the row it inserted, without reading it back: the same job as stored.
+    assert fetched.json() == job
 
 
 @pytest.mark.parametrize("body, code", [

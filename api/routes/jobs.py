@@ -6,7 +6,7 @@ from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDe
 from api.schemas import JobBody, JobList
 from store import jobs as job_store
 from store.broker import kick_drain
-from store.schemas import JobCreate, JobOut, JobStatus
+from store.schemas import JobCreate, JobOut, JobStatus, job_out
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -24,11 +24,12 @@ def create_job(body: JobBody, key: CurrentKey, session: SessionDep, request_toke
         body = JobCreate(**score_input.model_dump(), webhook_url=body.webhook_url, metadata=body.metadata)
     job, created = job_store.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key,
                                    rerank=rerank)
+    response.headers["Location"] = f"/jobs/{job.id}"
     if created:
         kick_drain()
-    else:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = f"/jobs/{job.id}"
+        # Just inserted: no result and no webhook delivery yet, so the row as written is the whole answer.
+        return job_out(job)
+    response.headers["Idempotent-Replayed"] = "true"
     return job_store.read_job(session, job)
 
 
