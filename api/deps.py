@@ -82,10 +82,11 @@ def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCre
     else:
         raise ServiceError(401, "unauthorized", f"missing API key: {HOW_TO_SEND_KEY}", challenge)
     key = find_api_key(session, presented)
-    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
-    # serve other requests while this one waits for a thread (a burst of requests would then hold every
-    # connection while the threads that could use them wait for one).
-    session.commit()
+    if session.in_transaction():  # the key was not cached: it was read from the database
+        # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
+        # serve other requests while this one waits for a thread (a burst of requests would then hold every
+        # connection while the threads that could use them wait for one).
+        session.commit()
     if key is None:
         raise ServiceError(401, "unauthorized", "invalid API key", challenge)
     return key

@@ -3,10 +3,10 @@
 import os
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import delete, update
 
 from store.db import session_scope
-from store.models import Job
+from store.models import ApiKey, Job
 
 QUERY = {"query": "Is this relevant?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
 
@@ -116,6 +116,27 @@ def test_auth_required(client, make_key) -> None:  # type: ignore[no-untyped-def
         assert_error(getattr(client, method)(path), 401, "unauthorized")
         assert_error(getattr(client, method)(path, headers=auth("psk_wrong")), 401, "unauthorized")
         assert_error(getattr(client, method)(path, headers={"Authorization": "Basic abc"}), 401, "unauthorized")
+
+
+def test_deleted_key_stops_working_within_the_cache_time(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from api import auth as api_auth
+
+    monkeypatch.setattr(api_auth, "KEY_CACHE_SECONDS", 1.0)
+    key, _ = make_key()
+    assert client.get("/jobs", headers=auth(key)).status_code == 200
+    with session_scope() as session:
+        session.execute(delete(ApiKey).where(ApiKey.key_hash == api_auth.hash_key(key)))
+    # Within KEY_CACHE_SECONDS of its last lookup the API may still take it; after that, never.
+    time.sleep(1.1)
+    for _ in range(2):
+        assert_error(client.get("/jobs", headers=auth(key)), 401, "unauthorized")
+    # A key is cached only once found: a wrong one is looked up each time, so a new key works at once.
+    assert_error(client.get("/jobs", headers=auth("psk_new")), 401, "unauthorized")
+    with session_scope() as session:
+        session.add(ApiKey(name="new", key_hash=api_auth.hash_key("psk_new"), webhook_secret="whsec_x"))
+    assert client.get("/jobs", headers=auth("psk_new")).status_code == 200
 
 
 def test_other_tenant_gets_404(client, make_key) -> None:  # type: ignore[no-untyped-def]
