@@ -342,3 +342,66 @@ def test_the_api_reads_the_bundled_model_without_importing_jax() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MODEL": "smollm2-135m"},
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_kicks_are_coalesced_but_every_job_gets_one_after_it() -> None:
+    """The first kick goes at once; those that follow within the window become one kick, sent after the last of
+    them (so after its job was committed), never more than a window later; a kick after a quiet window goes at
+    once again."""
+    import threading
+    import time
+
+    from store.broker import KickCoalescer
+
+    sent: list[float] = []
+    kicks = KickCoalescer(lambda: sent.append(time.monotonic()), window=0.2)
+    kicks.kick()
+    assert len(sent) == 1  # immediate, in the caller's thread
+    calls = []
+    for _ in range(3):
+        time.sleep(0.02)
+        kicks.kick()
+        calls.append(time.monotonic())
+    assert len(sent) == 1
+    time.sleep(0.3)
+    assert len(sent) == 2 and calls[-1] < sent[1] <= sent[0] + 0.25
+    time.sleep(0.25)
+    kicks.kick()
+    assert len(sent) == 3
+
+    # Concurrent callers: whatever the interleaving, a kick is sent after the last call.
+    sent.clear()
+    kicks = KickCoalescer(lambda: sent.append(time.monotonic()), window=0.005)
+    ends: list[float] = []
+
+    def caller() -> None:
+        for _ in range(200):
+            kicks.kick()
+        ends.append(time.monotonic())
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.05)
+    assert sent[-1] > max(ends) - 0.005 and len(sent) < 8 * 200
+
+
+def test_kick_drain_reaches_the_broker(redis_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import redis
+
+    from store import broker
+
+    # A wide window, so that a slow machine between two calls does not make them two windows.
+    monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.5))
+    queue = redis.Redis.from_url(redis_url)
+    name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
+    before = queue.llen(name)
+    for _ in range(3):
+        broker.kick_drain()
+    assert queue.llen(name) == before + 1
+    time.sleep(0.7)
+    assert queue.llen(name) == before + 2
