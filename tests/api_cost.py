@@ -3,9 +3,10 @@
 Starts the API alone (one uvicorn process, no worker: this measures submission, not scoring) on a fresh
 database (PostgreSQL at PACKSCORE_ADMIN_URL's server, REDIS_URL), creates a key and submits small jobs (a
 50-token query, 10 items of 10 tokens, labels [9805, 787], the bundled smollm2-135m's tokenizer) from
-persistent keep-alive clients. Reports jobs/s, the API process's CPU per job and the CPU per job of all the
-machine's `postgres` processes (from /proc, so other load on the database server counts too). `--profile
-FILE` records the API process with py-spy meanwhile (`--py-spy` names its binary; flame-graph input, not for
+persistent keep-alive clients. Reports jobs/s, the API process's CPU per job and the CPU per job of the
+`postgres` backends of its database, and apart that of the server's shared processes (WAL writer...; other
+load on the server counts there), from /proc. `--profile
+FILE` records the API process with py-spy meanwhile (samples of the thread holding the GIL) (`--py-spy` names its binary; flame-graph input, not for
 figures: sampling costs CPU). Prints JSON.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from sqlalchemy import make_url
 
 from tests.service_harness import fresh_database, running_service
 
@@ -36,16 +38,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def postgres_cpu_seconds() -> float:
-    total = 0.0
+def postgres_cpu_seconds(database: str) -> tuple[float, float]:
+    """CPU of the `postgres` processes serving `database`, and of the server's shared ones (WAL writer,
+    checkpointer...: other databases' load counts there too). Backends of other databases are left out."""
+    backends = shared = 0.0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == "postgres":
-                    total += cpu_seconds(int(entry.name))
+                if (entry / "comm").read_text().strip() != "postgres":
+                    continue
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if f" {database} " in title:
+                    backends += cpu_seconds(int(entry.name))
+                elif "(" not in title and "[local]" not in title:  # not a client's backend
+                    shared += cpu_seconds(int(entry.name))
             except OSError:  # exited meanwhile
                 pass
-    return total
+    return backends, shared
 
 
 def submit(base_url: str, key: str, route: str, n: int, failures: list) -> None:
@@ -88,11 +97,12 @@ def main(argv: list[str] | None = None) -> dict:
                 first = client.post("/jobs", json={"query": QUERY, "items": ITEMS, "label_token_ids": [9805, 787]})
                 assert first.status_code == 202, first.text
             run_clients(service.base_url, service.key, "/jobs", args.warmup_jobs, args.clients)
-            spy = subprocess.Popen([args.py_spy, "record", "-f", "raw", "-o", args.profile, "-p",
+            spy = subprocess.Popen([args.py_spy, "record", "--gil", "-f", "raw", "-o", args.profile, "-p",
                                     str(service.api.pid)]) if args.profile else None
-            api0, pg0, t0 = cpu_seconds(service.api.pid), postgres_cpu_seconds(), time.monotonic()
+            database = make_url(url).database
+            api0, pg0, t0 = cpu_seconds(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
             failures = run_clients(service.base_url, service.key, "/jobs", args.jobs, args.clients)
-            api1, pg1, t1 = cpu_seconds(service.api.pid), postgres_cpu_seconds(), time.monotonic()
+            api1, pg1, t1 = cpu_seconds(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
             n = args.jobs // args.clients * args.clients
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"jobs": n, "clients": args.clients, "prompt_tokens": first.json()["usage"]["prompt_tokens"],
               "failures": len(failures), "jobs_per_s": round(n / (t1 - t0), 1),
               "api_cpu_ms_per_job": round(1000 * (api1 - api0) / n, 2),
-              "postgres_cpu_ms_per_job": round(1000 * (pg1 - pg0) / n, 2),
+              "postgres_cpu_ms_per_job": round(1000 * (pg1[0] - pg0[0]) / n, 2),
+              "postgres_shared_cpu_ms_per_job": round(1000 * (pg1[1] - pg0[1]) / n, 2),
               "loadavg": os.getloadavg()}
     print(json.dumps(report))
     return report
