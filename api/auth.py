@@ -33,14 +33,20 @@ KEY_CACHE_SECONDS = 5.0
 _found: dict[str, tuple[float, ApiKey]] = {}  # by key hash: (when it was read, the row, detached)
 
 
+def cached_api_key(key: str) -> ApiKey | None:
+    """The key's row if it was read from the database less than KEY_CACHE_SECONDS ago."""
+    found = _found.get(hash_key(key))
+    return found[1] if found is not None and time.monotonic() - found[0] < KEY_CACHE_SECONDS else None
+
+
 def find_api_key(session: Session, key: str) -> ApiKey | None:
-    """The key's row, from the database or read there less than KEY_CACHE_SECONDS ago. A wrong key is never
-    cached, so a new key works at once."""
+    """The key's row, cached or read from the database. A wrong key is never cached, so a new key works at
+    once."""
+    cached = cached_api_key(key)
+    if cached is not None:
+        return cached
     digest = hash_key(key)
     now = time.monotonic()
-    found = _found.get(digest)
-    if found is not None and now - found[0] < KEY_CACHE_SECONDS:
-        return found[1]
     row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if row is None:
         _found.pop(digest, None)

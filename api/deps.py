@@ -9,8 +9,9 @@ from fastapi import Depends, Header, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from api.auth import find_api_key
+from api.auth import cached_api_key, find_api_key
 from api.waiter import JobWaiter
 from core import RequestTokenizer
 from store.db import session_factory
@@ -49,8 +50,14 @@ def get_request_tokenizer() -> RequestTokenizer:
     return RequestTokenizer.from_pretrained(settings.model, settings.model_cache_dir, **settings.request_limits)
 
 
+async def _loaded_request_tokenizer() -> RequestTokenizer:
+    # On the event loop, not in a thread (a thread hop per request cost more than the call): the app loads it
+    # before it takes traffic (main.lifespan), so this never blocks.
+    return get_request_tokenizer()
+
+
 # The API tokenizes every request to validate it with the engine's own rules and error codes.
-RequestTokenizerDep = Annotated[RequestTokenizer, Depends(get_request_tokenizer)]
+RequestTokenizerDep = Annotated[RequestTokenizer, Depends(_loaded_request_tokenizer)]
 
 
 @lru_cache(maxsize=1)
@@ -61,16 +68,30 @@ def get_rerank_prompt() -> RerankPrompt:
     return rerank_prompt(template, get_request_tokenizer())
 
 
-RerankPromptDep = Annotated[RerankPrompt, Depends(get_rerank_prompt)]
+async def _loaded_rerank_prompt() -> RerankPrompt:
+    return get_rerank_prompt()  # loaded at start too, like the tokenizer
+
+
+RerankPromptDep = Annotated[RerankPrompt, Depends(_loaded_rerank_prompt)]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
 _key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key: `X-API-Key: psk_...`")
 HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
-def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                header_key: Annotated[str | None, Depends(_key_header)] = None,
-                authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
+def _read_api_key(session: Session, presented: str) -> ApiKey | None:
+    key = find_api_key(session, presented)
+    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
+    # serve other requests while this one waits for a thread (a burst of requests would then hold every
+    # connection while the threads that could use them wait for one).
+    session.commit()
+    return key
+
+
+async def get_api_key(session: SessionDep,
+                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                      header_key: Annotated[str | None, Depends(_key_header)] = None,
+                      authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
     challenge = {"WWW-Authenticate": "Bearer"}
     if credentials is not None:
         presented = credentials.credentials
@@ -81,12 +102,8 @@ def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCre
                            challenge)
     else:
         raise ServiceError(401, "unauthorized", f"missing API key: {HOW_TO_SEND_KEY}", challenge)
-    key = find_api_key(session, presented)
-    if session.in_transaction():  # the key was not cached: it was read from the database
-        # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
-        # serve other requests while this one waits for a thread (a burst of requests would then hold every
-        # connection while the threads that could use them wait for one).
-        session.commit()
+    # A cached key is checked on the event loop; only a database read goes to a thread.
+    key = cached_api_key(presented) or await run_in_threadpool(_read_api_key, session, presented)
     if key is None:
         raise ServiceError(401, "unauthorized", "invalid API key", challenge)
     return key
@@ -95,7 +112,7 @@ def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCre
 CurrentKey = Annotated[ApiKey, Depends(get_api_key)]
 
 
-def get_job_waiter(request: Request) -> JobWaiter:
+async def get_job_waiter(request: Request) -> JobWaiter:
     return request.app.state.job_waiter
 
 
