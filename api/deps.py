@@ -1,7 +1,7 @@
 """FastAPI dependencies: database session, current API key, engine (for validation)."""
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Annotated
 
@@ -23,17 +23,27 @@ from store.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 
-def get_db() -> Iterator[Session]:
+def _close(session: Session) -> None:
+    try:
+        session.close()
+    except DBAPIError as exc:
+        # The database went away after the request's work (Postgres stopped): the close-time ROLLBACK fails
+        # after the response has started, which would abort the connection. The pool drops the connection.
+        log.warning("closing a session failed (database gone?): %s", exc.orig)
+
+
+async def get_db() -> AsyncIterator[Session]:
+    # On the event loop: a new session has no connection yet, and one whose route committed has none left, so
+    # neither does I/O here (a sync dependency cost two trips through the thread pool per request). Closing a
+    # session still in a transaction rolls back over the network: that goes to a thread.
     session = session_factory()()
     try:
         yield session
     finally:
-        try:
-            session.close()
-        except DBAPIError as exc:
-            # The database went away after the request's work (Postgres stopped): the close-time ROLLBACK fails
-            # after the response has started, which would abort the connection. The pool drops the connection.
-            log.warning("closing a session failed (database gone?): %s", exc.orig)
+        if session.in_transaction():
+            await run_in_threadpool(_close, session)
+        else:
+            _close(session)
 
 
 # scope="function": the session closes when the route function returns, not after the response is sent. A sync

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                 first = client.post("/jobs", json={"query": QUERY, "items": ITEMS, "label_token_ids": [9805, 787]})
                 assert first.status_code == 202, first.text
             run_clients(service.base_url, service.key, "/jobs", args.warmup_jobs, args.clients)
-            spy = subprocess.Popen([args.py_spy, "record", "--gil", "-f", "raw", "-o", args.profile, "-p",
+            spy = subprocess.Popen([args.py_spy, "record", "--gil", "-r", "400", "-f", "raw", "-o", args.profile, "-p",
                                     str(service.api.pid)]) if args.profile else None
             database = make_url(url).database
             api0, pg0, t0 = cpu_seconds(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
