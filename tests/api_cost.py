@@ -33,9 +33,14 @@ QUERY = "Is" + " the" * 48 + " ok"  # 50 tokens
 ITEMS = ["\n" + " the" * 8 + " yes" for _ in range(10)]  # 10 tokens each
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
 
 
 def postgres_cpu_seconds(database: str) -> tuple[float, float]:
@@ -100,9 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
             spy = subprocess.Popen([args.py_spy, "record", "--gil", "-r", "400", "-f", "raw", "-o", args.profile, "-p",
                                     str(service.api.pid)]) if args.profile else None
             database = make_url(url).database
-            api0, pg0, t0 = cpu_seconds(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
+            api0, pg0, t0 = cpu_times(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
             failures = run_clients(service.base_url, service.key, "/jobs", args.jobs, args.clients)
-            api1, pg1, t1 = cpu_seconds(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
+            api1, pg1, t1 = cpu_times(service.api.pid), postgres_cpu_seconds(database), time.monotonic()
             n = args.jobs // args.clients * args.clients
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
             client.delete(k)
     report = {"jobs": n, "clients": args.clients, "prompt_tokens": first.json()["usage"]["prompt_tokens"],
               "failures": len(failures), "jobs_per_s": round(n / (t1 - t0), 1),
-              "api_cpu_ms_per_job": round(1000 * (api1 - api0) / n, 2),
+              "api_cpu_ms_per_job": round(1000 * (sum(api1) - sum(api0)) / n, 2),
+              "api_system_cpu_ms_per_job": round(1000 * (api1[1] - api0[1]) / n, 2),
               "postgres_cpu_ms_per_job": round(1000 * (pg1[0] - pg0[0]) / n, 2),
               "postgres_shared_cpu_ms_per_job": round(1000 * (pg1[1] - pg0[1]) / n, 2),
               "loadavg": os.getloadavg()}
