@@ -3,6 +3,7 @@
 import base64
 import hashlib
 import secrets
+import time
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -26,5 +27,32 @@ def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
     return row, key
 
 
+# How long an API process trusts a key it has found, without asking the database again: a deleted key stops
+# working within this time. Looked up on every request instead, a key cost a query and a commit per request.
+KEY_CACHE_SECONDS = 5.0
+_found: dict[str, tuple[float, ApiKey]] = {}  # by key hash: (when it was read, the row, detached)
+
+
+def cached_api_key(key: str) -> ApiKey | None:
+    """The key's row if it was read from the database less than KEY_CACHE_SECONDS ago."""
+    found = _found.get(hash_key(key))
+    return found[1] if found is not None and time.monotonic() - found[0] < KEY_CACHE_SECONDS else None
+
+
 def find_api_key(session: Session, key: str) -> ApiKey | None:
-    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+    """The key's row, cached or read from the database. A wrong key is never cached, so a new key works at
+    once."""
+    cached = cached_api_key(key)
+    if cached is not None:
+        return cached
+    digest = hash_key(key)
+    now = time.monotonic()
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+    if row is None:
+        _found.pop(digest, None)
+        return None
+    # Detached, the row is shared by concurrent requests read-only: a rollback of this request's session
+    # cannot expire it under another thread.
+    session.expunge(row)
+    _found[digest] = (now, row)
+    return row

@@ -1,7 +1,7 @@
 """FastAPI dependencies: database session, current API key, engine (for validation)."""
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Annotated
 
@@ -9,8 +9,9 @@ from fastapi import Depends, Header, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from api.auth import find_api_key
+from api.auth import cached_api_key, find_api_key
 from api.waiter import JobWaiter
 from core import RequestTokenizer
 from store.db import session_factory
@@ -22,17 +23,27 @@ from store.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 
-def get_db() -> Iterator[Session]:
+def _close(session: Session) -> None:
+    try:
+        session.close()
+    except DBAPIError as exc:
+        # The database went away after the request's work (Postgres stopped): the close-time ROLLBACK fails
+        # after the response has started, which would abort the connection. The pool drops the connection.
+        log.warning("closing a session failed (database gone?): %s", exc.orig)
+
+
+async def get_db() -> AsyncIterator[Session]:
+    # On the event loop: a new session has no connection yet, and one whose route committed has none left, so
+    # neither does I/O here (a sync dependency cost two trips through the thread pool per request). Closing a
+    # session still in a transaction rolls back over the network: that goes to a thread.
     session = session_factory()()
     try:
         yield session
     finally:
-        try:
-            session.close()
-        except DBAPIError as exc:
-            # The database went away after the request's work (Postgres stopped): the close-time ROLLBACK fails
-            # after the response has started, which would abort the connection. The pool drops the connection.
-            log.warning("closing a session failed (database gone?): %s", exc.orig)
+        if session.in_transaction():
+            await run_in_threadpool(_close, session)
+        else:
+            _close(session)
 
 
 # scope="function": the session closes when the route function returns, not after the response is sent. A sync
@@ -49,8 +60,14 @@ def get_request_tokenizer() -> RequestTokenizer:
     return RequestTokenizer.from_pretrained(settings.model, settings.model_cache_dir, **settings.request_limits)
 
 
+async def _loaded_request_tokenizer() -> RequestTokenizer:
+    # On the event loop, not in a thread (a thread hop per request cost more than the call): the app loads it
+    # before it takes traffic (main.lifespan), so this never blocks.
+    return get_request_tokenizer()
+
+
 # The API tokenizes every request to validate it with the engine's own rules and error codes.
-RequestTokenizerDep = Annotated[RequestTokenizer, Depends(get_request_tokenizer)]
+RequestTokenizerDep = Annotated[RequestTokenizer, Depends(_loaded_request_tokenizer)]
 
 
 @lru_cache(maxsize=1)
@@ -61,16 +78,30 @@ def get_rerank_prompt() -> RerankPrompt:
     return rerank_prompt(template, get_request_tokenizer())
 
 
-RerankPromptDep = Annotated[RerankPrompt, Depends(get_rerank_prompt)]
+async def _loaded_rerank_prompt() -> RerankPrompt:
+    return get_rerank_prompt()  # loaded at start too, like the tokenizer
+
+
+RerankPromptDep = Annotated[RerankPrompt, Depends(_loaded_rerank_prompt)]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
 _key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key: `X-API-Key: psk_...`")
 HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
-def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                header_key: Annotated[str | None, Depends(_key_header)] = None,
-                authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
+def _read_api_key(session: Session, presented: str) -> ApiKey | None:
+    key = find_api_key(session, presented)
+    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
+    # serve other requests while this one waits for a thread (a burst of requests would then hold every
+    # connection while the threads that could use them wait for one).
+    session.commit()
+    return key
+
+
+async def get_api_key(session: SessionDep,
+                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                      header_key: Annotated[str | None, Depends(_key_header)] = None,
+                      authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
     challenge = {"WWW-Authenticate": "Bearer"}
     if credentials is not None:
         presented = credentials.credentials
@@ -81,11 +112,8 @@ def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCre
                            challenge)
     else:
         raise ServiceError(401, "unauthorized", f"missing API key: {HOW_TO_SEND_KEY}", challenge)
-    key = find_api_key(session, presented)
-    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
-    # serve other requests while this one waits for a thread (a burst of requests would then hold every
-    # connection while the threads that could use them wait for one).
-    session.commit()
+    # A cached key is checked on the event loop; only a database read goes to a thread.
+    key = cached_api_key(presented) or await run_in_threadpool(_read_api_key, session, presented)
     if key is None:
         raise ServiceError(401, "unauthorized", "invalid API key", challenge)
     return key
@@ -94,7 +122,7 @@ def get_api_key(session: SessionDep, credentials: Annotated[HTTPAuthorizationCre
 CurrentKey = Annotated[ApiKey, Depends(get_api_key)]
 
 
-def get_job_waiter(request: Request) -> JobWaiter:
+async def get_job_waiter(request: Request) -> JobWaiter:
     return request.app.state.job_waiter
 
 

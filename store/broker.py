@@ -3,6 +3,10 @@ The broker only wakes workers up: the jobs table is the queue of record, so a lo
 duplicated `drain` message costs nothing (the sweeper re-kicks, an extra drain finds nothing to do)."""
 
 import logging
+import math
+import threading
+import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,12 +57,55 @@ def _sender() -> Celery:
     return make_celery(get_settings())
 
 
-def kick_drain() -> None:
-    """Asks some worker to drain the ready jobs. Best effort: the sweeper covers a lost message."""
+def _send_kick() -> None:
     try:
         _sender().send_task(DRAIN_TASK)
     except Exception as exc:  # a broker outage must not fail a request whose job is safely stored
         log.warning("could not send a drain message (the sweeper will pick the job up): %s", exc)
+
+
+class KickCoalescer:
+    """Sends the first kick at once, and the kicks that follow within `window` seconds of the last one sent as
+    one kick at the end of the window. A message per job cost the API a broker round trip per job, while one
+    drain claims every ready job. The coalesced kick is sent after each of its callers returned, so after their
+    jobs were committed: no job is left without a kick, and none waits for one more than `window`."""
+
+    def __init__(self, send: Callable[[], None], window: float) -> None:
+        self._send = send
+        self._window = window
+        self._lock = threading.Lock()
+        self._last = -math.inf
+        self._due = False  # a coalesced kick is scheduled
+
+    def kick(self) -> None:
+        with self._lock:
+            if self._due:
+                return
+            wait = self._last + self._window - time.monotonic()
+            if wait > 0:
+                self._due = True
+                timer = threading.Timer(wait, self._send_due)
+                timer.daemon = True
+                timer.start()
+                return
+            self._last = time.monotonic()
+        self._send()
+
+    def _send_due(self) -> None:
+        with self._lock:
+            self._due = False
+            self._last = time.monotonic()
+        self._send()
+
+
+KICK_WINDOW_SECONDS = 0.01
+_kicks = KickCoalescer(_send_kick, KICK_WINDOW_SECONDS)
+
+
+def kick_drain() -> None:
+    """Asks some worker to drain the ready jobs (coalesced: KickCoalescer). Best effort: the sweeper covers a
+    lost message."""
+    _kicks.kick()
 
 
 def broker_reachable() -> bool:

@@ -1,13 +1,18 @@
 """Database engine and sessions (SQLAlchemy 2). Postgres in production, SQLite in embedded mode."""
 
+import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.orm import Session, sessionmaker
 
 from store.settings import get_settings
+
+PING_IDLE_SECONDS = 1.0
 
 
 @lru_cache
@@ -27,9 +32,26 @@ def get_engine(url: str | None = None) -> Engine:
             conn.execute("PRAGMA foreign_keys=ON")
 
         return engine
-    # pre_ping: after a database restart, stale pooled connections are replaced instead of failing a request.
     # connect_timeout: an unreachable database gives a quick 503, not a hung request.
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 5}, **pool)
+    engine = create_engine(url, connect_args={"connect_timeout": 5}, **pool)
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_conn, record):  # type: ignore[no-untyped-def]
+        record.info["checked_in"] = time.monotonic()  # record.info is cleared when its connection is replaced
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(conn, record, _proxy):  # type: ignore[no-untyped-def]
+        # After a database restart, stale pooled connections are replaced instead of failing a request. Only
+        # connections idle for a while are pinged: a ping on every checkout (pool_pre_ping) was a round trip
+        # per request. A connection used within PING_IDLE_SECONDS of a restart fails its next request with a
+        # retryable 503, and that disconnect makes SQLAlchemy replace every connection of the pool.
+        if time.monotonic() - record.info.get("checked_in", math.inf) > PING_IDLE_SECONDS:
+            try:
+                engine.dialect.do_ping(conn)
+            except engine.dialect.loaded_dbapi.Error as exc:
+                raise InvalidatePoolError(str(exc)) from exc  # the pool reconnects, this one first
+
+    return engine
 
 
 def session_factory() -> sessionmaker[Session]:

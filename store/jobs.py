@@ -72,6 +72,10 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
         items_total=tokenized.n_items,
         prompt_tokens=tokenized.prompt_tokens,
     )
+    if not session.in_transaction():  # no Idempotency-Key lookup came first
+        # A lone INSERT needs no transaction block: in autocommit it is one round trip instead of three (BEGIN,
+        # INSERT, COMMIT). Nothing else may be written here then (a count() would commit on its own).
+        session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
     session.add(job)
     try:
         session.commit()

@@ -331,7 +331,7 @@ def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> 
 
 
 def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ignore[no-untyped-def]
-    """The key lookup runs in a thread of its own, before the route's: holding its connection until then let a
+    """The key lookup (on a cache miss) runs in a thread of its own, before the route's: holding its connection until then let a
     burst of 256 calls hold every pooled connection while the threads that could use them waited for one."""
     from fastapi.security import HTTPAuthorizationCredentials
 
@@ -340,5 +340,43 @@ def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ig
 
     key, _ = make_key()
     with session_factory()() as session:
-        assert get_api_key(session, HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)).name == "test"
+        found = asyncio.run(get_api_key(session, HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)))
+        assert found.name == "test"
         assert not session.in_transaction()
+
+
+def test_pool_replaces_connections_a_database_restart_killed(database, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A pooled connection idle past PING_IDLE_SECONDS is pinged at checkout and replaced if its server process
+    is gone (a database restart), so its request does not fail. One used more recently is not pinged (no round
+    trip per request): its statement fails once, and that disconnect replaces the pool's connections."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from store import db
+
+    engine = get_engine(f"{database}?application_name=ping_test")  # a pool of its own
+    killer = create_engine(database)
+
+    def kill_pooled_connection() -> int:
+        with engine.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with killer.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+        return pid
+
+    def backend_pid() -> int:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+    try:
+        monkeypatch.setattr(db, "PING_IDLE_SECONDS", 0.0)
+        killed = kill_pooled_connection()
+        assert backend_pid() != killed
+        monkeypatch.setattr(db, "PING_IDLE_SECONDS", 60.0)
+        killed = kill_pooled_connection()
+        with pytest.raises(OperationalError):
+            backend_pid()
+        assert backend_pid() != killed
+    finally:
+        engine.dispose()
+        killer.dispose()

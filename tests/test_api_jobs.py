@@ -3,10 +3,10 @@
 import os
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import delete, update
 
 from store.db import session_scope
-from store.models import Job
+from store.models import ApiKey, Job
 
 QUERY = {"query": "Is this relevant?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
 
@@ -24,18 +24,21 @@ def assert_error(response, status: int, code: str) -> None:  # type: ignore[no-u
 
 def test_create_and_get_job(client, make_key) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
-    response = client.post("/jobs", json={**QUERY, "metadata": {"note": "'; DROP TABLE jobs; --"}}, headers=auth(key))
+    response = client.post("/jobs", json={**QUERY, "metadata": {"note": "'; DROP TABLE jobs; --", "n": [1.5, None]},
+                                          "webhook_url": "http://127.0.0.1:9/hook", "return_logprobs": True},
+                           headers=auth(key))
     assert response.status_code == 202, response.text
     job = response.json()
     assert response.headers["Location"] == f"/jobs/{job['id']}"
     assert job["status"] == "queued"
     assert job["progress"] == {"items_done": 0, "items_total": 2}
     assert job["usage"]["prompt_tokens"] > 0
-    assert job["metadata"] == {"note": "'; DROP TABLE jobs; --"}
+    assert job["metadata"] == {"note": "'; DROP TABLE jobs; --", "n": [1.5, None]}
     assert job["model"] == "tiny-random"
     fetched = client.get(f"/jobs/{job['id']}", headers=auth(key))
     assert fetched.status_code == 200
-    assert fetched.json()["id"] == job["id"]
+    # The POST answers from the row it inserted, without reading it back: the same job as stored.
+    assert fetched.json() == job
 
 
 @pytest.mark.parametrize("body, code", [
@@ -113,6 +116,27 @@ def test_auth_required(client, make_key) -> None:  # type: ignore[no-untyped-def
         assert_error(getattr(client, method)(path), 401, "unauthorized")
         assert_error(getattr(client, method)(path, headers=auth("psk_wrong")), 401, "unauthorized")
         assert_error(getattr(client, method)(path, headers={"Authorization": "Basic abc"}), 401, "unauthorized")
+
+
+def test_deleted_key_stops_working_within_the_cache_time(client, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from api import auth as api_auth
+
+    monkeypatch.setattr(api_auth, "KEY_CACHE_SECONDS", 1.0)
+    key, _ = make_key()
+    assert client.get("/jobs", headers=auth(key)).status_code == 200
+    with session_scope() as session:
+        session.execute(delete(ApiKey).where(ApiKey.key_hash == api_auth.hash_key(key)))
+    # Within KEY_CACHE_SECONDS of its last lookup the API may still take it; after that, never.
+    time.sleep(1.1)
+    for _ in range(2):
+        assert_error(client.get("/jobs", headers=auth(key)), 401, "unauthorized")
+    # A key is cached only once found: a wrong one is looked up each time, so a new key works at once.
+    assert_error(client.get("/jobs", headers=auth("psk_new")), 401, "unauthorized")
+    with session_scope() as session:
+        session.add(ApiKey(name="new", key_hash=api_auth.hash_key("psk_new"), webhook_secret="whsec_x"))
+    assert client.get("/jobs", headers=auth("psk_new")).status_code == 200
 
 
 def test_other_tenant_gets_404(client, make_key) -> None:  # type: ignore[no-untyped-def]
@@ -318,3 +342,66 @@ def test_the_api_reads_the_bundled_model_without_importing_jax() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MODEL": "smollm2-135m"},
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_kicks_are_coalesced_but_every_job_gets_one_after_it() -> None:
+    """The first kick goes at once; those that follow within the window become one kick, sent after the last of
+    them (so after its job was committed), never more than a window later; a kick after a quiet window goes at
+    once again."""
+    import threading
+    import time
+
+    from store.broker import KickCoalescer
+
+    sent: list[float] = []
+    kicks = KickCoalescer(lambda: sent.append(time.monotonic()), window=0.2)
+    kicks.kick()
+    assert len(sent) == 1  # immediate, in the caller's thread
+    calls = []
+    for _ in range(3):
+        time.sleep(0.02)
+        kicks.kick()
+        calls.append(time.monotonic())
+    assert len(sent) == 1
+    time.sleep(0.3)
+    assert len(sent) == 2 and calls[-1] < sent[1] <= sent[0] + 0.25
+    time.sleep(0.25)
+    kicks.kick()
+    assert len(sent) == 3
+
+    # Concurrent callers: whatever the interleaving, a kick is sent after the last call.
+    sent.clear()
+    kicks = KickCoalescer(lambda: sent.append(time.monotonic()), window=0.005)
+    ends: list[float] = []
+
+    def caller() -> None:
+        for _ in range(200):
+            kicks.kick()
+        ends.append(time.monotonic())
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.05)
+    assert sent[-1] > max(ends) - 0.005 and len(sent) < 8 * 200
+
+
+def test_kick_drain_reaches_the_broker(redis_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import redis
+
+    from store import broker
+
+    # A wide window, so that a slow machine between two calls does not make them two windows.
+    monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.5))
+    queue = redis.Redis.from_url(redis_url)
+    name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
+    before = queue.llen(name)
+    for _ in range(3):
+        broker.kick_drain()
+    assert queue.llen(name) == before + 1
+    time.sleep(0.7)
+    assert queue.llen(name) == before + 2

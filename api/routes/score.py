@@ -42,12 +42,19 @@ async def rerank(body: RerankRequest, key: CurrentKey, session: SessionDep, requ
 async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session,
                request_tokenizer: RequestTokenizer, settings: Settings,
                waiter: JobWaiter) -> ScoreResponse | RerankResponse:
-    job, _ = await run_in_threadpool(job_store.create_job, session, key, body, request_tokenizer, settings,
-                                     priority=PRIORITY_SYNC, rerank=rerank)
-    await run_in_threadpool(kick_drain)
+    job = await run_in_threadpool(_submit, body, rerank, key, session, request_tokenizer, settings)
     if not await waiter.wait(job.id, settings.score_timeout_seconds):
         raise ServiceError(504, "timeout", f"job {job.id} is not finished yet; poll GET /jobs/{job.id}", job_id=job.id)
     return await run_in_threadpool(_response, session, job)
+
+
+def _submit(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session, request_tokenizer: RequestTokenizer,
+            settings: Settings) -> Job:
+    # The insert and the kick in one trip to a thread, not two.
+    job, _ = job_store.create_job(session, key, body, request_tokenizer, settings, priority=PRIORITY_SYNC,
+                                  rerank=rerank)
+    kick_drain()
+    return job
 
 
 def _response(session: Session, job: Job) -> ScoreResponse | RerankResponse:
