@@ -248,6 +248,7 @@ class Scorer:
         self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
         self._prefix_cache: OrderedDict[tuple[int, ...], tuple[jax.Array, jax.Array]] = OrderedDict()
+        self._prefix_bytes = 0  # kept as entries come and go: summing them per pass cost O(entries)
         self._engine_lock = threading.Lock()
 
     @property
@@ -296,7 +297,7 @@ class Scorer:
     @property
     def cached_prefix_bytes(self) -> int:
         """Bytes of keys/values the prefix cache holds now (at most about `prefix_cache_bytes`)."""
-        return sum(k.nbytes + v.nbytes for k, v in self._prefix_cache.values())
+        return self._prefix_bytes
 
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
         """Validates a request and tokenizes it as score-semantics.md says; raises ScoringError."""
@@ -307,12 +308,16 @@ class Scorer:
     def clear_prefix_cache(self) -> None:
         with self._engine_lock:
             self._prefix_cache.clear()
+            self._prefix_bytes = 0
 
     def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array) -> None:
+        if (old := self._prefix_cache.pop(query, None)) is not None:
+            self._prefix_bytes -= old[0].nbytes + old[1].nbytes
         self._prefix_cache[query] = (k, v)
-        self._prefix_cache.move_to_end(query)
-        while len(self._prefix_cache) > 1 and self.cached_prefix_bytes > self.prefix_cache_bytes:
-            self._prefix_cache.popitem(last=False)
+        self._prefix_bytes += k.nbytes + v.nbytes
+        while len(self._prefix_cache) > 1 and self._prefix_bytes > self.prefix_cache_bytes:
+            _, (old_k, old_v) = self._prefix_cache.popitem(last=False)
+            self._prefix_bytes -= old_k.nbytes + old_v.nbytes
 
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.

@@ -101,6 +101,7 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
     # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.
     scorer.always_keep_kv = scorer.host_prefix_cache = False
     scorer.launches_ahead = True
+    scorer.attention = "pallas"  # the host tables of an accelerator's kernel (the XLA path's cost more)
     return scorer
 
 
