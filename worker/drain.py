@@ -31,6 +31,8 @@ from store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
+CLAIM_AHEAD_PASSES = 4
+
 
 class ActiveJobs:
     """The jobs this process holds (claimed, not yet finished or handed back): the only leases its heartbeat
@@ -135,7 +137,7 @@ class PassLoop:
             if any(not claim.done() for claim in self._urgent):
                 return  # the claim on its way takes this job too
             try:
-                self._urgent.append(self.writer.submit(lambda: self._claim(True), urgent=True))
+                self._urgent.append(self.writer.submit(lambda: self._claim_requests(True), urgent=True))
             except WriterFailed:
                 pass
 
@@ -148,14 +150,22 @@ class PassLoop:
 
     # ---- claims -----------------------------------------------------------------------------------------
 
-    def _admit(self, jobs: list[ClaimedJob]) -> None:
-        self.claimed_total += len(jobs)
-        active_jobs.add(job.id for job in jobs)
-        for job in jobs:
+    def _claim_requests(self, interactive_only: bool) -> list[tuple[ClaimedJob, TokenizedRequest | ScoringError]]:
+        """Claims (in the writer's thread) and decodes the requests there too, off the pass loop's thread."""
+        claimed = []
+        for job in self._claim(interactive_only):
             try:
-                request = tokenized(self.scorer, job)
+                claimed.append((job, tokenized(self.scorer, job)))
             except ScoringError as exc:  # limits changed since the API accepted it
-                self.writer.fail(self.owner, job, (exc.code, exc.message))
+                claimed.append((job, exc))
+        return claimed
+
+    def _admit(self, claimed: list[tuple[ClaimedJob, TokenizedRequest | ScoringError]]) -> None:
+        self.claimed_total += len(claimed)
+        active_jobs.add(job.id for job, _ in claimed)
+        for job, request in claimed:
+            if isinstance(request, ScoringError):
+                self.writer.fail(self.owner, job, (request.code, request.message))
                 continue
             run = RunningJob(job, request, self._order)
             self._order += 1
@@ -283,13 +293,15 @@ class PassLoop:
                     self._admit(jobs)
                 if should_stop():
                     break
-                short = self._pending_tokens() < 2 * self.scorer.pass_tokens
+                # Claims run ahead by a few passes: a claim and its decoding take longer than a pass on an
+                # accelerator, and the device must not run dry meanwhile.
+                short = self._pending_tokens() < CLAIM_AHEAD_PASSES * self.scorer.pass_tokens
                 if claiming is None and (wake.is_set() or (short and not exhausted)):
                     wake.clear()
                     # With work in hand, or interactive jobs running (batch rounds wait for them, claims
                     # included), claim interactive jobs only.
                     interactive_only = not short or any(r.claimed.priority > PRIORITY_BATCH for r in self.running)
-                    claiming = self.writer.submit(lambda: self._claim(interactive_only))
+                    claiming = self.writer.submit(lambda: self._claim_requests(interactive_only))
                 launched = self._launch_next()
                 if inflight is not None:
                     self._collect(inflight)
