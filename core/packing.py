@@ -160,12 +160,14 @@ def plan_passes(requests: list[TokenizedRequest], pass_tokens: int, mode: str = 
 
     plans: list[PassPlan] = [PassPlan([seq]) for seq in ordered]
     current: list[PackedSequence] = []
+    new = cached = 0  # the current pass's new and cached tokens, kept as it grows (not summed per sequence)
     for seq in sequences:
-        plan = PassPlan(current + [seq])
-        if current and (plan.new_tokens > pass_tokens or plan.cached_tokens > pass_tokens):
+        seq_new, seq_cached = seq.new_tokens, len(seq.prefix) if seq.prefix_cached else 0
+        if current and (new + seq_new > pass_tokens or cached + seq_cached > pass_tokens):
             plans.append(PassPlan(current))
-            current = []
+            current, new, cached = [], 0, 0
         current.append(seq)
+        new, cached = new + seq_new, cached + seq_cached
     if current:
         plans.append(PassPlan(current))
     return plans

@@ -231,6 +231,40 @@ class RequestTokenizer:
             raise ScoringError("invalid_input", f"text could not be tokenized: {exc}") from None
         return [tuple(ids) for ids in encoded]
 
+    def check_stored(self, data: bytes) -> TokenizedRequest:
+        """A request stored in token space (`TokenizedRequest.to_bytes`), checked against these limits with the
+        errors `tokenize` gives its token ids, without a tokenizer and without a Python loop over the tokens
+        (a worker checks every request it runs: its limits may differ from the API's)."""
+        request = TokenizedRequest.from_bytes(data)
+        labels = np.asarray(request.label_token_ids)
+        if not len(labels):
+            raise ScoringError("empty_label_token_ids", "label_token_ids must not be empty")
+        if ((labels < 0) | (labels >= self.vocab_size)).any():
+            bad = int(labels[(labels < 0) | (labels >= self.vocab_size)][0])
+            raise ScoringError("label_token_id_out_of_range", f"label token id {bad} is outside [0, {self.vocab_size})")
+        if request.n_items > self.max_items:
+            raise ScoringError("too_many_items", f"{request.n_items} items; the limit is {self.max_items}")
+        tokens = np.frombuffer(data, "<i4")[4 + len(labels) + request.n_items:]
+        outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))
+        if len(outside):
+            at = int(outside[0]) - len(request.query)
+            ends = np.cumsum([len(item) for item in request.items])
+            what = "query" if at < 0 else f"item {int(np.searchsorted(ends, at, side='right'))}"
+            raise ScoringError("token_id_out_of_range",
+                               f"{what} has token id {int(tokens[outside[0]])} outside [0, {self.vocab_size})")
+        return self._checked(request)
+
+    def _checked(self, request: TokenizedRequest) -> TokenizedRequest:
+        if not request.query:
+            raise ScoringError("empty_query", "the query has no tokens")
+        if request.prompt_tokens > self.max_tokens:
+            raise ScoringError("too_many_tokens", f"{request.prompt_tokens} tokens; the limit is {self.max_tokens}")
+        longest = len(request.query) + max((len(i) for i in request.items), default=0)
+        if longest > self.max_sequence_tokens:
+            raise ScoringError("too_many_tokens", f"query plus the longest item is {longest} tokens; "
+                               f"the model takes at most {self.max_sequence_tokens}")
+        return request
+
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
         if not isinstance(label_token_ids, (list, tuple)):
             raise ScoringError("invalid_input", "label_token_ids must be a list of integers")
@@ -261,14 +295,4 @@ class RequestTokenizer:
         else:
             q = self._check_ids(query, "query")
             its = tuple(self._check_ids(item, f"item {i}") for i, item in enumerate(items))
-        if not q:
-            raise ScoringError("empty_query", "the query has no tokens")
-
-        request = TokenizedRequest(q, its, tuple(int(t) for t in label_token_ids), bool(item_first))
-        if request.prompt_tokens > self.max_tokens:
-            raise ScoringError("too_many_tokens", f"{request.prompt_tokens} tokens; the limit is {self.max_tokens}")
-        longest = len(q) + max((len(i) for i in its), default=0)
-        if longest > self.max_sequence_tokens:
-            raise ScoringError("too_many_tokens", f"query plus the longest item is {longest} tokens; "
-                               f"the model takes at most {self.max_sequence_tokens}")
-        return request
+        return self._checked(TokenizedRequest(q, its, tuple(int(t) for t in label_token_ids), bool(item_first)))

@@ -403,3 +403,24 @@ def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empt
     for job_id in ids:
         assert job_row(job_id).status == "succeeded"
     assert count(JobResult) == len(ids) and count(WebhookDelivery) == len(ids)
+
+
+def test_stored_requests_are_checked_as_their_token_ids() -> None:
+    """The worker's check of a stored request gives what tokenizing its token ids gives: the request, or the
+    same error code."""
+    from core import RequestTokenizer, ScoringError
+
+    checker = RequestTokenizer(None, 100, model_name="m", max_items=3, max_tokens=20, max_sequence_tokens=8)
+    good = TokenizedRequest((1, 2), ((3,), (), (4, 5)), (6, 7), False)
+    assert checker.check_stored(good.to_bytes()) == good == checker.tokenize([1, 2], [[3], [], [4, 5]], [6, 7])
+    for bad, code in ((TokenizedRequest((1,), ((2,), (100,)), (3,)), "token_id_out_of_range"),
+                      (TokenizedRequest((1,), ((2,),), (100,)), "label_token_id_out_of_range"),
+                      (TokenizedRequest((1,), ((2,),) * 4, (3,)), "too_many_items"),
+                      (TokenizedRequest((), ((2,),), (3,)), "empty_query"),
+                      (TokenizedRequest((1,) * 5, ((2,) * 4,), (3,)), "too_many_tokens")):
+        with pytest.raises(ScoringError) as stored:
+            checker.check_stored(bad.to_bytes())
+        with pytest.raises(ScoringError) as tokenized:
+            checker.tokenize(list(bad.query), [list(i) for i in bad.items], list(bad.label_token_ids))
+        assert stored.value.code == tokenized.value.code == code
+        assert stored.value.message == tokenized.value.message

@@ -110,10 +110,7 @@ def tokenized(scorer: Scorer, job: ClaimedJob) -> TokenizedRequest:
     """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
     another model) is tokenized from its text here."""
     if job.tokens is not None and job.model == scorer.model_name:
-        # Checked again as token ids (no tokenizer involved): this worker's limits may differ from the API's.
-        stored = TokenizedRequest.from_bytes(job.tokens)
-        return scorer.tokenize(list(stored.query), [list(item) for item in stored.items],
-                               list(stored.label_token_ids), stored.item_first)
+        return scorer.requests.check_stored(job.tokens)  # this worker's limits may differ from the API's
     r = job.request
     return scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
 
