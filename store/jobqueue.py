@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from store.batches import expire_uploads, settle_batch
@@ -108,9 +108,15 @@ def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]
         # The batch row before its requests: the order in which POST /batches/{id}/cancel locks them too, so
         # a claim and a cancel cannot deadlock.
         session.execute(update(Batch).where(Batch.id == batch_id).values(last_claimed_at=utcnow()))
-        rows = session.execute(
-            select(Job.id, Job.prompt_tokens).where(Job.batch_id == batch_id, Job.status == "queued")
-            .order_by(Job.query_key, Job.id).limit(settings.drain_max_jobs).with_for_update(skip_locked=True)).all()
+        queued = select(Job.id, Job.prompt_tokens).where(Job.batch_id == batch_id, Job.status == "queued") \
+            .order_by(Job.query_key, Job.id)
+        # Lock about as many requests as the round takes (the next one's size times the round's share), not
+        # DRAIN_MAX_JOBS: each lock is a write, and most of them would be released unused.
+        first = session.scalar(queued.with_only_columns(Job.prompt_tokens).limit(1))
+        if first is None:
+            continue
+        wanted = min(settings.drain_max_jobs, 2 * (tokens // max(first, 1)) + 4)
+        rows = session.execute(queued.limit(wanted).with_for_update(skip_locked=True)).all()
         ids, used = [], 0
         for job_id, n in rows:
             if ids and used + n > tokens:
@@ -152,7 +158,7 @@ def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray
     another worker gets no second result). Returns their ids."""
     done = _finish(session, owner, list(results), "succeeded", items_done=Job.items_total)
     if done:
-        session.execute(insert(JobResult), [
+        session.execute(insert(JobResult.__table__), [
             {"job_id": job_id, "n_labels": results[job_id].shape[1],
              "logprobs": np.ascontiguousarray(results[job_id], np.float32).tobytes()} for job_id in done])
         _enqueue_webhooks(session, done, results)
@@ -171,12 +177,6 @@ def record_pass(session: Session, owner: str, n_jobs: int, n_items: int, tokens:
     session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=n_items, tokens=tokens, padded_tokens=padded_tokens,
                      seconds=seconds))
     count_pass(session, n_items, tokens, seconds)
-
-
-def leased(session: Session, owner: str, job_ids: list[str]) -> dict[str, bool]:
-    """Of these jobs, those still running under our lease, with their cancel flag."""
-    return dict(session.execute(select(Job.id, Job.cancel_requested).where(
-        Job.id.in_(job_ids), Job.lease_owner == owner, Job.status == "running")).all())
 
 
 def set_progress(session: Session, owner: str, progress: list[tuple[str, int]]) -> None:
@@ -212,14 +212,19 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     finished = {job.id: logprobs for b in boundaries for job, logprobs in b.finished}
     progress = {job_id: done for b in boundaries for job_id, done in b.progress if job_id not in finished}
     open_ids = {job_id for b in boundaries for job_id in b.open_ids} - finished.keys()
-    state = leased(session, owner, [*open_ids, *finished])
-    cancelled = [job_id for job_id, flag in state.items() if flag]
-    for job_id in open_ids - state.keys():
+    # Only the exceptions come back (cancelled, or no longer ours): usually none, whatever the jobs held.
+    odd = dict(session.execute(select(Job.id, Job.cancel_requested & (Job.lease_owner == owner)
+                                      & (Job.status == "running")).where(
+        Job.id.in_([*open_ids, *finished]),
+        or_(Job.cancel_requested, Job.lease_owner.is_(None), Job.lease_owner != owner, Job.status != "running"))).all())
+    lost = {job_id for job_id, ours_and_cancelled in odd.items() if not ours_and_cancelled}
+    cancelled = [job_id for job_id, ours_and_cancelled in odd.items() if ours_and_cancelled]
+    for job_id in lost & open_ids:
         log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
     _enqueue_webhooks(session, _finish(session, owner, cancelled, "cancelled"))
-    finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if state.get(job_id) is False})
-    set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if state.get(job_id) is False])
-    return (open_ids - state.keys()) | set(cancelled) | finished.keys()
+    finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
+    set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if job_id not in odd])
+    return lost | set(cancelled) | finished.keys()
 
 
 def release(owner: str, settings: Settings, job_ids: list[str], error: str | None) -> None:
