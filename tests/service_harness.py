@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, make_url, text
 
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
+from worker.capacity import stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -158,16 +159,7 @@ class Service:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.logs.iterdir()))
 
     def close(self) -> None:
-        procs = [p for p in [*self.workers, self.api] if p is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([p for p in [*self.workers, self.api] if p is not None])
 
 
 @contextmanager

@@ -63,6 +63,13 @@ WORDS = ("the cat dog house tree river city water light stone paper music table 
 
 # ---- the simulated device ------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class SimulatedRows:
+    """A prefix's keys or values on the simulated device: only their size."""
+
+    nbytes: int
+
+
 def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-untyped-def]
     """The served model's tokenizer and limits, with a simulated device in place of its weights' passes."""
     from core import Scorer
@@ -90,7 +97,9 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
             return logprobs
 
         def _prefix_rows(self, keys_or_values, lo: int, hi: int):  # type: ignore[no-untyped-def]
-            return np.zeros((1, hi - lo, 1, 1), np.int8)  # a token: the simulated device keeps nothing
+            # A stand-in as large as the real rows (the cache evicts as it would), holding nothing.
+            c = self.config
+            return SimulatedRows((hi - lo) * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize)
 
         def warm_up(self) -> int:
             return 0
@@ -299,16 +308,23 @@ class Bench:
             run.device_seconds = tokens / self.rate
             return run.figures()
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes(procs)
             with admin.connect() as conn:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
             admin.dispose()
+
+
+def stop_processes(procs: list[subprocess.Popen], seconds: float = 20) -> None:
+    """SIGTERM to those still running, then SIGKILL to those that did not exit within `seconds`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _free_port() -> int:
