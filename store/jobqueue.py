@@ -128,14 +128,6 @@ def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]
     return []
 
 
-def finish_job(session: Session, owner: str, job_id: str, status: str, *, logprobs: np.ndarray | None = None,
-               error: tuple[str, str] | None = None) -> bool:
-    """Moves one of our running jobs to a terminal state; False if it is no longer ours."""
-    if status == "succeeded":
-        return bool(finish_succeeded(session, owner, {job_id: logprobs}))
-    return bool(_finish(session, owner, [job_id], status, error))
-
-
 def _finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
             **values: Any) -> list[str]:
     """Moves those of these jobs still running under our lease to `status`, in one statement; returns their
