@@ -399,9 +399,38 @@ def test_kick_drain_reaches_the_broker(redis_url, monkeypatch) -> None:  # type:
     monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.5))
     queue = redis.Redis.from_url(redis_url)
     name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
+    broker.clear_pending_kick()
     before = queue.llen(name)
     for _ in range(3):
         broker.kick_drain()
     assert queue.llen(name) == before + 1
+    # The window's coalesced kick finds the first one pending (no worker claimed since): no second message.
+    time.sleep(0.7)
+    assert queue.llen(name) == before + 1
+    # A worker beginning a claim clears the flag: the next kick is a message again.
+    broker.clear_pending_kick()
+    broker.kick_drain()
     time.sleep(0.7)
     assert queue.llen(name) == before + 2
+
+
+def test_a_lost_kick_holds_later_ones_back_only_briefly(redis_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import redis
+
+    from store import broker
+
+    monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.0))
+    monkeypatch.setattr(broker, "KICK_PENDING_SECONDS", 0.3)
+    queue = redis.Redis.from_url(redis_url)
+    name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
+    broker.clear_pending_kick()
+    before = queue.llen(name)
+    broker.kick_drain()
+    queue.rpop(name)  # the message is lost (say, taken by a worker killed before it claimed)
+    broker.kick_drain()
+    assert queue.llen(name) == before  # the flag still says a kick is pending
+    time.sleep(0.4)
+    broker.kick_drain()
+    assert queue.llen(name) == before + 1

@@ -25,6 +25,7 @@ import numpy as np
 from core import InFlightPass, Scorer, ScoringError, TokenizedRequest
 from store import jobqueue
 from core.packing import ladder
+from store.broker import clear_pending_kick
 from store.jobqueue import Boundary, ClaimedJob, JobWriter, WriterFailed
 from store.models import PRIORITY_BATCH
 from store.settings import Settings, get_settings
@@ -353,6 +354,7 @@ class PassLoop:
 
 def _claimer(owner: str, settings: Settings, round_tokens: int) -> Callable[[bool], list[ClaimedJob]]:
     def claim(interactive_only: bool) -> list[ClaimedJob]:
+        clear_pending_kick()  # jobs committed from now on send a kick; those before are seen by this claim
         if interactive_only:
             return jobqueue.claim_interactive(owner, settings)
         return jobqueue.claim_jobs(owner, settings, round_tokens)

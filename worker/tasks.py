@@ -124,7 +124,7 @@ def _start(**_: object) -> None:
             log.exception("worker %s: warm-up failed; programs compile when first needed", WORKER_ID)
     _ready.set()
     drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "ready")
-    kick_drain()  # jobs may have queued while no worker ran
+    _drain()  # jobs may have queued while no worker ran (their kick may have gone to another worker)
     log.info("worker %s ready (model %s)", WORKER_ID, settings.model)
 
 
