@@ -16,7 +16,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import ARRAY, String, any_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy.sql import ColumnElement
 from sqlalchemy.orm import Session
 
 from store.batches import expire_uploads, settle_batch
@@ -42,7 +43,18 @@ class ClaimedJob:
     webhook_url: str | None
 
 
-_CLAIMED = (Job.id, Job.priority, Job.model, Job.tokens, Job.batch_id, Job.webhook_url, Job.query_key)
+# The hot statements below use the table's columns (SQLAlchemy Core): the ORM's statement handling was most of
+# a pass boundary's Python time.
+_JOBS = Job.__table__.c
+_CLAIMED = (_JOBS.id, _JOBS.priority, _JOBS.model, _JOBS.tokens, _JOBS.batch_id, _JOBS.webhook_url, _JOBS.query_key)
+
+
+def _among(session: Session, column: ColumnElement, values: list[str]) -> ColumnElement:
+    """`column IN values`. On Postgres as `= ANY(array)`: one statement text whatever the number of values, so
+    SQLAlchemy's and psycopg's statement caches serve it (each IN-list length was a statement of its own)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
+    return column.in_(values)
 
 
 def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[ClaimedJob]:
@@ -82,9 +94,9 @@ def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> 
         return []
     now = utcnow()
     claimed = session.execute(
-        update(Job).where(Job.id.in_(ids), Job.status == "queued")
+        update(Job.__table__).where(_among(session, _JOBS.id, ids), _JOBS.status == "queued")
         .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
-                attempts=Job.attempts + 1, items_done=0, started_at=func.coalesce(Job.started_at, now))
+                attempts=_JOBS.attempts + 1, items_done=0, started_at=func.coalesce(_JOBS.started_at, now))
         .returning(*_CLAIMED)).all()
     untokenized = [row.id for row in claimed if row.tokens is None]
     texts = dict(session.execute(select(Job.id, Job.request).where(Job.id.in_(untokenized))).all()) \
@@ -129,18 +141,21 @@ def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]
 
 
 def _finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
-            **values: Any) -> list[str]:
-    """Moves those of these jobs still running under our lease to `status`, in one statement; returns their
-    ids. Their webhooks (if any) are queued with them."""
+            results: dict[str, np.ndarray] | None = None, **values: Any) -> list[str]:
+    """Moves those of these jobs still running under our lease to `status`, in one statement, and queues the
+    webhooks of those that have one; returns their ids."""
     if not job_ids:
         return []
     values.update(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
     if error is not None:
         values.update(error_code=error[0], error_message=error[1])
-    changed = session.execute(update(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner, Job.status == "running")
-                              .values(**values).returning(Job.id, Job.webhook_url)).all()
+    changed = session.execute(
+        update(Job.__table__).where(_among(session, _JOBS.id, job_ids), _JOBS.lease_owner == owner,
+                                    _JOBS.status == "running")
+        .values(**values).returning(_JOBS.id, _JOBS.webhook_url)).all()
     if changed:
         count(session, "jobs_finished", len(changed), label=status)
+        _enqueue_webhooks(session, [row.id for row in changed if row.webhook_url], results)
     return [row.id for row in changed]
 
 
@@ -148,19 +163,19 @@ def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray
     """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
     them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
     another worker gets no second result). Returns their ids."""
-    done = _finish(session, owner, list(results), "succeeded", items_done=Job.items_total)
+    done = _finish(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
     if done:
         session.execute(insert(JobResult.__table__), [
             {"job_id": job_id, "n_labels": results[job_id].shape[1],
              "logprobs": np.ascontiguousarray(results[job_id], np.float32).tobytes()} for job_id in done])
-        _enqueue_webhooks(session, done, results)
     return done
 
 
 def _enqueue_webhooks(session: Session, job_ids: list[str], results: dict[str, np.ndarray] | None = None) -> None:
-    # Loads only the jobs that have a webhook: a batch round's writes stay few.
-    for job in session.scalars(select(Job).where(Job.id.in_(job_ids), Job.webhook_url.is_not(None))
-                               .execution_options(populate_existing=True)):
+    """Queues the webhooks of these jobs (each has one)."""
+    if not job_ids:
+        return
+    for job in session.scalars(select(Job).where(Job.id.in_(job_ids)).execution_options(populate_existing=True)):
         enqueue_job_webhook(session, job, (results or {}).get(job.id))
 
 
@@ -205,15 +220,16 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     progress = {job_id: done for b in boundaries for job_id, done in b.progress if job_id not in finished}
     open_ids = {job_id for b in boundaries for job_id in b.open_ids} - finished.keys()
     # Only the exceptions come back (cancelled, or no longer ours): usually none, whatever the jobs held.
-    odd = dict(session.execute(select(Job.id, Job.cancel_requested & (Job.lease_owner == owner)
-                                      & (Job.status == "running")).where(
-        Job.id.in_([*open_ids, *finished]),
-        or_(Job.cancel_requested, Job.lease_owner.is_(None), Job.lease_owner != owner, Job.status != "running"))).all())
+    odd = dict(session.execute(select(_JOBS.id, _JOBS.cancel_requested & (_JOBS.lease_owner == owner)
+                                      & (_JOBS.status == "running")).where(
+        _among(session, _JOBS.id, [*open_ids, *finished]),
+        or_(_JOBS.cancel_requested, _JOBS.lease_owner.is_(None), _JOBS.lease_owner != owner,
+            _JOBS.status != "running"))).all())
     lost = {job_id for job_id, ours_and_cancelled in odd.items() if not ours_and_cancelled}
     cancelled = [job_id for job_id, ours_and_cancelled in odd.items() if ours_and_cancelled]
     for job_id in lost & open_ids:
         log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
-    _enqueue_webhooks(session, _finish(session, owner, cancelled, "cancelled"))
+    _finish(session, owner, cancelled, "cancelled")
     finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
     set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if job_id not in odd])
     return lost | set(cancelled) | finished.keys()
@@ -336,7 +352,9 @@ class JobWriter:
             batch_of.update(batches)
         with session_scope() as session:
             closed = write_boundaries(session, [task for task, _, _ in tasks])
-        self._settle_and_close(closed, batch_of)
+        # A batch of which the loop still runs requests cannot have ended: not worth a transaction to ask.
+        running = {batch_of[job_id] for job_id in tasks[-1][0].open_ids if job_id in batch_of and job_id not in closed}
+        self._settle_and_close(closed, batch_of, running)
 
     def _in_session(self, write: Callable[[Session], set[str]], batch_of: dict[str, str]) -> Future:
         def work() -> None:
@@ -345,10 +363,10 @@ class JobWriter:
             self._settle_and_close(closed, batch_of)
         return self.submit(work)
 
-    def _settle_and_close(self, closed: set[str], batch_of: dict[str, str]) -> None:
+    def _settle_and_close(self, closed: set[str], batch_of: dict[str, str], running: set[str] | None = None) -> None:
         # A batch whose last request ended just now ends too; in a transaction of its own, so that no job row
         # lock is held while the batch row is taken (cancel takes them the other way round).
-        settle_batches({batch_of[job_id] for job_id in closed if job_id in batch_of})
+        settle_batches({batch_of[job_id] for job_id in closed if job_id in batch_of} - (running or set()))
         self._close(closed)
 
     def _close(self, ids: set[str]) -> None:
@@ -375,7 +393,7 @@ class JobWriter:
 
     def fail(self, owner: str, job: Any, error: tuple[str, str]) -> Future:
         def write(session: Session) -> set[str]:
-            _enqueue_webhooks(session, _finish(session, owner, [job.id], "failed", error))
+            _finish(session, owner, [job.id], "failed", error)
             return {job.id}
         return self._in_session(write, {job.id: job.batch_id} if job.batch_id else {})
 
