@@ -103,12 +103,11 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
 
     counts = vis.sum(axis=1).astype(np.int32)
     width = max(int(counts.max(initial=0)), 1)
-    ids = np.zeros((vis.shape[0], width), np.int32)
-    for i in range(vis.shape[0]):
-        cols = np.flatnonzero(vis[i])
-        if len(cols):
-            ids[i, : len(cols)] = cols
-            ids[i, len(cols):] = cols[-1]
+    # Each row's visible columns in order (a stable sort puts them first), then its last one repeated.
+    visible = np.argsort(~vis, axis=1, kind="stable")[:, :width].astype(np.int32)
+    last = visible[np.arange(len(counts)), np.maximum(counts - 1, 0)]
+    ids = np.where(np.arange(width)[None, :] < counts[:, None], visible, last[:, None])
+    ids[counts == 0] = 0
     return ids, counts
 
 

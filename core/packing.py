@@ -14,6 +14,7 @@ pass_tokens keys (more only after such a long sequence). The item count, the que
 and the label count never become compile keys.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -195,6 +196,15 @@ class PassArrays:
 
 
 
+def _expand_runs(lengths: list[int], *per_run: list[int]) -> tuple[np.ndarray, ...]:
+    """Per-token int32 arrays from per-run values: each run's value repeated over its tokens; the last of
+    `per_run` is the run's first position, counted up along the run."""
+    counts = np.asarray(lengths, np.int64)
+    *values, first = (np.repeat(np.asarray(v, np.int64), counts) for v in per_run)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return (*(v.astype(np.int32) for v in values), (first + np.arange(len(first)) - starts).astype(np.int32))
+
+
 def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None) -> PassArrays:
     """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens.
 
@@ -202,29 +212,35 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | No
     None: the ladder whose top is this pass's length rounded up to a power of two). The tables are as wide as
     the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further).
     """
-    tokens: list[int] = []
-    seq_ids: list[int] = []
-    item_ids: list[int] = []
-    positions: list[int] = []
+    # The layout is built as runs of tokens (a prefix, an item, a re-run query token), in Python per run, and
+    # expanded to per-token arrays with NumPy: Python per token was most of a worker's host time per pass.
+    runs: list[tuple[int, ...]] = []
+    run_seq: list[int] = []
+    run_item: list[int] = []  # the item id within its sequence, -1 for prefix tokens
+    run_pos: list[int] = []  # the position of the run's first token
+    cached: list[tuple[int, int]] = []  # (sequence, prefix length) of prefixes read from the cache
     score_rows: list[int] = []
     owners: list[tuple[int, int]] = []
     owner_rows: list[int] = []
     prefix_spans: list[tuple[int, int]] = []
-    cache_seq: list[int] = []
-    cache_pos: list[int] = []
     hidden_keys: list[int] = []
+    n = 0  # tokens laid out so far
+
+    def add(run: tuple[int, ...], seq_id: int, item_id: int, pos: int) -> None:
+        nonlocal n
+        runs.append(run)
+        run_seq.append(seq_id)
+        run_item.append(item_id)
+        run_pos.append(pos)
+        n += len(run)
 
     for seq_id, seq in enumerate(plan.sequences):
-        start = len(tokens)
+        start = n
         if seq.prefix_cached:
-            cache_seq.extend([seq_id] * len(seq.prefix))
-            cache_pos.extend(range(len(seq.prefix)))
+            cached.append((seq_id, len(seq.prefix)))
         else:
-            tokens.extend(seq.prefix)
-            seq_ids.extend([seq_id] * len(seq.prefix))
-            item_ids.extend([-1] * len(seq.prefix))
-            positions.extend(range(len(seq.prefix)))
-        prefix_spans.append((start, len(tokens)))
+            add(seq.prefix, seq_id, -1, 0)
+        prefix_spans.append((start, n))
         request_rows: dict[int, int] = {}  # a request's empty items share one row (its labels are the same)
         for r, item in seq.scored_at_prefix_end:
             # An empty item scores the query alone. With the prefix cached, the query's last token is
@@ -232,28 +248,27 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | No
             # hidden from everyone, as the cache already holds it.
             if r not in request_rows:
                 if seq.prefix_cached:
-                    tokens.append(seq.prefix[-1])
-                    seq_ids.append(seq_id)
-                    item_ids.append(-1)
-                    positions.append(len(seq.prefix) - 1)
-                    hidden_keys.append(len(tokens) - 1)
+                    add(seq.prefix[-1:], seq_id, -1, len(seq.prefix) - 1)
+                    hidden_keys.append(n - 1)
                 request_rows[r] = len(score_rows)
-                score_rows.append(len(tokens) - 1)
+                score_rows.append(n - 1)
             owners.append((r, item))
             owner_rows.append(request_rows[r])
         # Item ids number the sequence's items (requests sharing a query share a sequence).
         for item_id, (r, item, toks) in enumerate(seq.items):
-            tokens.extend(toks)
-            seq_ids.extend([seq_id] * len(toks))
-            item_ids.extend([item_id] * len(toks))
-            positions.extend(range(len(seq.prefix), len(seq.prefix) + len(toks)))
+            add(toks, seq_id, item_id, len(seq.prefix))
             owners.append((r, item))
             owner_rows.append(len(score_rows))
-            score_rows.append(len(tokens) - 1)
+            score_rows.append(n - 1)
+
+    tokens = np.fromiter(itertools.chain.from_iterable(runs), np.int32, count=n)
+    seq_ids, item_ids, positions = _expand_runs([len(run) for run in runs], run_seq, run_item, run_pos)
+    cache_seq, _, cache_pos = _expand_runs([length for _, length in cached], [s for s, _ in cached],
+                                           [0] * len(cached), [0] * len(cached))
 
     block = max(block_q, block_k)  # both tile sizes must divide T and C
-    pass_tokens = pass_tokens or 1 << (max(len(tokens), block) - 1).bit_length()
-    T = pass_length(len(tokens), len(score_rows), pass_tokens, block)
+    pass_tokens = pass_tokens or 1 << (max(n, block) - 1).bit_length()
+    T = pass_length(n, len(score_rows), pass_tokens, block)
     C = cache_length(len(cache_seq), pass_tokens, block)
 
     def padded(values, length, fill):

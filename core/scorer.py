@@ -87,22 +87,33 @@ def _score_labels(requests: Sequence[TokenizedRequest], arrays) -> np.ndarray:
     """Per score row, its request's label ids [S, width]; the width is 8, or a power of two above (a compile
     key only for requests with more than 8 labels); rows padded with their first label, padding rows with
     label 0."""
-    widths = [len(requests[r].label_token_ids) for r, _ in arrays.owners]
-    width = max(MIN_LABEL_WIDTH, 1 << (max(widths, default=1) - 1).bit_length())
-    labels = np.zeros((len(arrays.score_rows), width), np.int32)
-    for (r, _), row in zip(arrays.owners, arrays.owner_rows):
+    owners = _owner_requests(arrays)
+    in_pass = np.unique(owners)
+    width = max([MIN_LABEL_WIDTH] + [1 << (len(requests[r].label_token_ids) - 1).bit_length() for r in in_pass])
+    per_request = np.zeros((len(requests), width), np.int32)
+    for r in in_pass:
         ids = requests[r].label_token_ids
-        labels[row] = list(ids) + [ids[0]] * (width - len(ids))
+        per_request[r] = list(ids) + [ids[0]] * (width - len(ids))
+    labels = np.zeros((len(arrays.score_rows), width), np.int32)
+    labels[arrays.owner_rows] = per_request[owners]  # a request's rows: a Python loop per item cost more
     return labels
 
 
+def _owner_requests(arrays) -> np.ndarray:
+    """The request of each item the pass scores."""
+    return np.fromiter((r for r, _ in arrays.owners), np.int64, count=len(arrays.owners))
+
+
 def _collect_scores(requests: Sequence[TokenizedRequest], arrays, logprobs: np.ndarray) -> list[ItemScores]:
-    by_request: dict[int, list[int]] = {}
-    for i, (r, _) in enumerate(arrays.owners):
-        by_request.setdefault(r, []).append(i)
-    return [ItemScores(r, np.asarray([arrays.owners[i][1] for i in owners]),
-                       logprobs[arrays.owner_rows[owners], :len(requests[r].label_token_ids)].astype(np.float64))
-            for r, owners in by_request.items()]
+    owners = _owner_requests(arrays)
+    items = np.fromiter((i for _, i in arrays.owners), np.int64, count=len(arrays.owners))
+    rows = logprobs[arrays.owner_rows].astype(np.float64)
+    in_pass, first = np.unique(owners, return_index=True)
+    scores = []
+    for r in in_pass[np.argsort(first)]:  # in the order the pass holds them
+        mine = owners == r
+        scores.append(ItemScores(int(r), items[mine], rows[mine, :len(requests[r].label_token_ids)]))
+    return scores
 
 
 def _default_attention() -> str:
