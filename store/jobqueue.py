@@ -9,7 +9,7 @@ paused past the lease, or swept) cannot write a result that another worker also 
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import ARRAY, String, any_, bindparam, delete, func, insert, or_, select, update
-from sqlalchemy.sql import ColumnElement
+from sqlalchemy.sql import ColumnElement, Select
 from sqlalchemy.orm import Session
 
 from store.batches import expire_uploads, settle_batch
@@ -85,16 +85,20 @@ def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None)
     """Leases one round of batch requests of at most `tokens` prompt tokens (None: BATCH_ROUND_TOKENS, else
     one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
     with session_scope() as session:
-        ids = _batch_round(session, settings, tokens or settings.batch_round_tokens or 0)
-        return _lease(session, owner, settings, ids)
+        for round_ in _batch_rounds(session, settings, tokens or settings.batch_round_tokens or 0):
+            if claimed := _lease(session, owner, settings, round_):
+                return claimed
+        return []
 
 
-def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> list[ClaimedJob]:
-    if not ids:
+def _lease(session: Session, owner: str, settings: Settings, ids: list[str] | Select) -> list[ClaimedJob]:
+    """Leases these queued jobs (ids, or a query of them: then the claim is this one statement)."""
+    if isinstance(ids, list) and not ids:
         return []
     now = utcnow()
+    chosen = _JOBS.id.in_(ids) if isinstance(ids, Select) else _among(session, _JOBS.id, ids)
     claimed = session.execute(
-        update(Job.__table__).where(_among(session, _JOBS.id, ids), _JOBS.status == "queued")
+        update(Job.__table__).where(chosen, _JOBS.status == "queued")
         .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
                 attempts=_JOBS.attempts + 1, items_done=0, started_at=func.coalesce(_JOBS.started_at, now))
         .returning(*_CLAIMED)).all()
@@ -106,10 +110,11 @@ def _lease(session: Session, owner: str, settings: Settings, ids: list[str]) -> 
             for row in sorted(claimed, key=lambda row: (-row.priority, row.query_key or "", row.id))]
 
 
-def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]:
-    """Ids of queued batch requests for one round. Tenants take turns (the one whose batches were claimed
-    from least recently goes first, however many batches it has); a tenant's batches run oldest first; within
-    a batch, requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
+def _batch_rounds(session: Session, settings: Settings, tokens: int) -> Iterator[Select]:
+    """Queries of the queued batch requests of one round, a batch at a time, for the lease's UPDATE (so that it
+    locks and takes them in one statement). Tenants take turns (the one whose batches were claimed from least
+    recently goes first, however many batches it has); a tenant's batches run oldest first; within a batch,
+    requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
     batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
                               .where(Batch.status == "in_progress").order_by(Batch.id)).all()
     served: dict[str, datetime] = {}
@@ -120,24 +125,19 @@ def _batch_round(session: Session, settings: Settings, tokens: int) -> list[str]
         # The batch row before its requests: the order in which POST /batches/{id}/cancel locks them too, so
         # a claim and a cancel cannot deadlock.
         session.execute(update(Batch).where(Batch.id == batch_id).values(last_claimed_at=utcnow()))
-        queued = select(Job.id, Job.prompt_tokens).where(Job.batch_id == batch_id, Job.status == "queued") \
-            .order_by(Job.query_key, Job.id)
+        queued = select(_JOBS.id, _JOBS.prompt_tokens, _JOBS.query_key) \
+            .where(_JOBS.batch_id == batch_id, _JOBS.status == "queued").order_by(_JOBS.query_key, _JOBS.id)
         # Lock about as many requests as the round takes (the next one's size times the round's share), not
         # DRAIN_MAX_JOBS: each lock is a write, and most of them would be released unused.
-        first = session.scalar(queued.with_only_columns(Job.prompt_tokens).limit(1))
+        first = session.scalar(queued.with_only_columns(_JOBS.prompt_tokens).limit(1))
         if first is None:
             continue
         wanted = min(settings.drain_max_jobs, 2 * (tokens // max(first, 1)) + 4)
-        rows = session.execute(queued.limit(wanted).with_for_update(skip_locked=True)).all()
-        ids, used = [], 0
-        for job_id, n in rows:
-            if ids and used + n > tokens:
-                break
-            ids.append(job_id)
-            used += n
-        if ids:
-            return ids
-    return []
+        locked = queued.limit(wanted).with_for_update(skip_locked=True).subquery()
+        order = (locked.c.query_key, locked.c.id)
+        ranked = select(locked.c.id, func.sum(locked.c.prompt_tokens).over(order_by=order).label("upto"),
+                        func.row_number().over(order_by=order).label("k")).subquery()
+        yield select(ranked.c.id).where(or_(ranked.c.upto <= tokens, ranked.c.k == 1))
 
 
 def _finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
