@@ -265,3 +265,30 @@ def test_batch_lane_order(client, make_key, clean) -> None:  # type: ignore[no-u
     assert tenants[0::2] != tenants[1::2] and len(set(tenants[0::2])) == 1 and len(set(tenants[1::2])) == 1
     # Alice's batches run oldest first: her second batch waits while her first has queued requests.
     assert alice_batches[1] not in batches and bob_batch in batches
+
+
+def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, clean, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A kick arriving while the loop holds batch work makes it claim interactive jobs only. Finding none must
+    not count as "no work left": it did, and the loop ended with the batch's other requests queued (the
+    sweeper restarted it seconds later, the device idle meanwhile)."""
+    import threading
+
+    key, _ = make_key()
+    batch_id = upload(client, key, [request_line(i) for i in range(150)]).json()["id"]
+    scorer, settings = get_scorer(), get_settings()
+    monkeypatch.setattr(drain_module, "CLAIM_AHEAD_PASSES", 1)
+    wake, calls = threading.Event(), []
+
+    def claim(interactive_only: bool) -> list:  # type: ignore[type-arg]
+        calls.append(interactive_only)
+        if len(calls) == 1:
+            wake.set()  # a kick during the first round
+        if interactive_only:
+            return jobqueue.claim_interactive("worker-a", settings)
+        return jobqueue.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens)
+
+    drain_module._run_loop(scorer, "worker-a", settings, claim, lambda: False, wake)
+    assert calls[:2] == [False, True]  # the path under test: a round, then an interactive-only claim
+    with session_scope() as session:
+        statuses = session.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()
+    assert len(statuses) == 150 and set(statuses) == {"succeeded"}

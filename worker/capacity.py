@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +210,7 @@ class Run:
     worker_cpu: float = 0.0
     postgres_drain_cpu: float = 0.0
     failed: int = 0
+    per_worker: list = field(default_factory=list)
 
     def figures(self) -> dict:
         jobs = self.jobs
@@ -227,6 +228,7 @@ class Run:
                                         "drain": round(self.postgres_drain_cpu / jobs * 1e3, 3)},
             "estimate_workers_per_postgres_core_at_90pct_duty": round(1e3 / (pg_ms * per_worker_jobs_s), 1),
             "wall_s": round(self.wall, 2), "device_s": round(self.device_seconds, 2), "failed": self.failed,
+            "per_worker": self.per_worker,
         }
 
 
@@ -303,6 +305,14 @@ class Bench:
                 first, last = conn.execute(select(func.min(Job.started_at), func.max(Job.finished_at))).one()
                 tokens = conn.scalar(select(func.sum(Pass.tokens)))
                 run.failed = conn.scalar(select(func.count()).select_from(Job).where(Job.status != "succeeded"))
+                # Each worker's first and last pass boundary, and its device time: a worker that started late
+                # or ran out of work early shows here.
+                run.per_worker = [
+                    {"first_pass_s": round((lo - first).total_seconds(), 2),
+                     "last_pass_s": round((hi - first).total_seconds(), 2), "device_s": round(n / self.rate, 2)}
+                    for lo, hi, n in conn.execute(select(func.min(Pass.created_at), func.max(Pass.created_at),
+                                                         func.sum(Pass.tokens)).group_by(Pass.worker)
+                                                  .order_by(func.min(Pass.created_at)))]
             engine.dispose()
             run.wall = (last - first).total_seconds()
             run.device_seconds = tokens / self.rate

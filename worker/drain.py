@@ -277,7 +277,8 @@ class PassLoop:
         written; every other held job goes back to the queue."""
         inflight: _Launched | None = None
         claiming = None  # the claim the writer is running for us
-        exhausted = False  # the last claim found nothing
+        claiming_all = False  # whether it may take batch requests too
+        exhausted = False  # the last claim that could take any job found none
         if isinstance(wake, WakeUp):
             wake.listener = self._claim_now
         try:
@@ -287,7 +288,9 @@ class PassLoop:
                 if claiming is not None and (claiming.done() or (not self.running and inflight is None)):
                     jobs = claiming.result()
                     claiming = None
-                    exhausted = not jobs
+                    # An interactive-only claim that finds nothing says nothing of the batch lane: taken as "no
+                    # work left", it ended the loop with batch requests queued (the sweeper restarted it later).
+                    exhausted = not jobs if claiming_all else exhausted and not jobs
                     self._admit(jobs)
                 if should_stop():
                     break
@@ -299,6 +302,7 @@ class PassLoop:
                     # With work in hand, or interactive jobs running (batch rounds wait for them, claims
                     # included), claim interactive jobs only.
                     interactive_only = not short or any(r.claimed.priority > PRIORITY_BATCH for r in self.running)
+                    claiming_all = not interactive_only
                     claiming = self.writer.submit(lambda: self._claim_requests(interactive_only))
                 launched = self._launch_next()
                 if inflight is not None:
