@@ -211,11 +211,14 @@ class Run:
     postgres_drain_cpu: float = 0.0
     failed: int = 0
     per_worker: list = field(default_factory=list)
+    results_seconds: float = 0.0  # a batch's results read back (GET /batches/{id}/results)
+    api_results_cpu: float = 0.0
+    postgres_results_cpu: float = 0.0
 
     def figures(self) -> dict:
         jobs = self.jobs
         per_worker_jobs_s = 0.9 * jobs / self.device_seconds  # a worker at 90% duty
-        pg_ms = (self.postgres_submit_cpu + self.postgres_drain_cpu) / jobs * 1e3
+        pg_ms = (self.postgres_submit_cpu + self.postgres_drain_cpu + self.postgres_results_cpu) / jobs * 1e3
         return {
             "shape": self.shape, "workers": self.workers, "jobs": jobs, "items": self.items,
             "duty": round(self.device_seconds / (self.wall * self.workers), 3),
@@ -225,7 +228,10 @@ class Run:
             "api_cpu_ms_per_job": round(self.api_cpu / jobs * 1e3, 3),
             "worker_cpu_ms_per_job": round(self.worker_cpu / jobs * 1e3, 3),
             "postgres_cpu_ms_per_job": {"submit": round(self.postgres_submit_cpu / jobs * 1e3, 3),
-                                        "drain": round(self.postgres_drain_cpu / jobs * 1e3, 3)},
+                                        "drain": round(self.postgres_drain_cpu / jobs * 1e3, 3),
+                                        "results": round(self.postgres_results_cpu / jobs * 1e3, 3)},
+            "results_lines_per_s": round(jobs / self.results_seconds) if self.results_seconds else None,
+            "api_results_cpu_ms_per_line": round(self.api_results_cpu / jobs * 1e3, 3),
             "estimate_workers_per_postgres_core_at_90pct_duty": round(1e3 / (pg_ms * per_worker_jobs_s), 1),
             "wall_s": round(self.wall, 2), "device_s": round(self.device_seconds, 2), "failed": self.failed,
             "per_worker": self.per_worker,
@@ -281,7 +287,7 @@ class Bench:
             bodies = [request_body(shape, i, rng) for i in range(n_jobs)]
             run.items = n_jobs * shape.items
             api_cpu, pg_cpu, start = cpu_seconds([api.pid]), postgres_cpu(), time.perf_counter()
-            (_upload_batch if shape.batch else _submit_jobs)(base, key, bodies)
+            batch_id = (_upload_batch if shape.batch else _submit_jobs)(base, key, bodies)
             run.submit_seconds = time.perf_counter() - start
             run.api_cpu, run.postgres_submit_cpu = cpu_seconds([api.pid]) - api_cpu, postgres_cpu() - pg_cpu
             engine = create_engine(url)
@@ -297,10 +303,21 @@ class Bench:
                       300, "the first claim", interval=0.02)
             worker_cpu, pg_cpu = cpu_seconds([p.pid for p in worker_procs]), postgres_cpu()
             with engine.connect() as conn:
+                # This polling's own backend is not the service's cost.
+                poller = conn.scalar(text("SELECT pg_backend_pid()")) if url.startswith("postgresql") else None
+                polling = cpu_seconds([poller]) if poller else 0.0
                 _wait(lambda: not conn.scalar(select(func.count()).select_from(Job)
                                               .where(Job.status.in_(("queued", "running")))), 3600, "the jobs")
+                polling = (cpu_seconds([poller]) if poller else 0.0) - polling
             run.worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
-            run.postgres_drain_cpu = postgres_cpu() - pg_cpu
+            run.postgres_drain_cpu = postgres_cpu() - pg_cpu - polling
+            if shape.batch:
+                api_cpu, pg_cpu, start = cpu_seconds([api.pid]), postgres_cpu(), time.perf_counter()
+                lines = _read_results(base, key, batch_id)
+                run.results_seconds = time.perf_counter() - start
+                run.api_results_cpu = cpu_seconds([api.pid]) - api_cpu
+                run.postgres_results_cpu = postgres_cpu() - pg_cpu
+                assert lines == n_jobs, f"{lines} result lines for {n_jobs} requests"
             with engine.connect() as conn:
                 first, last = conn.execute(select(func.min(Job.started_at), func.max(Job.finished_at))).one()
                 tokens = conn.scalar(select(func.sum(Pass.tokens)))
@@ -386,7 +403,7 @@ def _submit_jobs(base: str, key: str, bodies: list[dict]) -> None:
         raise RuntimeError(f"POST /jobs failed: {errors[0]}")
 
 
-def _upload_batch(base: str, key: str, bodies: list[dict]) -> None:
+def _upload_batch(base: str, key: str, bodies: list[dict]) -> str:
     import httpx
 
     lines = b"".join(json.dumps({"custom_id": f"line-{i}", **body}).encode() + b"\n" for i, body in enumerate(bodies))
@@ -394,6 +411,20 @@ def _upload_batch(base: str, key: str, bodies: list[dict]) -> None:
                           headers={"Authorization": f"Bearer {key}", "Content-Type": "application/jsonl"})
     if response.status_code != 201:
         raise RuntimeError(f"POST /batches failed: {response.text}")
+    return response.json()["id"]
+
+
+def _read_results(base: str, key: str, batch_id: str) -> int:
+    """Streams the batch's results as a user downloads them; returns the number of lines."""
+    import httpx
+
+    lines = 0
+    with httpx.stream("GET", f"{base}/batches/{batch_id}/results", timeout=3600,
+                      headers={"Authorization": f"Bearer {key}"}) as response:
+        response.raise_for_status()
+        for _ in response.iter_lines():
+            lines += 1
+    return lines
 
 
 # ---- command line ----------------------------------------------------------------------------------------------
@@ -436,13 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(figures)
         print(json.dumps(figures), flush=True)
     print("\n| shape | workers | jobs | duty | items/s | ideal items/s | API jobs/s | CPU ms/job: API, workers, "
-          "Postgres (submit+drain) | workers per Postgres core at 90% (estimate) |")
+          "Postgres (submit+drain+results read) | workers per Postgres core at 90% (estimate) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for f in results:
         pg = f["postgres_cpu_ms_per_job"]
         print(f"| {f['shape']} | {f['workers']} | {f['jobs']} | {f['duty']:.2f} | {f['items_per_s']:,} | "
               f"{f['ideal_items_per_s']:,} | {f['api_jobs_per_s']} | {f['api_cpu_ms_per_job']:.2f}, "
-              f"{f['worker_cpu_ms_per_job']:.2f}, {pg['submit']:.2f}+{pg['drain']:.2f} | "
+              f"{f['worker_cpu_ms_per_job']:.2f}, {pg['submit']:.2f}+{pg['drain']:.2f}+{pg['results']:.2f} | "
               f"{f['estimate_workers_per_postgres_core_at_90pct_duty']} |")
     if args.json:
         args.json.write_text(json.dumps({**header, "runs": results}, indent=1))
