@@ -16,7 +16,6 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
-    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -68,7 +67,9 @@ class Job(Base):
 
     __tablename__ = "jobs"
     __table_args__ = (
-        UniqueConstraint("api_key_id", "idempotency_key"),
+        # Unique among the jobs that have one (Postgres; SQLite keeps a table constraint: migration 0010).
+        Index("uq_jobs_idempotency", "api_key_id", "idempotency_key", unique=True,
+              postgresql_where=text("idempotency_key IS NOT NULL")),
         # Partial (migration 0010): a row is written three times, each version into every index it qualifies
         # for, so each index holds only the rows its queries read.
         _partial_index("ix_jobs_ready", ("status", "priority", "created_at"), _LIVE),
