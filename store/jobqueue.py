@@ -428,11 +428,16 @@ def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], att
     """Extends the leases of `job_ids` (the jobs the process is scoring) and marks the worker alive (for
     /readyz), with its state ("warming" or "ready") and the attention path its engine runs (for /metrics)."""
     now = utcnow()
+    lease = timedelta(seconds=settings.lease_seconds)
     with session_scope() as session:
         if job_ids:
-            session.execute(update(Job).where(Job.id.in_(list(job_ids)), Job.lease_owner == owner,
-                                              Job.status == "running")
-                            .values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
+            # Only leases past half their length (and never closer to expiry than three heartbeats): each
+            # extension is a new row version, and a job held for a second or two (a batch line) needs none.
+            due = now + max(lease / 2, timedelta(seconds=3 * settings.sweep_interval_seconds))
+            session.execute(update(Job.__table__).where(_among(session, _JOBS.id, list(job_ids)),
+                                                        _JOBS.lease_owner == owner, _JOBS.status == "running",
+                                                        _JOBS.lease_expires_at < due)
+                            .values(lease_expires_at=now + lease))
         if not session.execute(update(Worker).where(Worker.id == owner)
                                .values(last_seen_at=now, attention=attention, state=state)).rowcount:
             session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
