@@ -5,6 +5,7 @@ to 3): waiting /v1/score calls hold no thread and no connection and share one po
 import asyncio
 import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -380,3 +381,29 @@ def test_pool_replaces_connections_a_database_restart_killed(database, monkeypat
     finally:
         engine.dispose()
         killer.dispose()
+
+
+MALFORMED_REQUESTS = [
+    b"GARBAGE\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo-Colon-Here\r\n\r\n",
+    b"GET /a\x00b HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+]
+
+
+def test_malformed_http_is_400(database: str) -> None:
+    """The API runs uvicorn's C parser (httptools, pinned in pyproject.toml: uvicorn falls back to the pure-Python
+    h11 without a word when it is missing), and a request it cannot parse gets a 400, as under h11."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    server = InProcessServer(create_app())
+    with server as base:
+        # The same "auto" choice as `packscore serve` (uvicorn.run with its defaults).
+        assert server.server.config.http_protocol_class is HttpToolsProtocol
+        host, port = base.removeprefix("http://").split(":")
+        for raw in MALFORMED_REQUESTS:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(raw)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400 "), raw
