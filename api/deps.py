@@ -50,7 +50,15 @@ async def get_db() -> AsyncIterator[Session]:
 # route's response is serialized in a worker thread; a connection held until then is held while that thread is
 # waited for, and under a burst every pooled connection ended up held so (256 concurrent calls stalled).
 SessionDep = Annotated[Session, Depends(get_db, scope="function")]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+async def get_api_settings() -> Settings:
+    # On the event loop: FastAPI runs a sync dependency (get_settings itself) in the thread pool, a trip through
+    # it per request for a cached value.
+    return get_settings()
+
+
+SettingsDep = Annotated[Settings, Depends(get_api_settings)]
 
 
 @lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ import uvicorn
 from sqlalchemy import create_engine, event, select, update
 from sqlalchemy.orm import sessionmaker
 
-from api.deps import get_db
+from api.deps import get_api_settings, get_db
 from api.main import create_app
 from core import ERROR_CODES
 from store import errors
@@ -57,7 +57,7 @@ def test_waiting_score_calls_hold_no_thread_and_share_one_poll(database: str, ma
     per waiting call."""
     key, _ = make_key()
     app = create_app()
-    app.dependency_overrides[get_settings] = lambda: Settings(score_timeout_seconds=4)
+    app.dependency_overrides[get_api_settings] = lambda: Settings(score_timeout_seconds=4)
     statements: list[float] = []
 
     def count(_conn, _cursor, statement, *_: object) -> None:  # type: ignore[no-untyped-def]
@@ -308,7 +308,7 @@ def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> 
     answering."""
     key, _ = make_key()
     app = create_app()
-    app.dependency_overrides[get_settings] = lambda: Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
+    app.dependency_overrides[get_api_settings] = lambda: Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
     line = b"x" * (24 << 20) + b"\n" + json.dumps({"custom_id": "small", **BODY}).encode()
     with InProcessServer(app) as base:
         done = threading.Event()
