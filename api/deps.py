@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -50,7 +50,15 @@ async def get_db() -> AsyncIterator[Session]:
 # route's response is serialized in a worker thread; a connection held until then is held while that thread is
 # waited for, and under a burst every pooled connection ended up held so (256 concurrent calls stalled).
 SessionDep = Annotated[Session, Depends(get_db, scope="function")]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+async def get_api_settings() -> Settings:
+    # On the event loop: FastAPI runs a sync dependency (get_settings itself) in the thread pool, a trip through
+    # it per request for a cached value.
+    return get_settings()
+
+
+SettingsDep = Annotated[Settings, Depends(get_api_settings)]
 
 
 @lru_cache(maxsize=1)
@@ -89,31 +97,29 @@ _key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API 
 HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
 
 
-def _read_api_key(session: Session, presented: str) -> ApiKey | None:
-    key = find_api_key(session, presented)
-    # End the read: the connection goes back to the pool now. Held until the route's next step, it could not
-    # serve other requests while this one waits for a thread (a burst of requests would then hold every
-    # connection while the threads that could use them wait for one).
-    session.commit()
-    return key
+def _read_api_key(presented: str) -> ApiKey | None:
+    # A session of its own, closed at once: the connection goes back to the pool now. The request's session
+    # (SessionDep) is not a dependency of authentication: the key is read from the database only on a cache miss,
+    # and solving that dependency cost every request (FastAPI solves a sub-dependency again for each dependant).
+    with session_factory()() as session:
+        return find_api_key(session, presented)
 
 
-async def get_api_key(session: SessionDep,
+async def get_api_key(request: Request,
                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-                      header_key: Annotated[str | None, Depends(_key_header)] = None,
-                      authorization: Annotated[str | None, Header(include_in_schema=False)] = None) -> ApiKey:
+                      header_key: Annotated[str | None, Depends(_key_header)] = None) -> ApiKey:
     challenge = {"WWW-Authenticate": "Bearer"}
     if credentials is not None:
         presented = credentials.credentials
     elif header_key:
         presented = header_key
-    elif authorization is not None:
+    elif "authorization" in request.headers:
         raise ServiceError(401, "unauthorized", f"the Authorization header is not 'Bearer <key>': {HOW_TO_SEND_KEY}",
                            challenge)
     else:
         raise ServiceError(401, "unauthorized", f"missing API key: {HOW_TO_SEND_KEY}", challenge)
     # A cached key is checked on the event loop; only a database read goes to a thread.
-    key = cached_api_key(presented) or await run_in_threadpool(_read_api_key, session, presented)
+    key = cached_api_key(presented) or await run_in_threadpool(_read_api_key, presented)
     if key is None:
         raise ServiceError(401, "unauthorized", "invalid API key", challenge)
     return key

@@ -55,7 +55,14 @@ def get_engine(url: str | None = None) -> Engine:
 
 
 def session_factory() -> sessionmaker[Session]:
-    return sessionmaker(get_engine(), expire_on_commit=False)
+    return _sessionmaker(get_engine())
+
+
+@lru_cache
+def _sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    # One per engine: each sessionmaker is a new Session subclass whose event dispatch SQLAlchemy builds again,
+    # which cost the API about 0.1-0.2 ms of CPU per request when one was made per request.
+    return sessionmaker(engine, expire_on_commit=False)
 
 
 @contextmanager

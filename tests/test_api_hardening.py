@@ -5,6 +5,7 @@ to 3): waiting /v1/score calls hold no thread and no connection and share one po
 import asyncio
 import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import uvicorn
 from sqlalchemy import create_engine, event, select, update
 from sqlalchemy.orm import sessionmaker
 
-from api.deps import get_db
+from api.deps import get_api_settings, get_db
 from api.main import create_app
 from core import ERROR_CODES
 from store import errors
@@ -56,7 +57,7 @@ def test_waiting_score_calls_hold_no_thread_and_share_one_poll(database: str, ma
     per waiting call."""
     key, _ = make_key()
     app = create_app()
-    app.dependency_overrides[get_settings] = lambda: Settings(score_timeout_seconds=4)
+    app.dependency_overrides[get_api_settings] = lambda: Settings(score_timeout_seconds=4)
     statements: list[float] = []
 
     def count(_conn, _cursor, statement, *_: object) -> None:  # type: ignore[no-untyped-def]
@@ -307,7 +308,7 @@ def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> 
     answering."""
     key, _ = make_key()
     app = create_app()
-    app.dependency_overrides[get_settings] = lambda: Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
+    app.dependency_overrides[get_api_settings] = lambda: Settings(max_body_bytes=64 << 20, batch_max_bytes=128 << 20)
     line = b"x" * (24 << 20) + b"\n" + json.dumps({"custom_id": "small", **BODY}).encode()
     with InProcessServer(app) as base:
         done = threading.Event()
@@ -331,18 +332,16 @@ def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> 
 
 
 def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ignore[no-untyped-def]
-    """The key lookup (on a cache miss) runs in a thread of its own, before the route's: holding its connection until then let a
-    burst of 256 calls hold every pooled connection while the threads that could use them waited for one."""
-    from fastapi.security import HTTPAuthorizationCredentials
-
-    from api.deps import get_api_key
-    from store.db import session_factory
+    """The key lookup (on a cache miss) runs in a thread of its own, before the route's, and gives its connection
+    back at once: holding it until the route's step let a burst of 256 calls hold every pooled connection while
+    the threads that could use them waited for one."""
+    from api.deps import _read_api_key
 
     key, _ = make_key()
-    with session_factory()() as session:
-        found = asyncio.run(get_api_key(session, HTTPAuthorizationCredentials(scheme="Bearer", credentials=key)))
-        assert found.name == "test"
-        assert not session.in_transaction()
+    pool = get_engine().pool
+    held = pool.checkedout()
+    assert _read_api_key(key).name == "test"
+    assert pool.checkedout() == held
 
 
 def test_pool_replaces_connections_a_database_restart_killed(database, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -380,3 +379,29 @@ def test_pool_replaces_connections_a_database_restart_killed(database, monkeypat
     finally:
         engine.dispose()
         killer.dispose()
+
+
+MALFORMED_REQUESTS = [
+    b"GARBAGE\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo-Colon-Here\r\n\r\n",
+    b"GET /a\x00b HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+]
+
+
+def test_malformed_http_is_400(database: str) -> None:
+    """The API runs uvicorn's C parser (httptools, pinned in pyproject.toml: uvicorn falls back to the pure-Python
+    h11 without a word when it is missing), and a request it cannot parse gets a 400, as under h11."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    server = InProcessServer(create_app())
+    with server as base:
+        # The same "auto" choice as `packscore serve` (uvicorn.run with its defaults).
+        assert server.server.config.http_protocol_class is HttpToolsProtocol
+        host, port = base.removeprefix("http://").split(":")
+        for raw in MALFORMED_REQUESTS:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(raw)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 400 "), raw

@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
+from api.deps import get_api_settings
 from core import Scorer
-from store.settings import Settings, get_settings
+from store.settings import Settings
 from tests.service_harness import Service, assert_scores, wait_terminal
 
 BODY = {"query": "Is this a question?", "items": ["yes", "no"], "label_token_ids": [5, 7]}
@@ -222,9 +223,9 @@ FORBIDDEN = ["http://127.0.0.1:9/hook", "http://[::1]/hook", "http://10.0.0.1/ho
 @pytest.fixture
 def no_allowlist(client):  # type: ignore[no-untyped-def]
     """The in-process app with an empty WEBHOOK_ALLOWLIST (the test default allowlists 127.0.0.1)."""
-    client.app.dependency_overrides[get_settings] = lambda: Settings(webhook_allowlist=[])
+    client.app.dependency_overrides[get_api_settings] = lambda: Settings(webhook_allowlist=[])
     yield client
-    client.app.dependency_overrides.pop(get_settings)
+    client.app.dependency_overrides.pop(get_api_settings)
 
 
 @pytest.fixture
@@ -254,7 +255,7 @@ def test_webhook_to_internal_address_refused(no_allowlist, make_key, private_dns
 def test_webhook_allowlist_lets_internal_targets_through(client, make_key, private_dns) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     headers = {"Authorization": f"Bearer {key}"}
-    client.app.dependency_overrides[get_settings] = lambda: Settings(
+    client.app.dependency_overrides[get_api_settings] = lambda: Settings(
         webhook_allowlist=["10.0.0.0/8", "internal.example", "127.0.0.1"])
     try:
         for url in ("http://10.9.8.7/hook", "http://internal.example/hook", "http://127.0.0.1:9/hook"):
@@ -262,4 +263,4 @@ def test_webhook_allowlist_lets_internal_targets_through(client, make_key, priva
         for url in ("http://192.168.1.1/hook", "http://[::1]/hook", "http://169.254.169.254/"):
             assert client.post("/jobs", json={**BODY, "webhook_url": url}, headers=headers).status_code == 400, url
     finally:
-        client.app.dependency_overrides.pop(get_settings)
+        client.app.dependency_overrides.pop(get_api_settings)

@@ -58,7 +58,7 @@ def _submit(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session
 
 
 def _response(session: Session, job: Job) -> ScoreResponse | RerankResponse:
-    session.refresh(job)
+    job = session.get(Job, job.id)  # the row as it is now (create_job's job is the row as written)
     logprobs = job_store.read_logprobs(session, job)
     session.commit()  # the connection goes back to the pool now, not when the response has been sent
     if job.status == "cancelled":
