@@ -11,13 +11,17 @@ database, the broker, tokenization, planning, packing, the pass loop) is the rea
 device the service would keep busy, not how fast any device is.
 
 For each traffic shape it queues the jobs first (POST /jobs from 16 persistent clients, or one batch upload),
-then starts the workers, and reports:
+then starts the workers, and reports (a run holds --device-seconds of simulated device time per worker: the
+workers start together, and the last one ready starts claiming a second or so after the first, which would
+otherwise weigh twice as much on two workers' duty as on one's):
 - duty: simulated device seconds / (wall seconds x workers), the wall from the first claim to the last finish
   by the jobs' own timestamps;
 - items/s, and the ideal items/s (every device busy all the time);
 - API jobs/s while the jobs were submitted;
 - CPU milliseconds per job of the API (during submission), the workers (host work only: the device is a
-  sleep) and Postgres (all its processes, submission and drain separately), from /proc;
+  sleep) and Postgres (all its processes; submission, drain and a batch's results read back, separately;
+  the benchmark's own polling connection left out), from /proc;
+- each worker's first and last pass and its device time (JSON only);
 - an estimate (labelled so): how many such workers one Postgres core could feed at 90% duty.
 
 The simulated workers are started by this module only (`python -m worker.capacity simulated-worker`), never by
@@ -263,7 +267,7 @@ class Bench:
         from store.models import Job, Pass
 
         shape = SHAPES[name]
-        n_jobs = jobs_for(shape, self.rate, device_seconds)
+        n_jobs = jobs_for(shape, self.rate, device_seconds * workers)
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
         with admin.connect() as conn:
@@ -443,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="contract,small,backfill")
     parser.add_argument("--workers", default="1,2", help="worker counts to run each shape with")
     parser.add_argument("--runs", help="shape:workers pairs instead of every combination, e.g. small:1,backfill:2")
-    parser.add_argument("--device-seconds", type=float, default=10.0, help="simulated device time per run")
+    parser.add_argument("--device-seconds", type=float, default=10.0, help="simulated device time per worker")
     parser.add_argument("--database-url", default=os.environ.get("CAPACITY_ADMIN_URL",
                                                                  "postgresql+psycopg://root@127.0.0.1:5432/postgres"))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
