@@ -370,9 +370,12 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
     """Runs the ready jobs until none is left (interactive before batch); returns how many it claimed. A
     failed database write ends it: the jobs it held are left to their leases (the heartbeat stops extending
     them) and the failure is raised."""
-    # A batch claim takes the passes the loop claims ahead in one go: a claim costs the database and the
-    # writer's thread about as much for 30 lines as for 130. Passes stay BATCH_ROUND_TOKENS long (see _window).
-    claim = _claimer(owner, settings, CLAIM_AHEAD_PASSES * (settings.batch_round_tokens or scorer.pass_tokens))
+    # On an accelerator a batch claim takes the passes the loop claims ahead in one go: a claim costs the
+    # database and the writer's thread about as much for 30 lines as for 130. On CPU the claim's work shares
+    # the cores with the passes, and a bigger claim only delays an interactive job's own claim behind it.
+    # Passes stay BATCH_ROUND_TOKENS long either way (see _window).
+    rounds = CLAIM_AHEAD_PASSES if scorer.launches_ahead else 1
+    claim = _claimer(owner, settings, rounds * (settings.batch_round_tokens or scorer.pass_tokens))
     return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event())
 
 
