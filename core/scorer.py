@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -321,14 +321,28 @@ class Scorer:
             self._prefix_cache.clear()
             self._prefix_bytes = 0
 
-    def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array) -> None:
+    def prefix_bytes(self, tokens: int) -> int:
+        """Bytes the prefix cache takes to keep a prefix of this many tokens (its keys and values)."""
+        c = self.config
+        rows = tokens if self.host_prefix_cache else _window_rows(tokens, self.block_k)
+        return 2 * rows * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array,
+                         needed: Collection[tuple[int, ...]]) -> None:
         if (old := self._prefix_cache.pop(query, None)) is not None:
             self._prefix_bytes -= old[0].nbytes + old[1].nbytes
         self._prefix_cache[query] = (k, v)
         self._prefix_bytes += k.nbytes + v.nbytes
-        while len(self._prefix_cache) > 1 and self._prefix_bytes > self.prefix_cache_bytes:
-            _, (old_k, old_v) = self._prefix_cache.popitem(last=False)
-            self._prefix_bytes -= old_k.nbytes + old_v.nbytes
+        if self._prefix_bytes <= self.prefix_cache_bytes:
+            return
+        # Least recently used first, but the prefixes that requests under way still need only when nothing else
+        # is left: evicted, such a prefix is computed again for the request's next items.
+        for spare_needed in (True, False):
+            for old_query in [q for q in self._prefix_cache if q != query and not (spare_needed and q in needed)]:
+                if self._prefix_bytes <= self.prefix_cache_bytes:
+                    return
+                old_k, old_v = self._prefix_cache.pop(old_query)
+                self._prefix_bytes -= old_k.nbytes + old_v.nbytes
 
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.
@@ -353,19 +367,22 @@ class Scorer:
         plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached)
         return plans[0] if plans else None
 
-    def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan) -> "InFlightPass":
+    def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan,
+               needed: Collection[tuple[int, ...]] = ()) -> "InFlightPass":
         """Dispatches one planned pass without waiting for the device (JAX dispatches asynchronously), so
         the host can plan the next pass while this one runs; `InFlightPass.result()` waits for its scores.
-        Passes run in launch order. A prefix the pass keeps counts as cached from now on."""
+        Passes run in launch order. A prefix the pass keeps counts as cached from now on. `needed`: the
+        prefixes of requests under way (items of theirs still to run), evicted from the prefix cache last."""
         with self._engine_lock:  # also guards the prefix cache
-            return self._launch_plan(list(requests), plan)
+            return self._launch_plan(list(requests), plan, needed)
 
     def _run_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> PassResult:
         with self._engine_lock:
             launched = self._launch_plan(requests, plan)
         return launched.result()
 
-    def _launch_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> "InFlightPass":
+    def _launch_plan(self, requests: list[TokenizedRequest], plan: PassPlan,
+                     needed: Collection[tuple[int, ...]] = ()) -> "InFlightPass":
         start = time.perf_counter()
         cached = []  # held here: computing one prefix again may evict another this pass needs
         cached_lengths = []
@@ -373,7 +390,8 @@ class Scorer:
             if not seq.prefix_cached:
                 continue
             if seq.prefix not in self._prefix_cache:  # evicted since planning (e.g. by the other lane's passes)
-                self._launch_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)])).result()
+                self._launch_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]),
+                                  needed).result()
             self._prefix_cache.move_to_end(seq.prefix)
             cached.append(self._prefix_cache[seq.prefix])
             cached_lengths.append(len(seq.prefix))
@@ -383,7 +401,7 @@ class Scorer:
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
-                self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv))
+                self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv), needed)
         return InFlightPass(self, requests, arrays, handle, shape_key, start)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     attention: Literal["auto", "xla", "pallas"] = "auto"
     # Compiled pass programs a worker keeps in memory (least recently used go first; each holds tens of MB).
     max_programs: int = 16
+    # Device memory for recent queries' keys/values (a query shared by requests, or whose items span passes,
+    # is computed once). A job whose items span passes starts when its query fits beside those under way.
+    prefix_cache_bytes: int = 256 << 20
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
     compile_cache_dir: str | None = None
     # ladder: a starting worker compiles (or loads from COMPILE_CACHE_DIR) every program of the pass-shape

@@ -231,6 +231,27 @@ def test_prefixes_evicted_between_planning_and_running(tiny):
         assert np.abs(g - e).max() <= 1e-4
 
 
+def test_prefixes_still_needed_are_evicted_last(tiny):
+    """The prefix cache evicts the least recently used prefix first, except those a pass loop says requests
+    under way still need (`needed`); `prefix_bytes` is what a prefix takes there."""
+    rng = np.random.default_rng(10)
+    a, b, c = (tiny.tokenize(rng.integers(5, 49152, 40).tolist(), [rng.integers(5, 49152, 3).tolist()], [4])
+               for _ in range(3))
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=512,
+                    prefix_cache_bytes=2 * tiny.prefix_bytes(40))
+
+    def run(request, needed=()):  # type: ignore[no-untyped-def]
+        scorer.launch([request], scorer.plan_pass([request]), needed).result()
+
+    run(a)
+    run(b)
+    assert scorer.cached_prefix_bytes == 2 * scorer.prefix_bytes(40)
+    run(c, needed={a.query})
+    assert [scorer.is_cached(r.query) for r in (a, b, c)] == [True, False, True]
+    run(b)
+    assert [scorer.is_cached(r.query) for r in (a, b, c)] == [False, True, True]
+
+
 def test_resident_programs_are_capped_least_recently_used_first(tiny):
     capped = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=2)
     rng = np.random.default_rng(11)

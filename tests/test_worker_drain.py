@@ -183,7 +183,7 @@ def test_engine_crash_requeues(client, make_key, empty_queue, monkeypatch) -> No
     job_id = submit(client, key, many_items(3))
     scorer = get_scorer()
 
-    def broken(requests, plan):  # type: ignore[no-untyped-def]
+    def broken(*args):  # type: ignore[no-untyped-def]
         raise RuntimeError("device lost")
 
     settings = get_settings()
@@ -325,9 +325,9 @@ def test_a_cancel_while_the_next_pass_is_launched(client, make_key, empty_queue,
     monkeypatch.setattr(scorer, "launches_ahead", True)
     original, launches = scorer.launch, []
 
-    def launch(requests, plan):  # type: ignore[no-untyped-def]
+    def launch(*args):  # type: ignore[no-untyped-def]
         launches.append(1)
-        flight = original(requests, plan)
+        flight = original(*args)
         if len(launches) == 2:  # pass 1 not collected yet
             assert client.post(f"/jobs/{job_id}/cancel", headers=auth(key)).status_code == 202
         return flight
@@ -424,3 +424,39 @@ def test_stored_requests_are_checked_as_their_token_ids() -> None:
             checker.tokenize(list(bad.query), [list(i) for i in bad.items], list(bad.label_token_ids))
         assert stored.value.code == tokenized.value.code == code
         assert stored.value.message == tokenized.value.message
+
+
+def test_long_jobs_start_as_the_prefix_cache_can_keep_their_queries(client, make_key, empty_queue,
+                                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Four queued jobs, each longer than a pass, with a prefix cache that holds two of their queries: the
+    loop starts a job when the cache can keep its query beside those of the jobs under way, so no query is
+    computed twice (each pass used to start another job with half of what was left, and the cache evicted the
+    query of one still under way)."""
+    key, _ = make_key()
+    bodies = [{"query": f"Question {q}:" + " the" * 120, "items": [f" answer {i} is" for i in range(100)],
+               "label_token_ids": [5, 17], "return_logprobs": True} for q in range(4)]
+    ids = [submit(client, key, body) for body in bodies]
+    scorer = get_scorer()
+    queries = {scorer.tokenize(b["query"], b["items"], b["label_token_ids"]).query for b in bodies}
+    assert len(queries) == 4 and len({len(q) for q in queries}) == 1
+    monkeypatch.setattr(scorer, "prefix_cache_bytes", 2 * scorer.prefix_bytes(len(next(iter(queries)))))
+    scorer.clear_prefix_cache()
+    original, computed = scorer._remember_prefix, []
+
+    def remember(query, *args):  # type: ignore[no-untyped-def]
+        computed.append(query)
+        return original(query, *args)
+
+    monkeypatch.setattr(scorer, "_remember_prefix", remember)
+    assert drain_module.drain(scorer, "worker-a", get_settings()) == 4
+    with session_scope() as session:
+        passes = session.scalar(select(func.count()).select_from(Pass))
+        assert session.scalar(select(func.sum(Pass.n_items))) == 400
+    assert passes >= 4, "each job should take more than one pass (PASS_TOKENS is small in tests)"
+    assert sorted(computed) == sorted(queries), "a query was computed more than once"
+    monkeypatch.undo()
+    for job_id, body in zip(ids, bodies):
+        job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+        assert job["status"] == "succeeded"
+        expected = scorer.logprobs(body["query"], body["items"], body["label_token_ids"])
+        np.testing.assert_allclose(job["logprobs"], expected, atol=1e-4)

@@ -102,15 +102,15 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
 
         def _prefix_rows(self, keys_or_values, lo: int, hi: int):  # type: ignore[no-untyped-def]
             # A stand-in as large as the real rows (the cache evicts as it would), holding nothing.
-            c = self.config
-            return SimulatedRows((hi - lo) * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize)
+            return SimulatedRows(self.prefix_bytes(hi - lo) // 2)
 
         def warm_up(self) -> int:
             return 0
 
     # The real weights load but never run: the device is simulated.
     scorer = SimulatedScorer.from_pretrained(settings.model, settings.model_cache_dir, attention="xla",
-                                             pass_tokens=settings.pass_tokens or 16384, **settings.request_limits)
+                                             pass_tokens=settings.pass_tokens or 16384,
+                                             prefix_cache_bytes=settings.prefix_cache_bytes, **settings.request_limits)
     # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.
     scorer.always_keep_kv = scorer.host_prefix_cache = False
     scorer.launches_ahead = True

@@ -175,10 +175,12 @@ class PassLoop:
     def _pending_tokens(self) -> int:
         return sum(r.pending_tokens for r in self.running)
 
-    def _window(self) -> list[tuple[RunningJob, list[int]]]:
+    def _window(self) -> tuple[list[tuple[RunningJob, list[int]]], set[tuple[int, ...]]]:
         """The pending items the next pass is planned from, up to a pass of tokens: interactive jobs before
         batch ones, oldest first, each taking what the jobs after it would leave, but at least half the pass.
-        So a job that arrives while a long one runs joins the next pass, and two long jobs share passes."""
+        So a job that arrives while a long one runs joins the next pass, and two long jobs share passes. A job
+        whose items span passes starts only when the prefix cache can keep its query beside those of the jobs
+        under way (or first in the pass). Also returns the queries the jobs under way will still need."""
         waiting = sorted((r for r in self.running if r.pending), key=lambda r: (-r.claimed.priority, r.order))
         if waiting and waiting[0].claimed.priority > PRIORITY_BATCH:
             # The interactive lane goes before batch rounds: batch requests wait while interactive jobs run.
@@ -187,6 +189,11 @@ class PassLoop:
         wanted_after = [0] * (len(waiting) + 1)  # what the jobs after each one would take
         for k in range(len(waiting) - 1, -1, -1):
             wanted_after[k] = min(remaining, wanted_after[k + 1] + waiting[k].pending_tokens)
+        # The queries of the jobs under way (some items run, some not), which their next items run against.
+        under_way: dict[tuple[int, ...], set[str]] = {}
+        for run in self.running:
+            if run.pending and len(run.pending) < run.request.n_items and not run.request.item_first:
+                under_way.setdefault(run.request.query, set()).add(run.job_id)
         window, queries = [], set()
         for k, run in enumerate(waiting):
             if remaining <= 0:
@@ -203,10 +210,25 @@ class PassLoop:
                 used += cost
             if window and used > remaining:
                 continue
+            if not req.item_first:
+                if len(taken) == len(run.pending):
+                    under_way.get(req.query, set()).discard(run.job_id)
+                elif window and not under_way.get(req.query) and not self._cache_keeps(
+                        [*(query for query, jobs in under_way.items() if jobs), req.query]):
+                    # Started now, the job would find its query evicted by the time its next items run (and
+                    # compute it again, maybe every pass): it starts when a job under way is done.
+                    continue
+                else:
+                    under_way.setdefault(req.query, set()).add(run.job_id)
             queries.add(req.query)
             window.append((run, taken))
             remaining -= used
-        return window
+        return window, {query for query, jobs in under_way.items() if jobs}
+
+    def _cache_keeps(self, queries: list[tuple[int, ...]]) -> bool:
+        """Whether the prefix cache holds all these queries at once (one always goes in, however long)."""
+        needs = sum(self.scorer.prefix_bytes(len(query)) for query in queries)
+        return len(queries) <= 1 or needs <= self.scorer.prefix_cache_bytes
 
     def _pass_budget(self, waiting: list[RunningJob]) -> int:
         """A pass's tokens: a full pass; or while jobs that have not run yet wait (a /v1/score call holds a
@@ -221,7 +243,7 @@ class PassLoop:
         return next((n for n in lengths if n >= fresh), lengths[-1]) if fresh else self.scorer.pass_tokens
 
     def _launch_next(self) -> _Launched | None:
-        window = self._window()
+        window, needed = self._window()
         if not window:
             return None
         views = [TokenizedRequest(run.request.query, tuple(run.request.items[i] for i in taken),
@@ -240,7 +262,7 @@ class PassLoop:
             else:
                 run.pending_tokens -= sum(run.item_cost(i) for i in chosen)
             run.pending = [i for i in run.pending if i not in chosen]
-        return _Launched(self.scorer.launch(views, plan), [(run, taken) for run, taken in window])
+        return _Launched(self.scorer.launch(views, plan, needed), [(run, taken) for run, taken in window])
 
     def _collect(self, launched: _Launched) -> None:
         """Waits for a launched pass, keeps its scores and queues its boundary writes."""

@@ -28,4 +28,5 @@ def _load() -> Scorer:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
     return Scorer.from_pretrained(settings.model, settings.model_cache_dir, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
                                   attention=settings.attention, max_programs=settings.max_programs,
+                                  prefix_cache_bytes=settings.prefix_cache_bytes,
                                   **settings.request_limits)
