@@ -4,6 +4,7 @@ duplicated `drain` message costs nothing (the sweeper re-kicks, an extra drain f
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -116,26 +117,37 @@ class KickCoalescer:
         self._lock = threading.Lock()
         self._last = -math.inf
         self._due = False  # a coalesced kick is scheduled
+        self._scheduled = threading.Event()
+        self._sender_pid = 0  # the process whose thread sends the coalesced kicks (a forked child starts its own)
 
     def kick(self) -> None:
         with self._lock:
             if self._due:
                 return
-            wait = self._last + self._window - time.monotonic()
-            if wait > 0:
+            if self._last + self._window > time.monotonic():
                 self._due = True
-                timer = threading.Timer(wait, self._send_due)
-                timer.daemon = True
-                timer.start()
+                if self._sender_pid != os.getpid():
+                    # One thread for every coalesced kick: a timer thread each cost the API a thread start
+                    # per window (up to 100 a second).
+                    self._sender_pid = os.getpid()
+                    threading.Thread(target=self._send_scheduled, name="kick-sender", daemon=True).start()
+                self._scheduled.set()
                 return
             self._last = time.monotonic()
         self._send()
 
-    def _send_due(self) -> None:
-        with self._lock:
-            self._due = False
-            self._last = time.monotonic()
-        self._send()
+    def _send_scheduled(self) -> None:
+        while True:
+            self._scheduled.wait()
+            self._scheduled.clear()
+            with self._lock:
+                wait = self._last + self._window - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with self._lock:
+                self._due = False
+                self._last = time.monotonic()
+            self._send()
 
 
 KICK_WINDOW_SECONDS = 0.01
