@@ -77,12 +77,13 @@ def read_output(path: Path) -> list[dict]:
 def test_backfill_interrupted_and_resumed(service: Service, reference: Scorer, tmp_path: Path) -> None:
     requests = [{"custom_id": f"q{i // 8}-c{i % 8}", "query": f"Rank the answers to question {i // 8}.",
                  "items": [f"candidate {i}", f"other candidate {i % 5}"], "label_token_ids": [5, 17],
-                 "apply_softmax": True} for i in range(1200)]
+                 "apply_softmax": True} for i in range(2400)]
     requests[7]["label_token_ids"] = []  # a bad request: an error result, written once like the others
     source, out = tmp_path / "input.jsonl", tmp_path / "results.jsonl"
     write_input(source, requests)
 
-    first = cli(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    # Polled often: the first partial download comes after 10 polls, and it must come before the end.
+    first = cli(service, "backfill", str(source), "--out", str(out), "--poll", "0.05")
     deadline = time.monotonic() + 120
     while not (out.exists() and out.stat().st_size > 0):
         assert first.poll() is None, first.communicate()
@@ -105,7 +106,7 @@ def test_backfill_interrupted_and_resumed(service: Service, reference: Scorer, t
     assert sorted(ids) == sorted(r["custom_id"] for r in requests), "each custom_id exactly once"
     by_id = {line["custom_id"]: line for line in lines}
     assert by_id["q0-c7"]["error"]["code"] == "empty_label_token_ids"
-    for request in requests[8:1200:97]:
+    for request in requests[8:2400:197]:
         expected = reference.score(request["query"], request["items"], request["label_token_ids"], True)
         np.testing.assert_allclose(by_id[request["custom_id"]]["scores"], expected, rtol=SCORE_RTOL, atol=0)
     with Client(service.base_url, service.key) as client:

@@ -394,10 +394,13 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
     them) and the failure is raised."""
     # On an accelerator a batch claim takes the passes the loop claims ahead in one go: a claim costs the
     # database and the writer's thread about as much for 30 lines as for 130. On CPU the claim's work shares
-    # the cores with the passes, and a bigger claim only delays an interactive job's own claim behind it.
-    # Passes stay BATCH_ROUND_TOKENS long either way (see _window).
-    rounds = CLAIM_AHEAD_PASSES if scorer.launches_ahead else 1
-    claim = _claimer(owner, settings, rounds * (settings.batch_round_tokens or scorer.pass_tokens))
+    # the cores with the passes, and an interactive job's own claim waits behind it: a claim takes at most a
+    # pass of tokens, but as many short rounds as that holds (one short round a claim left a batch pass one
+    # line long, the claims not keeping up with the passes). Passes stay BATCH_ROUND_TOKENS long either way.
+    round_tokens = settings.batch_round_tokens or scorer.pass_tokens
+    claim_tokens = CLAIM_AHEAD_PASSES * round_tokens if scorer.launches_ahead else \
+        max(round_tokens, min(CLAIM_AHEAD_PASSES * round_tokens, scorer.pass_tokens))
+    claim = _claimer(owner, settings, claim_tokens)
     return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event())
 
 
