@@ -202,7 +202,6 @@ class RequestTokenizer:
     def __init__(self, tokenizer, vocab_size: int, *, model_name: str, max_items: int = 100_000,
                  max_tokens: int = 4_000_000, max_sequence_tokens: int = 8192):
         self.tokenizer = tokenizer
-        self._backend = tokenizer.backend_tokenizer  # transformers' fast tokenizers all have one
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.max_items = max_items
@@ -229,7 +228,7 @@ class RequestTokenizer:
         # The `tokenizers` object under transformers' tokenizer: the same ids (transformers calls its
         # encode_batch too), without the wrapper's per-call setup (0.02-0.04 ms of a small request's 0.2-0.3).
         try:
-            encoded = self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+            encoded = self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError, UnicodeError) as exc:  # e.g. lone surrogates
             raise ScoringError("invalid_input", f"text could not be tokenized: {exc}") from None
         return [tuple(e.ids) for e in encoded]
