@@ -336,13 +336,13 @@ class Scorer:
         if self._prefix_bytes <= self.prefix_cache_bytes:
             return
         # Least recently used first, but the prefixes that requests under way still need only when nothing else
-        # is left: evicted, such a prefix is computed again for the request's next items.
-        for spare_needed in (True, False):
-            for old_query in [q for q in self._prefix_cache if q != query and not (spare_needed and q in needed)]:
-                if self._prefix_bytes <= self.prefix_cache_bytes:
-                    return
-                old_k, old_v = self._prefix_cache.pop(old_query)
-                self._prefix_bytes -= old_k.nbytes + old_v.nbytes
+        # is left: evicted, such a prefix is computed again for the request's next items. (A stable sort: the
+        # cache's order, least recently used first, within each group.)
+        for old_query in sorted((q for q in self._prefix_cache if q != query), key=lambda q: q in needed):
+            if self._prefix_bytes <= self.prefix_cache_bytes:
+                return
+            old_k, old_v = self._prefix_cache.pop(old_query)
+            self._prefix_bytes -= old_k.nbytes + old_v.nbytes
 
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.

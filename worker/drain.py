@@ -211,10 +211,12 @@ class PassLoop:
             if window and used > remaining:
                 continue
             if not req.item_first:
-                if len(taken) == len(run.pending):
-                    under_way.get(req.query, set()).discard(run.job_id)
-                elif window and not under_way.get(req.query) and not self._cache_keeps(
-                        [*(query for query, jobs in under_way.items() if jobs), req.query]):
+                if len(taken) == len(run.pending):  # done in this pass: its query is not needed after it
+                    jobs = under_way.get(req.query, set())
+                    jobs.discard(run.job_id)
+                    if not jobs:
+                        under_way.pop(req.query, None)
+                elif window and req.query not in under_way and not self._cache_keeps([*under_way, req.query]):
                     # Started now, the job would find its query evicted by the time its next items run (and
                     # compute it again, maybe every pass): it starts when a job under way is done.
                     continue
@@ -223,7 +225,7 @@ class PassLoop:
             queries.add(req.query)
             window.append((run, taken))
             remaining -= used
-        return window, {query for query, jobs in under_way.items() if jobs}
+        return window, set(under_way)
 
     def _cache_keeps(self, queries: list[tuple[int, ...]]) -> bool:
         """Whether the prefix cache holds all these queries at once (one always goes in, however long)."""
