@@ -8,7 +8,8 @@ passes: a request too large for one pass is split into a prefix pass and chunks 
 items against that cache, and a query seen recently is not recomputed.
 
 Shapes come from a short fixed ladder (`pass_length`): a pass of T tokens, T one of
-pass_tokens/8, /4, /2 or pass_tokens (larger only for one sequence longer than a pass),
+pass_tokens, /2, /4, ... down to the shortest pass (pass_tokens/8 unless the engine says otherwise: on CPU 64
+tokens, so a small request pays for about its own tokens; larger only for one sequence longer than a pass),
 offers T score rows (the LM head runs on the rows in use only), and reads a cache of 0, pass_tokens/8 or
 pass_tokens keys (more only after such a long sequence). The item count, the query length
 and the label count never become compile keys.
@@ -67,17 +68,24 @@ def round_up_bucket(n: int, minimum: int, steps_per_octave: int = 4) -> int:
     return -(-n // step) * step
 
 
-def ladder(pass_tokens: int, block: int) -> list[int]:
-    """The pass lengths a worker compiles: pass_tokens/8, /4, /2 and pass_tokens, as multiples of `block`."""
-    return sorted({-(-max(pass_tokens >> shift, block) // block) * block for shift in (3, 2, 1, 0)})
+def ladder(pass_tokens: int, block: int, shortest: int | None = None) -> list[int]:
+    """The pass lengths a worker compiles: pass_tokens halved down to `shortest` (None: pass_tokens/8), as
+    multiples of `block`."""
+    shortest = max(shortest or pass_tokens >> 3, block)
+    rungs, T = set(), pass_tokens
+    while True:
+        rungs.add(-(-max(T, shortest) // block) * block)
+        if T <= shortest:
+            return sorted(rungs)
+        T >>= 1
 
 
-def pass_length(tokens: int, rows: int, pass_tokens: int, block: int) -> int:
+def pass_length(tokens: int, rows: int, pass_tokens: int, block: int, shortest: int | None = None) -> int:
     """T for a pass of `tokens` tokens and `rows` score rows: the smallest rung with room for both; past
     pass_tokens (one sequence longer than a pass), pass_tokens doubled as often as needed. Rows exceed tokens
     only when many requests share a short query and score it with empty items."""
     fits = lambda T: T >= max(tokens, rows)
-    T = next((T for T in ladder(pass_tokens, block) if fits(T)), None)
+    T = next((T for T in ladder(pass_tokens, block, shortest) if fits(T)), None)
     if T is None:
         T = ladder(pass_tokens, block)[-1]
         while not fits(T):
@@ -205,11 +213,12 @@ def _expand_runs(lengths: list[int], *per_run: list[int]) -> tuple[np.ndarray, .
     return (*(v.astype(np.int32) for v in values), (first + np.arange(len(first)) - starts).astype(np.int32))
 
 
-def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None) -> PassArrays:
+def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None,
+               shortest: int | None = None) -> PassArrays:
     """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens.
 
-    Its length T, score rows and cache length C come from the ladder of `pass_tokens` (see `pass_length`;
-    None: the ladder whose top is this pass's length rounded up to a power of two). The tables are as wide as
+    Its length T, score rows and cache length C come from the ladder of `pass_tokens` down to `shortest` (see
+    `pass_length`; None: the ladder whose top is this pass's length rounded up to a power of two). The tables are as wide as
     the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further).
     """
     # The layout is built as runs of tokens (a prefix, an item, a re-run query token), in Python per run, and
@@ -268,7 +277,7 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | No
 
     block = max(block_q, block_k)  # both tile sizes must divide T and C
     pass_tokens = pass_tokens or 1 << (max(n, block) - 1).bit_length()
-    T = pass_length(n, len(score_rows), pass_tokens, block)
+    T = pass_length(n, len(score_rows), pass_tokens, block, shortest)
     C = cache_length(len(cache_seq), pass_tokens, block)
 
     def padded(values, length, fill):

@@ -18,7 +18,7 @@ from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import TOKEN_ROWS, CausalLM
-from core.packing import PackedSequence, PassPlan, build_pass, ladder, plan_passes
+from core.packing import PackedSequence, PassPlan, build_pass, cache_length, ladder, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
@@ -79,6 +79,11 @@ def _return_free_memory() -> None:
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
+
+# The shortest pass on CPU, in tokens (see Scorer.shortest_pass). On the bundled model (a 2-core AVX2 host) a
+# pass of 64 tokens took 0.25 s, of 128 tokens 0.38 s, of 512 tokens 1.0 s; below 64 the weights' reads
+# dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
+SHORTEST_CPU_PASS = 64
 
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
@@ -222,11 +227,14 @@ class Scorer:
     """Scores (query, items, label_token_ids) with one model. See README and score-semantics.md."""
 
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
-                 attention: str = "auto", pass_tokens: int | None = None, block_q: int = 128, block_k: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, max_programs: int = 16, **limits):
+                 attention: str = "auto", pass_tokens: int | None = None, block_q: int | None = None, block_k: int = 64,
+                 prefix_cache_bytes: int = 256 << 20, max_programs: int = 24, shortest_pass: int | None = None,
+                 **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
         already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
-        used go first). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
+        used go first). `shortest_pass`: the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU,
+        pass_tokens/8 elsewhere). `block_q`: query rows per tile of the block tables (None: 128; 64 on the XLA
+        path, which reads none of them, so that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
@@ -237,8 +245,12 @@ class Scorer:
         self.attention = _default_attention() if attention == "auto" else attention
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
-        self.block_q, self.block_k = block_q, block_k
+        self.block_q, self.block_k = block_q or (64 if self.attention in ("xla", "dense") else 128), block_k
         on_cpu = jax.default_backend() == "cpu"
+        # A pass costs its padded length. On CPU a small request (a few dozen tokens) in the accelerators'
+        # shortest pass (pass_tokens/8: 512 tokens) took 1 s of compute on the bundled model (2-core AVX2 host),
+        # so the CPU ladder reaches down to SHORTEST_CPU_PASS: three more rungs, two programs each to warm up.
+        self.shortest_pass = shortest_pass or (SHORTEST_CPU_PASS if on_cpu else None)
         self.token_rows = TOKEN_ROWS if on_cpu else None  # see core.model.TOKEN_ROWS
         # On CPU a pass's keys/values cost little to return (they are in host memory already), so every pass
         # returns them: one program kind fewer per pass length, and a new query coalesced with cached ones is
@@ -286,6 +298,11 @@ class Scorer:
         else:
             config, weights = load_hf_dir(source.path)
         return cls(config, weights, source.tokenizer(), name=source.name, **kwargs)
+
+    @property
+    def pass_lengths(self) -> list[int]:
+        """The pass lengths this engine compiles (core.packing's ladder), shortest first."""
+        return ladder(self.pass_tokens, max(self.block_q, self.block_k), self.shortest_pass)
 
     @property
     def vocab_size(self) -> int:
@@ -395,7 +412,7 @@ class Scorer:
             self._prefix_cache.move_to_end(seq.prefix)
             cached.append(self._prefix_cache[seq.prefix])
             cached_lengths.append(len(seq.prefix))
-        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens)
+        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass)
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
@@ -437,16 +454,17 @@ class Scorer:
     def warm_up(self) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
-        each cache length (the shortest rung's and pass_tokens), on accelerators each with and without
-        keys/values out; longest first and at most `max_programs`.
+        each cache length (pass_tokens/8 and pass_tokens), on accelerators each with and without keys/values
+        out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder).
         Returns how many. The Pallas kernels' table width is a compile key too, one that depends on the
         traffic, so with attention "pallas" nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
             return 0
-        lengths = ladder(self.pass_tokens, max(self.block_q, self.block_k))
-        kinds = [(C, keep) for C in (0, lengths[0], lengths[-1]) for keep in (True, False)
-                 if keep or not self.always_keep_kv]
-        shapes = [(T, C, keep) for T in reversed(lengths) for C, keep in kinds][: self.max_programs]
+        block = max(self.block_q, self.block_k)
+        short_cache, full_cache = (cache_length(n, self.pass_tokens, block) for n in (1, self.pass_tokens))
+        shapes = [(T, C, keep) for T in reversed(self.pass_lengths)
+                  for C in (0, short_cache, full_cache)
+                  for keep in (True, False) if keep or not self.always_keep_kv][: self.max_programs]
         with self._engine_lock:
             for T, C, keep in shapes:
                 self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)

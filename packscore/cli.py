@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,24 +104,43 @@ def serve(args: argparse.Namespace) -> None:
             _embedded_environment()
             migrate()
             _embedded_key()
-            child = subprocess.Popen(worker_command())
+            child = EmbeddedWorker()
         uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
     finally:
         if child is not None:
-            _stop_worker(child)
+            child.stop()
 
 
-def _stop_worker(child: subprocess.Popen) -> None:
-    """Warm shutdown: the worker finishes the pass in flight, hands its other jobs back to the queue and exits."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
-    child.terminate()
-    try:
-        child.wait(timeout=WORKER_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        print(f"packscore: the worker did not stop within {WORKER_STOP_SECONDS:.0f} s; killing it (its jobs run "
-              "again once their leases expire)", file=sys.stderr, flush=True)
-        child.kill()
-        child.wait()
+class EmbeddedWorker:
+    """The worker child of `serve --embedded`, started again if it fails (a crash must not leave the service
+    accepting jobs that nothing runs; the jobs it held run again once their leases expire). A worker that
+    exits 0 was stopped (Ctrl-C reaches it too): that one is not started again."""
+
+    def __init__(self) -> None:
+        self._stopping = threading.Event()
+        self.process = subprocess.Popen(worker_command())
+        threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(1.0):
+            code = self.process.poll()
+            if code is not None and code != 0 and not self._stopping.is_set():
+                print(f"packscore: the worker failed (exit code {code}); starting it again", file=sys.stderr,
+                      flush=True)
+                self.process = subprocess.Popen(worker_command())
+
+    def stop(self) -> None:
+        """Warm shutdown: the worker finishes the pass in flight, hands its other jobs back to the queue and exits."""
+        self._stopping.set()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=WORKER_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            print(f"packscore: the worker did not stop within {WORKER_STOP_SECONDS:.0f} s; killing it (its jobs "
+                  "run again once their leases expire)", file=sys.stderr, flush=True)
+            self.process.kill()
+            self.process.wait()
 
 
 def _key_files() -> list[Path]:

@@ -38,7 +38,8 @@ class Settings(BaseSettings):
     # auto: Pallas kernels on TPU and GPU (the XLA path where a kernel does not compile), XLA on CPU.
     attention: Literal["auto", "xla", "pallas"] = "auto"
     # Compiled pass programs a worker keeps in memory (least recently used go first; each holds tens of MB).
-    max_programs: int = 16
+    # Above the warm-up's (21 on CPU), so that programs met later do not evict warmed ones.
+    max_programs: int = 24
     # Device memory for recent queries' keys/values (a query shared by requests, or whose items span passes,
     # is computed once). A job whose items span passes starts when its query fits beside those under way.
     prefix_cache_bytes: int = 256 << 20

@@ -2,10 +2,12 @@
 no Postgres or Redis involved."""
 
 import os
+import queue
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
 from tests.service_harness import free_port, wait_ready
+from worker.latency import EmbeddedService
 
 
 def running_jobs(folder: Path) -> list[str]:
@@ -77,3 +80,57 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
         except OSError:
             pass
     assert not leftovers
+
+
+def test_a_worker_that_dies_is_started_again(tmp_path: Path) -> None:
+    """A crashed worker child (here SIGKILL) is started again by `serve --embedded`: jobs sent afterwards run."""
+    service = EmbeddedService(tmp_path, "tiny-random", {})
+    try:
+        marker = f"packscore-{service.proc.pid}@".encode()
+        (worker,) = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/cmdline") if marker in _read(p)]
+        os.kill(worker, signal.SIGKILL)
+        body = {"query": "Is the sky blue?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
+        response = service.http.post("/v1/score", json=body, timeout=120)
+        assert response.status_code == 200, response.text + service.log_path.read_text(errors="replace")[-3000:]
+        assert "the worker failed" in service.log_path.read_text(errors="replace")
+    finally:
+        assert service.stop()["seconds"] < 10
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_embedded_broker_messages_are_never_read_half_written(tmp_path: Path) -> None:
+    """kombu's filesystem transport created a message's file before writing it; a worker looking in between
+    read it empty and stopped for good ("Unrecoverable error: JSONDecodeError"). A reader looking all the time
+    gets every message whole."""
+    from kombu import Connection
+
+    from store.broker import AtomicFilesystemTransport
+
+    options = {"data_folder_in": str(tmp_path), "data_folder_out": str(tmp_path), "control_folder": str(tmp_path)}
+    with Connection(transport=AtomicFilesystemTransport, transport_options=options) as connection:
+        channel = connection.default_channel
+        read, errors, done = [], [], threading.Event()
+
+        def reader() -> None:
+            while not done.is_set() or len(read) < 300:
+                try:
+                    read.append(channel._get("q"))
+                except queue.Empty:
+                    pass
+                except Exception as exc:  # a half-written message
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        for i in range(300):
+            channel._put("q", {"body": "x" * 2000, "n": i})
+        done.set()
+        thread.join(timeout=60)
+    assert not errors and sorted(m["n"] for m in read) == list(range(300))

@@ -7,7 +7,6 @@ import pytest
 
 from core import ERROR_CODES, Scorer, ScoringError
 from core.config import ModelConfig
-from core.packing import ladder
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def test_compile_count_bounded_by_buckets(tiny):
     before = tiny.compiled_programs
     shapes = {result.shape_key for req in requests for result in tiny.iter_passes([req])}
     compiled = tiny.compiled_programs - before
-    assert compiled <= len(shapes) <= 3  # not one program per item count: the ladder's few
+    assert compiled <= len(shapes) <= len(tiny.pass_lengths)  # not one program per item count: the ladder's few
     assert len({r.n_items for r in requests}) > 2 * len(shapes)
     again = tiny.compiled_programs
     tiny.clear_prefix_cache()  # else the queries are cached now and the passes take other shapes
@@ -255,7 +254,7 @@ def test_prefixes_still_needed_are_evicted_last(tiny):
 def test_resident_programs_are_capped_least_recently_used_first(tiny):
     capped = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=2)
     rng = np.random.default_rng(11)
-    # Three requests of three pass lengths (512, 1024 and 2048 tokens on the ladder of 4096).
+    # Three requests of three pass lengths (64, 1024 and 2048 tokens on the ladder of 4096).
     requests = [capped.tokenize(rng.integers(5, 400, 4).tolist(),
                                 [rng.integers(5, 400, 3).tolist() for _ in range(n)], [1]) for n in (2, 200, 500)]
 
@@ -276,10 +275,10 @@ def test_resident_programs_are_capped_least_recently_used_first(tiny):
 def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
     """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
     queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder."""
-    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_programs=16)
-    assert scorer.warm_up() == 12  # 4 pass lengths, without cached prefixes and with 2 cache lengths
-    lengths = ladder(scorer.pass_tokens, 128)
-    assert lengths == [512, 1024, 2048, 4096]
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
+    assert scorer.warm_up() == 21  # 7 pass lengths, without cached prefixes and with 2 cache lengths
+    lengths = scorer.pass_lengths
+    assert lengths == [64, 128, 256, 512, 1024, 2048, 4096]
     rng = np.random.default_rng(5)
     queries = [rng.integers(5, 49152, int(rng.integers(5, 1200))).tolist() for _ in range(6)]
     queries.append(rng.integers(5, 49152, 300).tolist())  # a cached query this short reads the shortest cache
@@ -292,7 +291,7 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
         shapes |= {result.shape_key for result in scorer.iter_passes([request])}
     assert scorer.compiled_programs == before
     for T, C, S, width, label_width, keep_kv in shapes:
-        assert T in lengths and C in (0, lengths[0], lengths[-1]) and S == T and width == (C + T) // 64 and label_width == 8
+        assert T in lengths and C in (0, 512, 4096) and S == T and width == (C + T) // 64 and label_width == 8
         assert keep_kv  # on CPU every pass returns its keys/values
     assert {C for _, C, *_ in shapes} == {0, 512, 4096}  # passes against cached queries were among them
 
@@ -324,3 +323,15 @@ def test_prefix_cache_as_on_accelerators_scores_the_same_and_compiles_few_progra
     windows = {engine._window_rows(len(q), 64) for q in queries}
     assert engine._rows_window._cache_size() <= 4 * len(windows)  # pass lengths x windows
     assert engine._place_rows._cache_size() <= len(windows)  # one cache length
+
+
+def test_on_cpu_a_small_request_runs_in_a_pass_of_its_own_size(tiny):
+    """The CPU ladder reaches down to 64 tokens: README's 2-item request (about 25 tokens) pays for 64, not for
+    the accelerators' shortest pass (pass_tokens/8: 512 tokens), which took 2 s on the bundled model."""
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
+    assert scorer.pass_lengths == [64, 128, 256, 512, 1024, 2048, 4096]
+    request = scorer.tokenize(list(range(5, 17)), [list(range(20, 27)), list(range(30, 37))], [1, 2])
+    (result,) = scorer.iter_passes([request])
+    assert result.tokens == 26 and result.padded_tokens == 64
+    single = scorer.logprobs(list(range(5, 17)), [list(range(20, 27)), list(range(30, 37))], [1, 2], mode="single")
+    assert np.abs(scorer.logprobs(list(range(5, 17)), [list(range(20, 27)), list(range(30, 37))], [1, 2]) - single).max() <= 1e-4

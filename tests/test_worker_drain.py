@@ -460,3 +460,28 @@ def test_long_jobs_start_as_the_prefix_cache_can_keep_their_queries(client, make
         assert job["status"] == "succeeded"
         expected = scorer.logprobs(body["query"], body["items"], body["label_token_ids"])
         np.testing.assert_allclose(job["logprobs"], expected, atol=1e-4)
+
+
+def test_a_job_claimed_while_a_pass_runs_goes_into_the_next_pass(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A wake-up's claim still on its way when the pass ends (queued in the writer behind a slow write) is
+    waited for before the next pass is planned: the job it claims runs in that pass, not one pass later."""
+    key, _ = make_key()
+    submit(client, key, many_items(300))  # several passes
+    scorer = get_scorer()
+    writers = []
+    monkeypatch.setattr(drain_module, "JobWriter", lambda *a: writers.append(jobqueue.JobWriter(*a)) or writers[-1])
+    original, passes = scorer.launch, []
+    wake = drain_module.WakeUp()
+
+    def launch(requests, *rest):  # type: ignore[no-untyped-def]
+        passes.append({r.query for r in requests})
+        if len(passes) == 1:
+            writers[0].submit(lambda: time.sleep(0.4))  # the writer is busy when the wake-up comes
+            submit(client, key, {"query": "A late small question", "items": ["yes"], "label_token_ids": [5]})
+            wake.set()
+        return original(requests, *rest)
+
+    monkeypatch.setattr(scorer, "launch", launch)
+    drain_module.drain(scorer, "worker-a", get_settings(), wake=wake)
+    late = scorer.tokenize("A late small question", ["yes"], [5]).query
+    assert late in passes[1], [len(p) for p in passes]

@@ -164,7 +164,7 @@ def host_cpu() -> str:
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "?")
-    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in ("amx_bf16", "avx512_bf16")
+    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
                                                              if f in flags.split())
 
 

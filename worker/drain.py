@@ -18,13 +18,13 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from core import InFlightPass, Scorer, ScoringError, TokenizedRequest
 from store import jobqueue
-from core.packing import ladder
 from store.broker import clear_pending_kick
 from store.jobqueue import Boundary, ClaimedJob, JobWriter, WriterFailed
 from store.models import PRIORITY_BATCH
@@ -33,6 +33,14 @@ from store.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 CLAIM_AHEAD_PASSES = 4
+# How long the loop waits, before it plans a pass, for a wake-up's claim still on its way (in the writer's
+# queue behind a boundary write, or reading the queue): far less than the pass its job would otherwise miss.
+URGENT_CLAIM_WAIT_SECONDS = 1.0
+# Batch passes on CPU, in tokens, unless BATCH_ROUND_TOKENS says otherwise. On the bundled model a 4,096-token
+# pass took seconds on a 2-core host, and an interactive job waits for the batch pass on the engine; passes of
+# this length keep that wait within the latency goal for a fraction of the backfill's throughput (README,
+# Capacity; measured by `python -m worker.latency`).
+CPU_BATCH_PASS_TOKENS = 1024
 
 
 class ActiveJobs:
@@ -129,17 +137,42 @@ class PassLoop:
         self.claimed_total = 0
         self._urgent: list[Future] = []  # claims made for wake-ups (see WakeUp)
         self._urgent_lock = threading.Lock()
+        self._urgent_busy = False  # a wake-up's claim is queued or running in the writer
+        self._claim_again = False  # a wake-up came while it ran: it may have read the queue before that job
 
     def _claim_now(self) -> None:
         with self._urgent_lock:
-            if any(not claim.done() for claim in self._urgent):
-                return  # the claim on its way takes this job too
+            if self._urgent_busy:
+                self._claim_again = True  # the claim on its way claims once more before it returns
+                return
             try:
-                self._urgent.append(self.writer.submit(lambda: self._claim_requests(True), urgent=True))
+                self._urgent.append(self.writer.submit(self._urgent_claim, urgent=True))
+                self._urgent_busy = True
             except WriterFailed:
                 pass
 
-    def _admit_urgent(self) -> None:
+    def _urgent_claim(self) -> list[tuple[ClaimedJob, TokenizedRequest | ScoringError]]:
+        claimed = []
+        while True:
+            try:
+                claimed += self._claim_requests(True)
+            except BaseException:
+                with self._urgent_lock:
+                    self._urgent_busy = self._claim_again = False
+                raise
+            with self._urgent_lock:
+                if not self._claim_again:
+                    self._urgent_busy = False
+                    return claimed
+                self._claim_again = False
+
+    def _admit_urgent(self, wait: float = 0.0) -> None:
+        """Admits the wake-ups' claims that are done; with `wait`, first waits up to that long for those on
+        their way (a claim takes milliseconds; a job it leaves behind waits a whole pass)."""
+        with self._urgent_lock:
+            claims = list(self._urgent)
+        if wait and claims:
+            futures_wait(claims, timeout=wait)
         with self._urgent_lock:
             done = [claim for claim in self._urgent if claim.done()]
             self._urgent = [claim for claim in self._urgent if not claim.done()]
@@ -237,11 +270,10 @@ class PassLoop:
         connection open for its job), the shortest pass length that holds them, older jobs filling the rest:
         they are answered after a short pass instead of a full one. A backlog still fills whole passes."""
         if waiting and waiting[0].claimed.priority <= PRIORITY_BATCH:
-            # BATCH_ROUND_TOKENS: a shorter batch pass is a shorter wait for an interactive job arriving.
-            return min(self.scorer.pass_tokens, self.settings.batch_round_tokens or self.scorer.pass_tokens)
+            return batch_pass_tokens(self.scorer, self.settings)
         fresh = sum(r.pending_tokens for r in waiting
                     if r.claimed.priority > PRIORITY_BATCH and len(r.pending) == r.request.n_items)
-        lengths = ladder(self.scorer.pass_tokens, max(self.scorer.block_q, self.scorer.block_k))
+        lengths = self.scorer.pass_lengths
         return next((n for n in lengths if n >= fresh), lengths[-1]) if fresh else self.scorer.pass_tokens
 
     def _launch_next(self) -> _Launched | None:
@@ -308,7 +340,9 @@ class PassLoop:
         try:
             while True:
                 self._drop_closed()
-                self._admit_urgent()
+                # An interactive job claimed while the last pass ran goes into the next one: its claim is
+                # waited for here (bounded), before the pass is planned.
+                self._admit_urgent(URGENT_CLAIM_WAIT_SECONDS)
                 if claiming is not None and (claiming.done() or (not self.running and inflight is None)):
                     jobs = claiming.result()
                     claiming = None
@@ -380,6 +414,14 @@ class PassLoop:
                 pass  # their leases expire
 
 
+def batch_pass_tokens(scorer: Scorer, settings: Settings) -> int:
+    """Tokens of a batch pass, and of a batch claim's round: BATCH_ROUND_TOKENS; unset, a full pass on an
+    accelerator, CPU_BATCH_PASS_TOKENS on CPU (at most a pass either way). A shorter batch pass is a shorter
+    wait for an interactive job arriving during a backfill, which waits for the batch pass on the engine."""
+    default = scorer.pass_tokens if scorer.launches_ahead else CPU_BATCH_PASS_TOKENS
+    return min(settings.batch_round_tokens or default, scorer.pass_tokens)
+
+
 def _claimer(owner: str, settings: Settings, round_tokens: int) -> Callable[[bool], list[ClaimedJob]]:
     def claim(interactive_only: bool) -> list[ClaimedJob]:
         clear_pending_kick()  # jobs committed from now on send a kick; those before are seen by this claim
@@ -399,7 +441,7 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
     # the cores with the passes, and an interactive job's own claim waits behind it: a claim takes at most a
     # pass of tokens, but as many short rounds as that holds (one short round a claim left a batch pass one
     # line long, the claims not keeping up with the passes). Passes stay BATCH_ROUND_TOKENS long either way.
-    round_tokens = settings.batch_round_tokens or scorer.pass_tokens
+    round_tokens = batch_pass_tokens(scorer, settings)
     claim_tokens = CLAIM_AHEAD_PASSES * round_tokens if scorer.launches_ahead else \
         max(round_tokens, min(CLAIM_AHEAD_PASSES * round_tokens, scorer.pass_tokens))
     claim = _claimer(owner, settings, claim_tokens)

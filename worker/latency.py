@@ -1,0 +1,175 @@
+"""Latency benchmark: the embedded service (`make run`) with the real bundled model, as a new user meets it.
+
+    python -m worker.latency [--calls 20] [--lines 400] [--home DIR] [--model smollm2-135m]
+
+It starts `packscore serve --embedded` (SQLite, the filesystem broker, the real engine on this machine's CPU)
+in a folder of its own (--home keeps its compile cache between runs), and prints:
+- start-up: seconds to /readyz, and the worker's warm-up (programs compiled or loaded, and seconds);
+- README's 2-item `/v1/score`, called --calls times one after another on the warm service: p50, p95, max;
+- a backfill alone (--lines lines of a 30-word query and 20 items of 12 words, one upload): items/s from its
+  first claim to its end;
+- the same 2-item call --calls times while such a backfill runs (one call every 0.5 s): p50, p95, max;
+- SIGINT to `packscore serve` during a backfill: seconds until every process exited, whether the worker had
+  to be killed, and the jobs left `running` in the database.
+
+Timings are the client's wall time per call. Report the host's CPU flags with the figures (printed first).
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from worker.capacity import WORDS, _free_port, _wait, host_cpu
+
+SCORE_BODY = {"query": "Is the city in France? Answer yes or no.", "items": ["\nCity: Lyon\nAnswer:",
+              "\nCity: Berlin\nAnswer:"], "label_token_ids": [9805, 787], "apply_softmax": True}
+
+
+def backfill_lines(lines: int, tag: str, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    text = lambda n: " ".join(rng.choice(WORDS, size=n))
+    return b"".join(json.dumps({"custom_id": f"{tag}-{i}", "query": f"{tag} {i}: {text(30)}",
+                                "items": [text(12) for _ in range(20)], "label_token_ids": [9805, 787]}).encode()
+                    + b"\n" for i in range(lines))
+
+
+def percentiles(seconds: list[float]) -> dict:
+    a = np.asarray(seconds)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p95": round(float(np.percentile(a, 95)), 3),
+            "max": round(float(a.max()), 3), "calls": len(a)}
+
+
+class EmbeddedService:
+    def __init__(self, home: Path, model: str, extra_env: dict[str, str]) -> None:
+        self.home, self.port = home, _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
+        env.update({"PACKSCORE_HOME": str(home / ".packscore"), "MODEL": model, **extra_env})
+        self.log_path = home / "serve.log"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port",
+                                      str(self.port)], cwd=home, env=env, stdout=open(self.log_path, "wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(lambda: httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200, 900, "the service's /readyz")
+        self.ready_seconds = time.monotonic() - self.started
+        self.key = (home / ".packscore" / "api_key").read_text().split()[0]
+        self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.key}"}, timeout=300)
+
+    def warm_up(self) -> dict:
+        found = re.search(r"warmed (\d+) programs in ([\d.]+) s", self.log_path.read_text(errors="replace"))
+        return {"programs": int(found[1]), "seconds": float(found[2])} if found else {}
+
+    def score(self) -> float:
+        start = time.perf_counter()
+        response = self.http.post("/v1/score", json=SCORE_BODY)
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/score: {response.status_code} {response.text}")
+        return time.perf_counter() - start
+
+    def upload(self, lines: bytes) -> str:
+        response = self.http.post("/batches", content=lines, headers={"Content-Type": "application/jsonl"})
+        if response.status_code != 201:
+            raise RuntimeError(f"POST /batches: {response.status_code} {response.text}")
+        return response.json()["id"]
+
+    def batch(self, batch_id: str) -> dict:
+        return self.http.get(f"/batches/{batch_id}").json()
+
+    def running_jobs(self) -> int:
+        with sqlite3.connect(self.home / ".packscore" / "packscore.db") as db:
+            return db.execute("SELECT count(*) FROM jobs WHERE status = 'running'").fetchone()[0]
+
+    def batch_window(self, batch_id: str) -> tuple[float, float, int]:
+        """(first claim, last finish, items) of the batch's lines, by the jobs' own timestamps."""
+        with sqlite3.connect(self.home / ".packscore" / "packscore.db") as db:
+            rows = db.execute("SELECT started_at, finished_at, items_done FROM jobs WHERE batch_id = ?",
+                              (batch_id,)).fetchall()
+        parse = lambda s: time.mktime(time.strptime(s[:19], "%Y-%m-%d %H:%M:%S")) + float("0" + s[19:26])
+        return min(parse(r[0]) for r in rows), max(parse(r[1]) for r in rows), sum(r[2] for r in rows)
+
+    def stop(self, timeout: float = 30) -> dict:
+        """SIGINT to the process group, as Ctrl-C in a terminal sends it."""
+        signalled = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        seconds = time.monotonic() - signalled
+        killed = "killing it" in self.log_path.read_text(errors="replace")
+        return {"seconds": round(seconds, 2), "worker_killed": killed, "jobs_left_running": self.running_jobs()}
+
+
+def wait_batch(service: EmbeddedService, batch_id: str, seconds: float = 3600) -> dict:
+    _wait(lambda: service.batch(batch_id)["status"] in ("completed", "failed", "cancelled"), seconds,
+          "the backfill", interval=0.5)
+    return service.batch(batch_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.latency", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--lines", type=int, default=400, help="backfill lines (20 items of 12 words each)")
+    parser.add_argument("--home", type=Path, help="the service's folder (default: a new temporary one)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the service (repeatable)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    home = args.home or Path(tempfile.mkdtemp(prefix="packscore-latency-"))
+    home.mkdir(parents=True, exist_ok=True)
+    extra = dict(item.split("=", 1) for item in args.env)
+    figures: dict = {"host": host_cpu(), "env": extra}
+    print(f"host: {figures['host']}", flush=True)
+    service = EmbeddedService(home, args.model, extra)
+    try:
+        figures["ready_seconds"] = round(service.ready_seconds, 1)
+        figures["warm_up"] = service.warm_up()
+        print(f"ready after {figures['ready_seconds']} s; warm-up {figures['warm_up']}", flush=True)
+        for _ in range(2):
+            service.score()
+        figures["alone"] = percentiles([service.score() for _ in range(args.calls)])
+        print(f"2-item /v1/score alone: {figures['alone']}", flush=True)
+
+        batch_id = service.upload(backfill_lines(args.lines, "alone"))
+        done = wait_batch(service, batch_id)
+        first, last, items = service.batch_window(batch_id)
+        figures["backfill"] = {"lines": args.lines, "items": items, "seconds": round(last - first, 1),
+                               "items_per_s": round(items / (last - first), 1), "status": done["status"]}
+        print(f"backfill alone: {figures['backfill']}", flush=True)
+
+        batch_id = service.upload(backfill_lines(args.lines, "beside", seed=1))
+        _wait(lambda: service.batch(batch_id)["counts"]["succeeded"] > 0, 600, "the backfill to start")
+        busy = []
+        for _ in range(args.calls):
+            busy.append(service.score())
+            time.sleep(0.5)
+        figures["beside_backfill"] = percentiles(busy)
+        figures["beside_backfill"]["backfill_still_running"] = service.batch(batch_id)["status"] == "in_progress"
+        print(f"2-item /v1/score beside a backfill: {figures['beside_backfill']}", flush=True)
+        time.sleep(1.0)
+        figures["stop"] = service.stop()
+        print(f"SIGINT during the backfill: {figures['stop']}", flush=True)
+    finally:
+        if service.proc.poll() is None:
+            service.stop()
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
