@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the service (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the service is stopped on the way out
     home = args.home or Path(tempfile.mkdtemp(prefix="packscore-latency-"))
     home.mkdir(parents=True, exist_ok=True)
     extra = dict(item.split("=", 1) for item in args.env)
