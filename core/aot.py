@@ -105,7 +105,8 @@ def pass_program(config: ModelConfig, dtype):
     def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
             n_rows, n_tokens):
         # The contract's request fits one pass and keeps no prefix: no keys/values come out.
-        return _run_pass(weights, tokens, q_meta, kv_meta, (tile_ids, tile_counts), cache_k, cache_v, score_rows,
+        tables = ((tile_ids, tile_counts),) * len(config.attention_windows)  # one set per window (same shapes)
+        return _run_pass(weights, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows,
                          score_labels, n_rows, n_tokens, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
     return run
 

@@ -126,17 +126,27 @@ def _run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, sc
               token_rows: int | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
-    log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables (see
-    Scorer._tables)."""
-    def attention(q, k, v):
-        if impl == "dense":
-            return attn.dense_attention(q, k, v, q_meta, kv_meta)
-        if impl == "xla":
-            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables)
-        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables, block_q=block_q, block_k=block_k,
-                                     interpret=impl == "pallas-interpret")
-
+    log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables, one set
+    per window of the model (see Scorer._tables)."""
     model = nnx.merge(model_def, model_state)
+    c = model.config
+
+    def one_kind(i: int, q, k, v):
+        layer = {"scale": c.scale, "softcap": c.attn_softcap, "window": c.attention_windows[i]}
+        if impl == "dense":
+            return attn.dense_attention(q, k, v, q_meta, kv_meta, **layer)
+        if impl == "xla":
+            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables[i], **layer)
+        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables[i], block_q=block_q, block_k=block_k,
+                                     interpret=impl == "pallas-interpret", **layer)
+
+    def attention(q, k, v, kind):
+        # A layer's window is a static value of its program: one branch per distinct window (Gemma 2: a
+        # global and a local one), chosen by the layer's kind as the layer loop runs.
+        if len(c.attention_windows) == 1:
+            return one_kind(0, q, k, v)
+        return jax.lax.switch(kind, [partial(one_kind, i) for i in range(len(c.attention_windows))], q, k, v)
+
     return model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention, keep_kv,
                  token_rows)
 
@@ -411,12 +421,18 @@ class Scorer:
         needs (a compile key on accelerators)."""
         return (cache_len + tokens) // self.block_k if self.attention in ("xla", "dense") else needed
 
-    def _tables(self, arrays, width: int) -> tuple[np.ndarray, ...]:
-        """The attention's host tables for a pass: `cascade_attention`'s on the XLA path, else the block
-        tables (the Pallas kernels'; the dense reference reads none), `width` wide."""
-        if self.attention == "xla":
-            return attn.cascade_tables(arrays.q_meta, arrays.kv_meta).as_tuple()
-        return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
+    def _tables(self, arrays, width: int) -> tuple[tuple[np.ndarray, ...], ...]:
+        """The attention's host tables for a pass, one set per window of the model (a windowed layer's skip the
+        tiles outside its window): `cascade_attention`'s on the XLA path, else the block tables (the Pallas
+        kernels'; the dense reference reads none), `width` wide (a window's tables list no more tiles)."""
+        def one(window: int) -> tuple[np.ndarray, ...]:
+            if self.attention == "xla":
+                return attn.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
+            if not window:
+                return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
+            ids, counts = attn.block_tables(arrays.q_meta, arrays.kv_meta, self.block_q, self.block_k, window=window)
+            return attn.pad_tables(ids, width), counts
+        return tuple(one(window) for window in self.config.attention_windows)
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
@@ -427,6 +443,7 @@ class Scorer:
             tables = tuple(i32(*shape) for shape in attn.cascade_table_shapes(tokens, cache_len + tokens))
         else:
             tables = (i32(tokens // self.block_q, width), i32(tokens // self.block_q))
+        tables = (tables,) * len(c.attention_windows)
         args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3, tables,
                 cache, cache, i32(score_rows),
                 i32(score_rows, label_width), i32(), i32())
@@ -481,7 +498,7 @@ class Scorer:
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], cached_lengths, C) for i in (0, 1))
         width = self._table_width(T, C, arrays.tile_ids.shape[1])
-        tables = tuple(jnp.asarray(t) for t in self._tables(arrays, width))
+        tables = jax.tree.map(jnp.asarray, self._tables(arrays, width))
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
         shape_key = (T, C, S, width, labels.shape[1], keep_kv)
         program = self._program(*shape_key)
