@@ -141,11 +141,12 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         layers = hf["num_hidden_layers"]
         max_positions = int(hf.get("max_position_embeddings", 8192))
-        types = _layer_types(hf, family, layers)
-        window = hf.get("sliding_window")
-        windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-        if any(w <= 0 for w, t in zip(windows, types) if t == "sliding_attention"):
-            raise ValueError(f"config field sliding_window={window!r}: a sliding layer needs a positive window")
+        # transformers' Mistral and Gemma 2/3 default to a 4,096-token window; a null one: no window.
+        window = hf.get("sliding_window", 4096 if family in ("mistral", "gemma2", "gemma3_text") else None)
+        if window is not None and int(window) <= 0:
+            raise ValueError(f"config field sliding_window={window!r} is not supported")
+        types = _layer_types(hf, family, layers, window)
+        windows = tuple(int(window) if t == "sliding_attention" and window else 0 for t in types)
         ropes, layer_rope, max_positions = _ropes(hf, family, types, head_dim, max_positions)
         scalar = hf.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
         multiplier = hf.get("attention_multiplier") if family == "granite" else None
@@ -235,9 +236,8 @@ def _inv_freq(theta: float, head_dim: int) -> np.ndarray:
         .astype(np.float32)
 
 
-def _layer_types(hf: dict, family: str, layers: int) -> list[str]:
+def _layer_types(hf: dict, family: str, layers: int, window: int | None) -> list[str]:
     """Each layer's "full_attention" or "sliding_attention", as transformers decides it per family."""
-    window = hf.get("sliding_window")
     if family in ("mistral", "phi3"):  # one window for every layer, if any
         return ["sliding_attention" if window else "full_attention"] * layers
     if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
