@@ -199,7 +199,9 @@ class ModelConfig:
         embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
         gemma = arch in ("gemma", "gemma2")
         window = arch_field("attention.sliding_window") if arch == "gemma2" else None
-        scalar = arch_field("attention.query_pre_attn_scalar") if arch == "gemma2" else None  # none: head_dim
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, or hidden / heads for Gemma 2 27B (46
+        # layers), which is what the published configs hold.
+        scalar = (hidden / heads if layers == 46 else head_dim) if arch == "gemma2" else None
         return cls(
             vocab_size=int(embed.shape[-1]),
             hidden_size=hidden,

@@ -12,6 +12,7 @@ import pytest
 
 from core import Scorer
 from core.config import ModelConfig
+from core.requests import ModelSource
 from core.weights import load_hf_dir
 from tests.test_engine_parity import ENGINE_VS_HF, PACKED_VS_SINGLE, hf_logprobs
 
@@ -54,17 +55,16 @@ FAMILIES = {
 }
 
 
-def build_checkpoint(family: str, path, dtype: str = "float32", tied: bool = True, shard: str | None = None):
+def build_checkpoint(family: str, path, dtype: str = "float32", tied: bool = True, shard: str | None = None,
+                     **overrides):
     """A transformers model of the family with non-trivial random weights (norms, biases, logits in a
     realistic range; bfloat16 values), saved to `path` with the bundled tokenizer; returns the model (float32)."""
     import torch
     import transformers
 
-    from core.requests import ModelSource
-
     name, args, _ = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, name)(**{**BASE, "tie_word_embeddings": tied, **args})
+    config = getattr(transformers, name)(**{**BASE, "tie_word_embeddings": tied, **args, **overrides})
     model = getattr(transformers, name.replace("Config", "ForCausalLM").replace("TextForCausalLM", "ForCausalLM"))(
         config).eval()
     gemma_norm = family.startswith("gemma")  # (1 + w): weights around 0
@@ -185,3 +185,63 @@ def test_a_tensor_the_family_does_not_use_is_refused(tmp_path):
     save_file({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}, tmp_path / "extra.safetensors")
     with pytest.raises(ValueError, match="o_proj.bias"):
         load_hf_dir(tmp_path)
+
+
+def write_gguf(family: str, model, path) -> None:
+    """The checkpoint as llama.cpp's converter writes it (its names and metadata; Gemma's norms as 1 + w),
+    in float32."""
+    import gguf
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), family)
+    for add, value in [("block_count", c.num_hidden_layers), ("embedding_length", c.hidden_size),
+                       ("feed_forward_length", c.intermediate_size), ("head_count", c.num_attention_heads),
+                       ("head_count_kv", c.num_key_value_heads), ("key_length", head_dim),
+                       ("value_length", head_dim), ("layer_norm_rms_eps", c.rms_norm_eps),
+                       ("rope_freq_base", c.rope_parameters["rope_theta"]),
+                       ("context_length", c.max_position_embeddings)]:
+        getattr(writer, f"add_{add}")(value)
+    if family == "gemma2":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm",
+             "post_attention_layernorm": "post_attention_norm" if family == "gemma2" else "ffn_norm"}
+    for key, tensor in model.state_dict().items():
+        key = key.removeprefix("model.")
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        layer = key.split(".")[1] if key.startswith("layers.") else None
+        stem, kind = key.removeprefix(f"layers.{layer}.").rsplit(".", 1)
+        name = f"blk.{layer}.{names[stem]}.{kind}" if layer is not None else f"{names[stem]}.{kind}"
+        value = tensor.float().numpy()
+        writer.add_tensor(name, value + 1 if family.startswith("gemma") and "norm" in stem else value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma", "gemma2"])
+def test_gguf_families_match_transformers(tmp_path, family):
+    """llama.cpp's names for the families whose GGUF layout is plain (no reordered q/k): qwen2 (biases),
+    gemma (norms stored as 1 + w), gemma2 (sandwich norms, window and soft-caps in the metadata)."""
+    from core.weights import load_gguf
+
+    # GGUF has no query_pre_attn_scalar (llama.cpp takes head_dim, as Gemma 2 2B/9B's configs hold).
+    model = build_checkpoint(family, tmp_path, **({"query_pre_attn_scalar": 16} if family == "gemma2" else {}))
+    write_gguf(family, model, tmp_path / "model.gguf")
+    config, weights = load_gguf(tmp_path / "model.gguf")
+    expected = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (config.windows, config.attn_softcap, config.final_softcap) == (
+        expected.windows, expected.attn_softcap, expected.final_softcap)
+    tokenizer = ModelSource.resolve("tiny-random").tokenizer()
+    scorer = Scorer(config, weights, tokenizer, name="gguf", pass_tokens=512)
+    query, items, labels = inputs(5)
+    reference = hf_logprobs(model, [query + item for item in items], labels)
+    assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
