@@ -245,3 +245,18 @@ def test_gguf_families_match_transformers(tmp_path, family):
     query, items, labels = inputs(5)
     reference = hf_logprobs(model, [query + item for item in items], labels)
     assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
+
+
+def test_a_query_split_from_its_items_under_windows(tmp_path):
+    """A request larger than a pass (a prefix pass that keeps the query's keys/values, then chunks of items
+    against them) under Gemma 2's windows, the query longer than the window: as transformers scores it."""
+    model = build_checkpoint("gemma2", tmp_path)
+    scorer = Scorer.from_pretrained(str(tmp_path), pass_tokens=256)
+    rng = np.random.default_rng(6)
+    query = rng.integers(5, 49152, 150).tolist()
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(1, 40, 12)]
+    request = scorer.tokenize(query, items, [1])
+    assert len(list(scorer.iter_passes([request]))) >= 3
+    labels = [1, 77, 4000]
+    reference = hf_logprobs(model, [query + item for item in items], labels)
+    assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
