@@ -254,7 +254,7 @@ def test_a_query_split_from_its_items_under_windows(tmp_path):
     scorer = Scorer.from_pretrained(str(tmp_path), pass_tokens=256)
     rng = np.random.default_rng(6)
     query = rng.integers(5, 49152, 150).tolist()
-    items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(1, 40, 12)]
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(1, 40, 24)]
     request = scorer.tokenize(query, items, [1])
     assert len(list(scorer.iter_passes([request]))) >= 3
     labels = [1, 77, 4000]
