@@ -17,7 +17,7 @@ from flax import nnx
 from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.model import TOKEN_ROWS, CausalLM
+from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
 from core.packing import PackedSequence, PassPlan, build_pass, ladder, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
@@ -78,6 +78,23 @@ def _return_free_memory() -> None:
     """Returns the C heap's free pages to the operating system (glibc's malloc_trim)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+# The prefix cache's size when none is given: fixed on CPU (host memory; the cache is NumPy there); on an
+# accelerator, this share of the device memory left once the weights are loaded and the largest pass has room
+# (the rest is headroom for XLA's own buffers and the estimate's error). A fixed 256 MiB there filled with a
+# few 4,000-token queries: jobs whose items span passes then waited for one another and passes ran under-filled.
+PREFIX_CACHE_BYTES_CPU = 256 << 20
+PREFIX_CACHE_SHARE = 0.5
+
+
+def device_prefix_cache_bytes(memory_stats: dict | None, pass_bytes: int) -> int | None:
+    """PREFIX_CACHE_SHARE of a device's memory left after what is in use (the weights) and `pass_bytes`, from
+    `jax.Device.memory_stats()`; None where the device reports no limit (the CPU)."""
+    if not memory_stats or not memory_stats.get("bytes_limit"):
+        return None
+    free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - pass_bytes
+    return max(int(free * PREFIX_CACHE_SHARE), 0)
 
 
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
@@ -233,10 +250,11 @@ class Scorer:
 
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int = 128, block_k: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, max_programs: int = 16, **limits):
+                 prefix_cache_bytes: int | None = None, max_programs: int = 16, **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
         already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
-        used go first). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
+        used go first). `prefix_cache_bytes`: None for the default (see PREFIX_CACHE_SHARE). `limits`: max_items,
+        max_tokens, max_sequence_tokens (see RequestTokenizer)."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
@@ -265,6 +283,9 @@ class Scorer:
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
+        if prefix_cache_bytes is None:
+            stats = None if on_cpu else jax.devices()[0].memory_stats()
+            prefix_cache_bytes = device_prefix_cache_bytes(stats, self.pass_bytes()) or PREFIX_CACHE_BYTES_CPU
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
@@ -336,6 +357,16 @@ class Scorer:
         c = self.config
         rows = tokens if self.host_prefix_cache else _window_rows(tokens, self.block_k)
         return 2 * rows * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def pass_bytes(self) -> int:
+        """An estimate of the device memory the largest pass takes besides the weights (pass_tokens tokens
+        in one step, as on accelerators): per token, the float32 residual and its norm, q/k/v, the attention's
+        output and the MLP's gate/up and hidden (one layer's at a time), every layer's keys and values out, and
+        a cache input as long; and the LM head's logits for a step of rows."""
+        c, T = self.config, self.pass_tokens
+        per_token = 4 * (2 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
+        kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return T * (per_token + 2 * kv) + 2 * HEAD_ROWS * c.vocab_size * 4
 
     def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array,
                          needed: Collection[tuple[int, ...]]) -> None:
