@@ -257,9 +257,7 @@ def _layer_types(hf: dict, family: str, layers: int, window: int | None) -> list
     if family == "gemma3_text":
         pattern = int(hf.get("sliding_window_pattern", 6))
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if window and family != "llama":
-        raise ValueError(f"config field sliding_window={window!r} is not supported for {family}")
-    return ["full_attention"] * layers
+    return ["full_attention"] * layers  # llama, gemma, granite: transformers reads no window for them
 
 
 def _rope_parameters(hf: dict, family: str, layer_type: str) -> dict:
