@@ -1,6 +1,7 @@
 """Ahead-of-time build of the engine's pass program for an accelerator, from shapes alone.
 
-    python -m core.aot --target tpu-v6e|tpu-v5e|cuda-h100 --model qwen3-0.6b|smollm2-135m \
+    python -m core.aot --target tpu-v6e|tpu-v5e|cuda-h100 \
+        --model qwen3-0.6b|smollm2-135m|gemma2-2b|mistral-7b \
         --pass-tokens 16384 --dtype bfloat16|float32
 
 Builds the program one pass runs (the whole model forward with the Pallas attention kernel, as
@@ -52,12 +53,26 @@ MODELS = {
     # Qwen3-0.6B's shape (random weights stand in for it on accelerators).
     "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
                               head_dim=128, intermediate_size=3072, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                              qk_norm=True, tie_word_embeddings=True, max_position_embeddings=40960),
+                              qk_norm=True, tie_word_embeddings=True, max_position_embeddings=40960,
+                              family="qwen3"),
     # The bundled SmolLM2-135M-Instruct (the GGUF's metadata; tests/test_aot.py checks they agree).
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                                 head_dim=64, intermediate_size=1536, rope_theta=100000.0,
                                 rms_norm_eps=float(np.float32(1e-5)),  # as the GGUF stores it
                                 qk_norm=False, tie_word_embeddings=True, max_position_embeddings=8192),
+    # Windowed families, from their published config.json's fields: Gemma 2 2B (a 4,096-token window on
+    # alternate layers, soft-caps, head_dim 256) and Mistral 7B v0.1 (a 4,096-token window on every layer).
+    "gemma2-2b": ModelConfig.from_hf({
+        "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "num_hidden_layers": 26,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 8192}),
+    "mistral-7b": ModelConfig.from_hf({
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "sliding_window": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False}),
 }
 
 # The seeds' accelerator contract: one request = a 2,000-token query and 500 items of 20 tokens.
@@ -105,7 +120,8 @@ def pass_program(config: ModelConfig, dtype):
     def run(weights, tokens, q_meta, kv_meta, tile_ids, tile_counts, cache_k, cache_v, score_rows, score_labels,
             n_rows, n_tokens):
         # The contract's request fits one pass and keeps no prefix: no keys/values come out.
-        return _run_pass(weights, tokens, q_meta, kv_meta, (tile_ids, tile_counts), cache_k, cache_v, score_rows,
+        tables = ((tile_ids, tile_counts),) * len(config.attention_windows)  # one set per window (same shapes)
+        return _run_pass(weights, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows,
                          score_labels, n_rows, n_tokens, model_def=model_def, impl="pallas", block_q=BLOCK_Q, block_k=BLOCK_K, keep_kv=False)
     return run
 

@@ -3,7 +3,13 @@
 Every token of a pass carries metadata (sequence id, item id, position). The rule of
 score-semantics.md: query token q sees key k iff both belong to the same sequence,
 k is in that sequence's shared prefix (item id -1) or in q's own item, and
-pos(k) <= pos(q). Padding uses sequence ids that never match (-1 for queries, -2 for keys).
+pos(k) <= pos(q); in a layer with a sliding window W, also pos(q) - pos(k) < W (positions
+within the item's own sequence, query + item, as the single-sequence model counts them).
+Padding uses sequence ids that never match (-1 for queries, -2 for keys).
+
+Every implementation takes the layer's `scale` on q.k (None: head_dim ** -0.5), its
+`softcap` (Gemma 2: scores -> cap * tanh(scores / cap)) and its `window` (0: none) as
+static values: a model has one program per distinct window, not one per layer.
 
 Like splash attention, the mask's block structure is computed on the host into
 small tables, and the implementations read only what those list, so cost follows
@@ -49,9 +55,15 @@ class TokenMeta:
     pos: np.ndarray
 
 
-def visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos):
+def visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos, window: int = 0):
     """The packing rule, broadcast over whatever shapes are given (jnp or np)."""
-    return (q_seq == k_seq) & ((k_item < 0) | (k_item == q_item)) & (k_pos <= q_pos)
+    rule = (q_seq == k_seq) & ((k_item < 0) | (k_item == q_item)) & (k_pos <= q_pos)
+    return rule & (q_pos - k_pos < window) if window else rule
+
+
+def _scores(s, softcap: float | None):
+    """Scaled scores after the soft-cap, if any (float32)."""
+    return jnp.tanh(s / softcap) * softcap if softcap else s
 
 
 def _tile_ranges(values: np.ndarray, include: np.ndarray, tile: int, empty_low: int, empty_high: int):
@@ -63,9 +75,10 @@ def _tile_ranges(values: np.ndarray, include: np.ndarray, tile: int, empty_low: 
 
 
 def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
-                 items_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 items_only: bool = False, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Which key tiles each query tile can see: (ids [nq, max_count], counts [nq]); with `items_only`, only
-    the tiles holding keys of the query tile's own items (the item part of `cascade_attention`).
+    the tiles holding keys of the query tile's own items (the item part of `cascade_attention`); with a
+    `window`, not the tiles whose keys are all a window or more before the tile's earliest query.
 
     Conservative per tile pair (a listed tile may be partly masked: the kernels mask
     exactly inside tiles), never missing a visible pair. Rows are padded by repeating
@@ -83,10 +96,10 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
 
     qs_lo, qs_hi = _tile_ranges(q.seq.astype(np.int64), q_real, block_q, small, big)
     qg_lo, qg_hi = _tile_ranges(q_group, q_is_item, block_q, small, big)
-    _, qp_hi = _tile_ranges(q.pos.astype(np.int64), q_real, block_q, small, big)
+    qp_lo, qp_hi = _tile_ranges(q.pos.astype(np.int64), q_real, block_q, small, big)
     kp_seq_lo, kp_seq_hi = _tile_ranges(kv.seq.astype(np.int64), k_is_prefix, block_k, small, big)
     kg_lo, kg_hi = _tile_ranges(k_group, k_is_item, block_k, small, big)
-    kp_lo, _ = _tile_ranges(kv.pos.astype(np.int64), k_real, block_k, small, big)
+    kp_lo, kp_hi = _tile_ranges(kv.pos.astype(np.int64), k_real, block_k, small, big)
 
     def overlap(a_lo, a_hi, b_lo, b_hi):
         return (a_lo[:, None] <= b_hi[None, :]) & (b_lo[None, :] <= a_hi[:, None])
@@ -100,6 +113,8 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
     k_start = np.arange(len(kv.seq) // block_k) * block_k
     q_end = cache_len + (np.arange(len(q.seq) // block_q) + 1) * block_q - 1
     vis = (sees_prefix | sees_item) & causal & (k_start[None, :] <= q_end[:, None])
+    if window:
+        vis &= kp_hi[None, :] > qp_lo[:, None] - window
 
     counts = vis.sum(axis=1).astype(np.int32)
     width = max(int(counts.max(initial=0)), 1)
@@ -118,24 +133,30 @@ def pad_tables(ids: np.ndarray, width: int) -> np.ndarray:
     return np.concatenate([ids, np.repeat(ids[:, -1:], width - ids.shape[1], axis=1)], axis=1)
 
 
-def dense_attention(q, k, v, q_meta, kv_meta):
+def dense_attention(q, k, v, q_meta, kv_meta, scale: float | None = None, softcap: float | None = None,
+                    window: int = 0):
     """Reference: materializes the full [T, Tk] mask. q [T, H, D], k/v [Tk, Hkv, D]."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(T, Hkv, H // Hkv, D).astype(jnp.float32)
-    s = jnp.einsum("thgd,khd->hgtk", qg, k.astype(jnp.float32)) / np.sqrt(D)
+    s = _scores(jnp.einsum("thgd,khd->hgtk", qg, k.astype(jnp.float32)) * _scale(scale, D), softcap)
     mask = visible(q_meta[0][:, None], q_meta[1][:, None], q_meta[2][:, None],
-                   kv_meta[0][None, :], kv_meta[1][None, :], kv_meta[2][None, :])
+                   kv_meta[0][None, :], kv_meta[1][None, :], kv_meta[2][None, :], window)
     s = jnp.where(mask, s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("hgtk,khd->thgd", p, v.astype(jnp.float32))
     return o.reshape(T, H, D).astype(q.dtype)
 
 
+def _scale(scale: float | None, head_dim: int) -> float:
+    return scale if scale is not None else 1.0 / float(np.sqrt(head_dim))
+
+
 SLOT_GROUP = 4  # key tiles per step of the XLA path's loop (4 x 64 keys: big enough matmuls, little waste)
 
 
-def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int):
+def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
+                          scale: float | None = None, softcap: float | None = None, window: int = 0):
     """Plain-XLA attention over the visible tiles only (see module doc); the Pallas path's fallback.
 
     Query tiles are processed one at a time (`lax.map`) so each tile's scores stay in cache; materializing all
@@ -144,13 +165,14 @@ def blocksparse_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block
     only an upper bound, so a worker can use one width per pass size and the width is not a compile key.
     """
     T, H, D = q.shape
-    m, acc, l = _tile_loop(q * (1 / np.sqrt(D)), k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q, block_k,
-                           SLOT_GROUP)
+    m, acc, l = _tile_loop(q * _scale(scale, D), k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q, block_k,
+                           SLOT_GROUP, softcap, window)
     # A query row that sees nothing (padding) has zero sums: its output is zeros.
     return (acc / jnp.where(l > 0, l, 1.0)).reshape(T, H, D).astype(q.dtype)
 
 
-def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int, group: int):
+def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int, group: int,
+               softcap: float | None = None, window: int = 0):
     """The online-softmax state of every query row over the key tiles its tile lists (`group` tiles a step):
     (max [T, Hkv, G, 1], unnormalized output [T, Hkv, G, D], row sum [T, Hkv, G, 1]), float32. q comes scaled.
     A row that saw nothing has max _MASKED."""
@@ -183,9 +205,9 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
             vt = v_tiles[group_ids].reshape(group * block_k, Hkv, 2 * D)
             k_seq, k_item, k_pos = (t[group_ids].reshape(group * block_k) for t in k_meta_tiles)
             mask = visible(q_seq[:, None], q_item[:, None], q_pos[:, None], k_seq[None, :], k_item[None, :],
-                           k_pos[None, :])
+                           k_pos[None, :], window)
             mask &= jnp.repeat(g * group + jnp.arange(group) < count, block_k)[None, :]
-            s = jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32)
+            s = _scores(jnp.einsum("ihgd,jhd->hgij", q_tile, kt, preferred_element_type=jnp.float32), softcap)
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
             p = jnp.exp(s - m_new)
@@ -248,8 +270,9 @@ def cascade_table_shapes(T: int, Tk: int) -> tuple[tuple[int, ...], ...]:
     return windows, windows, windows[:1], (T // ITEM_TILE, T // ITEM_TILE), (T // ITEM_TILE,)
 
 
-def cascade_tables(q: TokenMeta, kv: TokenMeta) -> CascadeTables:
-    """The tables of `cascade_attention` for a pass."""
+def cascade_tables(q: TokenMeta, kv: TokenMeta, window: int = 0) -> CascadeTables:
+    """The tables of `cascade_attention` for a pass; with a `window`, a prefix window whose keys are all a
+    window or more before every row of its sequence in the tile is not listed."""
     T, Tk = len(q.seq), len(kv.seq)
     shape = cascade_table_shapes(T, Tk)[0]
     tile = T // shape[0]
@@ -266,21 +289,29 @@ def cascade_tables(q: TokenMeta, kv: TokenMeta) -> CascadeTables:
         tile_seqs, where = np.unique(q.seq[rows][real], return_inverse=True)
         last_pos = np.zeros(len(tile_seqs), np.int64)
         np.maximum.at(last_pos, where, q.pos[rows][real])
+        skipped = np.zeros(len(tile_seqs), np.int64)  # windows before the sliding window of every row
+        if window:
+            first_pos = np.full(len(tile_seqs), np.iinfo(np.int64).max)
+            np.minimum.at(first_pos, where, q.pos[rows][real])
+            skipped = np.maximum(first_pos - window + 1, 0) // PREFIX_WINDOW
         s = np.minimum(np.searchsorted(seqs, tile_seqs), max(len(seqs) - 1, 0))
         has_prefix = seqs[s] == tile_seqs if len(seqs) else np.zeros(len(tile_seqs), bool)
         # Windows that start past every row's position are causally masked: not listed.
-        n = np.where(has_prefix, np.minimum(-(-lengths[s] // PREFIX_WINDOW), last_pos // PREFIX_WINDOW + 1), 0) \
+        end = np.where(has_prefix, np.minimum(-(-lengths[s] // PREFIX_WINDOW), last_pos // PREFIX_WINDOW + 1), 0) \
             if len(seqs) else has_prefix.astype(np.int64)
-        offsets = [PREFIX_WINDOW * np.arange(c) for c in n]
+        skipped = np.minimum(skipped, end)
+        n = end - skipped
+        offsets = [PREFIX_WINDOW * np.arange(lo, hi) for lo, hi in zip(skipped, end)]
         counts[i] = c = sum(n)
         if c:
             starts[i, :c] = np.concatenate([first[j] + o for j, o in zip(s, offsets)])
             sizes[i, :c] = np.concatenate([np.minimum(lengths[j] - o, PREFIX_WINDOW) for j, o in zip(s, offsets)])
-    ids, item_counts = block_tables(q, kv, ITEM_TILE, ITEM_TILE, items_only=True)
+    ids, item_counts = block_tables(q, kv, ITEM_TILE, ITEM_TILE, items_only=True, window=window)
     return CascadeTables(starts, sizes, counts, pad_tables(ids, T // ITEM_TILE), item_counts)
 
 
-def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, item_ids, item_counts):
+def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, prefix_counts, item_ids, item_counts,
+                      scale: float | None = None, softcap: float | None = None, window: int = 0):
     """Packed attention as an item part and a prefix part (see above); same result as `dense_attention`.
 
     One loop over query tiles does both parts. A tile's rows are laid out heads first, [Hkv, sub-tile,
@@ -298,6 +329,7 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
     Tk, Hkv = k.shape[:2]
     G = H // Hkv
     nq = prefix_starts.shape[0]
+    sliding = window  # the layer's window; `window` below is the prefix part's step of keys
     tile, sub, window, slots = T // nq, ITEM_TILE, PREFIX_WINDOW, ITEM_SLOTS
     n = tile // sub
     # Keys/values heads first, padded by a window: windows may run past the last key, and the padding's first
@@ -312,7 +344,7 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
 
     def one_tile(args):
         q_tile, q_seq, q_item, q_pos, starts, sizes, count, ids, counts = args
-        q_tile = q_tile.reshape(n, sub, Hkv, G, D).transpose(2, 0, 3, 1, 4).reshape(Hkv, n, G * sub, D) * (1 / np.sqrt(D))
+        q_tile = q_tile.reshape(n, sub, Hkv, G, D).transpose(2, 0, 3, 1, 4).reshape(Hkv, n, G * sub, D) * _scale(scale, D)
         rows = lambda m: jnp.broadcast_to(m.reshape(n, 1, sub), (n, G, sub)).reshape(n, G * sub, 1)
         q_seq, q_item, q_pos = rows(q_seq), rows(q_item), rows(q_pos)
 
@@ -322,8 +354,10 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
                                   padding_tile)  # [n, slots]
             ks, ki, kp = (m[key_tiles].reshape(n, 1, slots * sub) for m in k_meta_sub)
             mask = (q_seq == ks) & (q_item == ki) & (kp <= q_pos)
+            if sliding:
+                mask &= q_pos - kp < sliding
             kt, vt = (x[:, key_tiles].reshape(Hkv, n, slots * sub, D) for x in (k_sub, v_sub))
-            s = jnp.matmul(q_tile, kt.transpose(0, 1, 3, 2), preferred_element_type=jnp.float32)
+            s = _scores(jnp.matmul(q_tile, kt.transpose(0, 1, 3, 2), preferred_element_type=jnp.float32), softcap)
             ones = jnp.ones((*vt.shape[:-1], SUM_COLUMNS), vt.dtype)
             return _online_softmax_step(carry, s, mask[None], jnp.concatenate([vt, ones], axis=-1),
                                         sums_from_matmul=True)
@@ -342,7 +376,9 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
             ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, window)[None, :] for x in (k_seq, k_pos))
             # The window's own prefix only: the keys after it (items, other sequences) are someone else's.
             mask = (q_seq == ks) & (jnp.arange(window) < sizes[j])[None, :] & (kp <= q_pos)
-            s = jnp.matmul(q_rows, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
+            if sliding:
+                mask &= q_pos - kp < sliding
+            s = _scores(jnp.matmul(q_rows, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32), softcap)
             return _online_softmax_step(carry, s, mask, vt, sums_from_matmul=False)
 
         _, acc, l = jax.lax.fori_loop(0, count, prefix_step, carry)
@@ -434,15 +470,18 @@ def kernel_tables(tile_ids, tile_counts, block_q: int, block_k: int, tile_q: int
     return ids, counts
 
 
-def full_tiles(ids, q_meta, kv_meta, tile_q: int, tile_k: int):
+def full_tiles(ids, q_meta, kv_meta, tile_q: int, tile_k: int, window: int = 0):
     """Per table slot: 1 where every query of the tile sees every key of the listed tile (a shared-prefix
-    tile under a tile of one sequence's later tokens), so the kernel can skip the mask there."""
+    tile under a tile of one sequence's later tokens, within the window if any), so the kernel can skip the
+    mask there."""
     q_seq, q_item, q_pos = (m.reshape(-1, tile_q) for m in q_meta)
     k_seq, k_item, k_pos = (m.reshape(-1, tile_k) for m in kv_meta)
     q_one_seq = (q_seq.min(axis=1) == q_seq.max(axis=1)) & (q_seq.min(axis=1) >= 0)
     k_one_seq = (k_seq.min(axis=1) == k_seq.max(axis=1)) & (k_seq.min(axis=1) >= 0) & (k_item.max(axis=1) < 0)
     full = (q_one_seq[:, None] & k_one_seq[None, :] & (q_seq[:, :1] == k_seq[:, 0][None, :])
             & (k_pos.max(axis=1)[None, :] <= q_pos.min(axis=1)[:, None]))
+    if window:
+        full &= q_pos.max(axis=1)[:, None] - k_pos.min(axis=1)[None, :] < window
     return jnp.take_along_axis(full, ids, axis=1).astype(jnp.int32)
 
 
@@ -460,7 +499,8 @@ def _padded_inputs(q, k, v, q_meta, kv_meta, q_len: int, kv_len: int):
 
 
 def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref, k_meta_ref, q_ref, k_ref, v_ref,
-                o_ref, m_ref, l_ref, acc_ref, *, groups: int, width: int, scale: float):
+                o_ref, m_ref, l_ref, acc_ref, *, groups: int, width: int, scale: float, softcap: float | None = None,
+                window: int = 0):
     """One (query tile, KV head, table slot) step. q_ref [G, tq, D] (the G query heads of this KV head),
     k_ref/v_ref [tk, D] (the slot's key tile), q_*_ref [tq, 128] (ids broadcast over lanes),
     k_meta_ref [8, tk] (rows: seq, item, pos). Scratch m/l [G, tq, 128], acc [G, tq, D] in float32."""
@@ -480,6 +520,7 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
         v = v_ref[...]
         for g in range(groups):
             s = jax.lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32) * scale  # [tq, tk]
+            s = _scores(s, softcap)
             if mask is not None:
                 s = jnp.where(mask, s, _MASKED)
             m_prev, l_prev = m_ref[g], l_ref[g]  # [tq, 128], every lane the same
@@ -506,7 +547,7 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
         km = k_meta_ref[...]
         k_seq, k_item, k_pos = km[0:1, :], km[1:2, :], km[2:3, :]  # [1, tk]
         q_seq, q_item, q_pos = (jnp.tile(r[...], (1, reps)) for r in (q_seq_ref, q_item_ref, q_pos_ref))  # [tq, tk]
-        update(visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos))
+        update(visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos, window))
 
     @pl.when(j == width - 1)
     def _write():  # also for a query tile that sees nothing (padding): zeros
@@ -517,7 +558,8 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
 
 
 def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
-                  tile_q: int = TPU_TILE_Q, tile_k: int = TPU_TILE_K, interpret=False):
+                  tile_q: int = TPU_TILE_Q, tile_k: int = TPU_TILE_K, interpret=False, scale: float | None = None,
+                  softcap: float | None = None, window: int = 0):
     """The TPU kernel, in the form of splash attention: tables in SMEM (scalar prefetch), grid
     (query tiles, KV heads, table slots), the slot's K/V tiles fetched by index maps that read the
     table, online softmax in VMEM scratch. Same arguments and result as `blocksparse_attention`;
@@ -532,7 +574,7 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     tq, tk = _pick_tile(q_len, tile_q, quantum_q), _pick_tile(kv_len, tile_k, quantum_k)
     q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
     ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tq, tk, q_len, kv_len)
-    full = full_tiles(ids, q_meta, kv_meta, tq, tk)
+    full = full_tiles(ids, q_meta, kv_meta, tq, tk, window)
     nq, width = ids.shape
 
     q_lanes = [jax.lax.broadcast_in_dim(m.astype(jnp.int32), (q_len, _LANES), (0,)) for m in q_meta]
@@ -545,7 +587,7 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         return h, ids_ref[i * width + j], 0
 
     q_meta_spec = pl.BlockSpec((tq, _LANES), lambda i, h, j, *_: (i, 0))
-    kernel = partial(_tpu_kernel, groups=G, width=width, scale=1.0 / float(np.sqrt(D)))
+    kernel = partial(_tpu_kernel, groups=G, width=width, scale=_scale(scale, D), softcap=softcap, window=window)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -617,9 +659,9 @@ def _choose(platform: str, name: str, kernel, fallback, args):
     return kernel if use_kernel else fallback
 
 
-@partial(jax.jit, static_argnames=("block_q", "block_k", "interpret"))
+@partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "scale", "softcap", "window"))
 def pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
-                     interpret=False):
+                     interpret=False, scale: float | None = None, softcap: float | None = None, window: int = 0):
     """Pallas block-sparse attention; same arguments and result as `blocksparse_attention`.
 
     interpret=False: the kernel of the platform the program is lowered for (`lax.platform_dependent`):
@@ -629,19 +671,20 @@ def pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: i
     """
     q = q.astype(k.dtype)
     args = (q, k, v, tuple(q_meta), tuple(kv_meta), tile_ids, tile_counts)
+    layer = {"scale": scale, "softcap": softcap, "window": window}
     if interpret:
-        return tpu_attention(*args, block_q, block_k, interpret=interpret)
-    xla = partial(blocksparse_attention, block_q=block_q, block_k=block_k)
-    tpu = _choose("tpu", "pallas-tpu", partial(tpu_attention, block_q=block_q, block_k=block_k), xla, args)
-    gpu = _choose("cuda", "pallas-mosaic-gpu", _gpu_kernel_for(q, k, block_q, block_k), xla, args)
+        return tpu_attention(*args, block_q, block_k, interpret=interpret, **layer)
+    xla = partial(blocksparse_attention, block_q=block_q, block_k=block_k, **layer)
+    tpu = _choose("tpu", "pallas-tpu", partial(tpu_attention, block_q=block_q, block_k=block_k, **layer), xla, args)
+    gpu = _choose("cuda", "pallas-mosaic-gpu", _gpu_kernel_for(q, k, block_q, block_k, **layer), xla, args)
     return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=xla)
 
 
-def _gpu_kernel_for(q, k, block_q: int, block_k: int):
+def _gpu_kernel_for(q, k, block_q: int, block_k: int, **layer):
     """The Mosaic GPU kernel where it applies (16-bit floats, head_dim a multiple of 64), else None (XLA)."""
     if not GPU_KERNEL or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 64:
         return None
-    return partial(gpu_attention, block_q=block_q, block_k=block_k)
+    return partial(gpu_attention, block_q=block_q, block_k=block_k, **layer)
 
 
 # ---- the Mosaic GPU kernel (H100) -----------------------------------------------------------
@@ -652,7 +695,7 @@ GPU_TILE_Q, GPU_TILE_K = 64, 64  # one warpgroup's WGMMA rows; key tiles as the 
 
 def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
                   tile_q: int = GPU_TILE_Q, tile_k: int = GPU_TILE_K, max_concurrent_steps: int = 2,
-                  interpret=None):
+                  interpret=None, scale: float | None = None, softcap: float | None = None, window: int = 0):
     """The same tables driving a Mosaic GPU pipeline (bf16/f16, head_dim a multiple of 64): a CTA per
     (query head, query tile) holds its Q tile in shared memory, and `plgpu.emit_pipeline` streams the
     visible K/V tiles (its grid is the tile's count; the index maps read the table in global memory),
@@ -668,7 +711,7 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
     ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tile_q, tile_k, q_len, kv_len)
     nq, width = ids.shape
-    scale = 1.0 / float(np.sqrt(D))
+    scale = _scale(scale, D)
     q_rows = jnp.stack(q_meta).astype(jnp.int32)  # [3, T]: seq, item, pos
     k_rows = [m.astype(jnp.int32) for m in kv_meta]
     qh = q.transpose(1, 0, 2)  # [H, T, D]
@@ -705,9 +748,12 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
                 s = jax.lax.dot_general(qo_smem[...], k_smem[...], _NT, preferred_element_type=jnp.float32) * scale
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((tile_q, tile_k), jnp.float32)) * scale
+            s = _scores(s, softcap)
             k_seq, k_item, k_pos = (load(r, col) for r in (ks_smem, ki_smem, kp_smem))
             mask = ((by_row(q_seq) == by_col(k_seq)) & ((by_col(k_item) < 0) | (by_col(k_item) == by_row(q_item)))
                     & (by_col(k_pos) <= by_row(q_pos)))
+            if window:
+                mask &= by_row(q_pos) - by_col(k_pos) < window
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp(m_i - m_new)

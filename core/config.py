@@ -1,6 +1,38 @@
-"""Decoder configuration shared by every supported architecture (Llama family, Qwen3)."""
+"""Decoder configuration: one dataclass that says what differs between the supported families.
 
-from dataclasses import dataclass
+Families (Hugging Face `model_type`): llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, granite.
+A checkpoint whose configuration changes the math in a way the model does not implement (an unknown RoPE
+scaling, biases on the MLP, bidirectional attention, ...) is refused here, with the field named: the engine
+never scores an approximation of a model.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+# Hugging Face model_type -> the family's defaults that config.json may leave out.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite")
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
+}
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its inverse frequencies (float32 values, head_dim / 2 of them, any scaling
+    applied) and a factor on cos and sin (LongRoPE's attention factor; 1 elsewhere)."""
+
+    inv_freq: tuple[float, ...]
+    scale: float = 1.0
+
+    @classmethod
+    def plain(cls, theta: float, head_dim: int) -> "Rope":
+        return cls(tuple(_inv_freq(theta, head_dim).tolist()))
 
 
 @dataclass(frozen=True)
@@ -14,9 +46,25 @@ class ModelConfig:
     intermediate_size: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm on q and k before RoPE
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 8192
+    family: str = "llama"
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w), in float32
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: float = 1.0  # on the embeddings: Gemma sqrt(hidden), Granite embedding_multiplier
+    residual_scale: float = 1.0  # on each block's output before it joins the residual (Granite)
+    attn_scale: float | None = None  # on q.k; None: head_dim ** -0.5 (Gemma 2/3 query_pre_attn_scalar, Granite)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    logits_scaling: float = 1.0  # Granite: logits / logits_scaling
+    sandwich_norms: bool = False  # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs too
+    # Per layer: its sliding window (keys at most window - 1 positions before the query; 0: none) and the
+    # index of its RoPE in `ropes`. Empty: every layer global, `rope_theta`'s plain RoPE.
+    windows: tuple[int, ...] = ()
+    ropes: tuple[Rope, ...] = ()
+    layer_rope: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -26,55 +74,267 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return self.windows or (0,) * self.num_layers
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct windows (0: global), one attention program each (a static value, not per layer)."""
+        return tuple(sorted(set(self.layer_windows)))
+
+    @property
+    def layer_kinds(self) -> tuple[int, ...]:
+        """Per layer, the index of its window in `attention_windows`."""
+        return tuple(self.attention_windows.index(w) for w in self.layer_windows)
+
+    @property
+    def rope_list(self) -> tuple[Rope, ...]:
+        return self.ropes or (Rope.plain(self.rope_theta, self.head_dim),)
+
+    @property
+    def layer_rope_index(self) -> tuple[int, ...]:
+        return self.layer_rope or (0,) * self.num_layers
+
+    @property
+    def scale(self) -> float:
+        """The factor on q.k."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        """From `to_dict` (after a JSON round trip: lists back to tuples)."""
+        values = dict(values)
+        values["windows"] = tuple(values.get("windows", ()))
+        values["layer_rope"] = tuple(values.get("layer_rope", ()))
+        values["ropes"] = tuple(Rope(tuple(r["inv_freq"]), r["scale"]) for r in values.get("ropes", ()))
+        return cls(**values)
+
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """From a Hugging Face config.json (LlamaForCausalLM or Qwen3ForCausalLM)."""
+        """From a Hugging Face config.json (transformers 4 or 5 layout); raises ValueError naming the field
+        of a checkpoint the engine cannot score exactly."""
         arch = (hf.get("architectures") or [""])[0]
-        model_type = hf.get("model_type", "")
-        if model_type not in ("llama", "qwen3") and arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-            raise ValueError(f"unsupported architecture {arch or model_type!r}")
+        family = hf.get("model_type", "")
+        if family not in FAMILIES:
+            family = _ARCHITECTURES.get(arch, "")
+        if not family:
+            hint = (" (Gemma 3: text-only checkpoints, Gemma3ForCausalLM, are supported)"
+                    if hf.get("model_type") == "gemma3" else "")
+            raise ValueError(f"unsupported architecture {arch or hf.get('model_type')!r}{hint}")
+        gemma = family in _GEMMAS
+        for name in ("quantization_config", "use_bidirectional_attention", "mlp_bias"):
+            if hf.get(name):
+                raise ValueError(f"config field {name}={hf[name]!r} is not supported")
+        if hf.get("attention_bias") and family != "qwen2":
+            raise ValueError(f"config field attention_bias={hf['attention_bias']!r} is not supported for {family}")
+        act_field = "hidden_activation" if family in ("gemma2", "gemma3_text") else "hidden_act"
+        act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if family == "gemma" and act == "gelu":  # transformers reads Gemma's legacy "gelu" as the tanh form
+            act = "gelu_pytorch_tanh"
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"config field {act_field}={act!r} is not supported (silu, gelu_pytorch_tanh)")
         heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        layers = hf["num_hidden_layers"]
+        max_positions = int(hf.get("max_position_embeddings", 8192))
+        # transformers' Mistral and Gemma 2/3 default to a 4,096-token window; a null one: no window.
+        window = hf.get("sliding_window", 4096 if family in ("mistral", "gemma2", "gemma3_text") else None)
+        if window is not None and int(window) <= 0:
+            raise ValueError(f"config field sliding_window={window!r} is not supported")
+        types = _layer_types(hf, family, layers, window)
+        windows = tuple(int(window) if t == "sliding_attention" and window else 0 for t in types)
+        ropes, layer_rope, max_positions = _ropes(hf, family, types, head_dim, max_positions)
+        scalar = hf.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
+        multiplier = hf.get("attention_multiplier") if family == "granite" else None
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
-            rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            rope_theta=_theta(hf, family, "full_attention"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
+            qk_norm=family in ("qwen3", "gemma3_text"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            max_position_embeddings=max_positions,
+            family=family,
+            qkv_bias=family == "qwen2",
+            norm_offset=1.0 if gemma else 0.0,
+            activation=_ACTIVATIONS[act],
+            embed_scale=(math.sqrt(hf["hidden_size"]) if gemma
+                         else float(hf.get("embedding_multiplier", 1.0)) if family == "granite" else 1.0),
+            residual_scale=float(hf.get("residual_multiplier", 1.0)) if family == "granite" else 1.0,
+            attn_scale=float(scalar) ** -0.5 if scalar else float(multiplier) if multiplier is not None else None,
+            attn_softcap=_cap(hf.get("attn_logit_softcapping")) if family == "gemma2" else None,
+            final_softcap=_cap(hf.get("final_logit_softcapping")) if family in ("gemma2", "gemma3_text") else None,
+            logits_scaling=float(hf.get("logits_scaling", 1.0)) if family == "granite" else 1.0,
+            sandwich_norms=family in ("gemma2", "gemma3_text"),
+            windows=windows if any(windows) else (),
+            ropes=ropes,
+            layer_rope=layer_rope if any(layer_rope) else (),
         )
 
     @classmethod
     def from_gguf_reader(cls, reader) -> "ModelConfig":  # type: ignore[no-untyped-def]
-        """From a GGUF file's metadata (a `gguf.GGUFReader`; no tensor is read). Llama or Qwen3."""
+        """From a GGUF file's metadata (a `gguf.GGUFReader`; no tensor is read): llama, qwen2, qwen3, gemma
+        or gemma2 (llama.cpp's names; its converter stores Gemma's norms as 1 + w already)."""
         def field(key: str):  # type: ignore[no-untyped-def]
             return reader.fields[key].contents() if key in reader.fields else None
 
         arch = field("general.architecture")
-        if arch not in ("llama", "qwen3"):
+        if arch not in ("llama", "qwen2", "qwen3", "gemma", "gemma2"):
             raise ValueError(f"unsupported GGUF architecture {arch!r}")
         arch_field = lambda key: field(f"{arch}.{key}")
+        if arch_field("rope.scaling.type") not in (None, "none"):
+            raise ValueError(f"GGUF field {arch}.rope.scaling.type={arch_field('rope.scaling.type')!r} is not supported")
         heads, hidden = arch_field("attention.head_count"), arch_field("embedding_length")
+        layers = arch_field("block_count")
+        head_dim = arch_field("attention.key_length") or hidden // heads
         embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        gemma = arch in ("gemma", "gemma2")
+        window = arch_field("attention.sliding_window") if arch == "gemma2" else None
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, or hidden / heads for Gemma 2 27B (46
+        # layers), which is what the published configs hold.
+        scalar = (hidden / heads if layers == 46 else head_dim) if arch == "gemma2" else None
         return cls(
             vocab_size=int(embed.shape[-1]),
             hidden_size=hidden,
-            num_layers=arch_field("block_count"),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=arch_field("attention.head_count_kv"),
-            head_dim=arch_field("attention.key_length") or hidden // heads,
+            num_kv_heads=arch_field("attention.head_count_kv") or heads,
+            head_dim=head_dim,
             intermediate_size=arch_field("feed_forward_length"),
             rope_theta=float(arch_field("rope.freq_base") or 10000.0),
             rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
             qk_norm=arch == "qwen3",
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             max_position_embeddings=int(arch_field("context_length") or 8192),
+            family=arch,
+            qkv_bias=arch == "qwen2",
+            activation="gelu_tanh" if gemma else "silu",
+            embed_scale=math.sqrt(hidden) if gemma else 1.0,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=_cap(arch_field("attn_logit_softcapping")),
+            final_softcap=_cap(arch_field("final_logit_softcapping")),
+            sandwich_norms=arch == "gemma2",
+            # llama.cpp's Gemma 2: even layers slide, odd ones are global (as transformers' layer_types).
+            windows=tuple(0 if i % 2 else int(window) for i in range(layers)) if window else (),
         )
+
+
+def _cap(value) -> float | None:  # type: ignore[no-untyped-def]
+    return float(value) if value else None
+
+
+def _inv_freq(theta: float, head_dim: int) -> np.ndarray:
+    """RoPE's inverse frequencies in float32, as transformers computes them."""
+    return (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))\
+        .astype(np.float32)
+
+
+def _layer_types(hf: dict, family: str, layers: int, window: int | None) -> list[str]:
+    """Each layer's "full_attention" or "sliding_attention", as transformers decides it per family."""
+    if family in ("mistral", "phi3"):  # one window for every layer, if any
+        return ["sliding_attention" if window else "full_attention"] * layers
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        return ["full_attention"] * layers
+    if hf.get("layer_types"):
+        types = list(hf["layer_types"])
+        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"config field layer_types={types!r} is not supported")
+        return types
+    if family in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", layers)
+        return ["sliding_attention" if window and i >= first else "full_attention" for i in range(layers)]
+    if family == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if family == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return ["full_attention"] * layers  # llama, gemma, granite: transformers reads no window for them
+
+
+def _rope_parameters(hf: dict, family: str, layer_type: str) -> dict:
+    """The RoPE parameters of a layer type: transformers 5's rope_parameters (flat, or per layer type), or
+    transformers 4's rope_theta / rope_scaling / rope_local_base_freq."""
+    params = dict(hf.get("rope_parameters") or {})
+    if layer_type in params or "full_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    elif not params:
+        params = dict(hf.get("rope_scaling") or {})
+        if family == "gemma3_text" and layer_type == "sliding_attention":
+            params = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}  # the scaling is the global layers'
+    return params
+
+
+def _theta(hf: dict, family: str, layer_type: str) -> float:
+    params = _rope_parameters(hf, family, layer_type)
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    if family == "gemma3_text":
+        return 10000.0 if layer_type == "sliding_attention" else float(hf.get("rope_theta", 1_000_000.0))
+    return float(hf.get("rope_theta", 10000.0))
+
+
+def _ropes(hf: dict, family: str, types: list[str], head_dim: int, max_positions: int):
+    """(distinct RoPEs, each layer's index among them, the longest sequence they are exact for)."""
+    by_type: dict[str, Rope] = {}
+    for layer_type in dict.fromkeys(types):
+        rope, max_positions = _rope(hf, family, _rope_parameters(hf, family, layer_type),
+                                    _theta(hf, family, layer_type), head_dim, max_positions)
+        by_type[layer_type] = rope
+    ropes = tuple(dict.fromkeys(by_type.values()))
+    plain = Rope.plain(_theta(hf, family, "full_attention"), head_dim)
+    if ropes == (plain,):
+        return (), tuple(0 for _ in types), max_positions
+    return ropes, tuple(ropes.index(by_type[t]) for t in types), max_positions
+
+
+def _rope(hf: dict, family: str, params: dict, theta: float, head_dim: int, max_positions: int):
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if family == "phi3" and kind in ("su", "yarn"):  # transformers reads both as LongRoPE for Phi-3
+        kind = "longrope"
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config field partial_rotary_factor={partial!r} is not supported (1.0 only)")
+    inv = _inv_freq(theta, head_dim)
+    scale = 1.0
+    if kind == "linear":
+        inv = (inv / np.float32(params["factor"])).astype(np.float32)
+    elif kind == "llama3":
+        factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old = float(params.get("original_max_position_embeddings", max_positions))
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled).astype(np.float32)
+    elif kind == "longrope":
+        # The short factors hold for sequences up to original_max_position_embeddings (transformers switches
+        # to the long ones past it, for the whole batch): the engine keeps its sequences within that length.
+        original = int(params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or max_positions)
+        factor = params.get("factor") or max_positions / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short = np.asarray(params["short_factor"], np.float32)
+        if len(short) != head_dim // 2:
+            raise ValueError(f"config field rope_scaling.short_factor has {len(short)} values, not {head_dim // 2}")
+        base = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+        inv = (1.0 / (short * base)).astype(np.float32)
+        scale = float(attention_factor)
+        max_positions = min(max_positions, original)
+    elif kind != "default":
+        raise ValueError(f"config field rope_scaling type {kind!r} is not supported (default, linear, llama3, "
+                         "longrope for Phi-3)")
+    return Rope(tuple(inv.tolist()), scale), max_positions
 
 
 # A tiny decoder for tests and the embedded service's test mode; weights are random (seeded).

@@ -1,4 +1,6 @@
-"""Llama-family / Qwen3 decoder as Flax NNX modules, one module per block.
+"""The decoder of every supported family as Flax NNX modules, one module per block; what differs between
+families (biases, norm style, activation, soft-caps, windows and RoPE per layer, multipliers) is read from
+`ModelConfig`.
 
 `CausalLM` holds the weights (see `core.weights` for loading them into it). The decoder
 layers are one `DecoderLayer` whose parameters carry a leading layer axis, so the stack
@@ -6,7 +8,9 @@ runs under one `lax.scan` (one compiled layer body). Matrices are (in, out): x @
 and gate/up are fused for larger matmuls. Parameter shapes, for L layers:
   embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
   layers: attn_norm [L, D], attn.wqkv [L, D, q+2kv], attn.wo [L, q, D], mlp_norm [L, D],
-          mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and for Qwen3 attn.q_norm, attn.k_norm [L, head_dim].
+          mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and where the family has them attn.bqkv [L, q+2kv]
+          (Qwen2), attn.q_norm, attn.k_norm [L, head_dim] (Qwen3, Gemma 3), post_attn_norm, post_mlp_norm [L, D]
+          (Gemma 2/3).
 """
 
 from typing import Callable
@@ -15,25 +19,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.config import ModelConfig
+from core.config import ModelConfig, Rope
 
 HEAD_ROWS = 64  # score rows per step of the LM head
 # Tokens per step of the projections and the MLP on CPU. On accelerators a pass runs them in one step: every
 # step reads all the weights again, which costs more there than the padding it saves.
 TOKEN_ROWS = 512
 
-# attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D]) -> [T,H,D]; closes over the pass metadata.
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D], kind) -> [T,H,D]; closes over the pass metadata. kind (an
+# int32 scalar, traced) is the layer's index in config.attention_windows: its window, hence its tables.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of RoPE's angles, [T, head_dim / 2] float32. Computed once per pass for every layer: inside
-    a layer's fused rotation XLA evaluated them once per head and element (a quarter of the projections'
-    non-matmul time on CPU)."""
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+def rotary_tables(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of RoPE's angles, [T, head_dim / 2] float32 (times the RoPE's scale). Computed once per pass
+    for every layer: inside a layer's fused rotation XLA evaluated them once per head and element (a quarter of
+    the projections' non-matmul time on CPU)."""
+    inv_freq = jnp.asarray(rope.inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    if rope.scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * rope.scale, jnp.sin(angles) * rope.scale
 
 
 def apply_rotary_embedding(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -80,14 +86,17 @@ def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, offset: float = 0.0):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.offset = offset  # Gemma: the scale is 1 + weight, taken in float32
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # As Hugging Face: normalize in float32, cast back, then scale.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
 
 
@@ -97,9 +106,11 @@ class Attention(nnx.Module):
         self.config = c
         self.wqkv = nnx.Param(jnp.zeros((c.hidden_size, c.q_size + 2 * c.kv_size), dtype))
         self.wo = nnx.Param(jnp.zeros((c.q_size, c.hidden_size), dtype))
+        if c.qkv_bias:
+            self.bqkv = nnx.Param(jnp.zeros((c.q_size + 2 * c.kv_size,), dtype))
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, c.norm_offset)
 
     def project(self, h: jax.Array, cos: jax.Array, sin: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, ...]:
         """q [T, H, hd] float32, k and v [T, Hkv, hd] in `dtype` (the cache's), of h [T, D] (normed)."""
@@ -108,6 +119,8 @@ class Attention(nnx.Module):
         # float32 (the accelerators' kernels round it themselves): rounding it to bfloat16 moved bfloat16
         # log-probs of SmolLM2 by up to 0.07 on an AVX512-BF16 CPU, 0.037 without.
         qkv = dense(h, self.wqkv)
+        if c.qkv_bias:
+            qkv = qkv + self.bqkv[...].astype(jnp.float32)
         q = qkv[:, : c.q_size].reshape(T, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
@@ -124,36 +137,47 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+        self.activation = config.activation
         self.w_gate_up = nnx.Param(jnp.zeros((config.hidden_size, 2 * config.intermediate_size), dtype))
         self.w_down = nnx.Param(jnp.zeros((config.intermediate_size, config.hidden_size), dtype))
 
     def __call__(self, h: jax.Array) -> jax.Array:
         gate, up = jnp.split(dense(h, self.w_gate_up), 2, axis=-1)
-        return dense(jax.nn.silu(gate) * up, self.w_down)
+        act = jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+        return dense(act * up, self.w_down)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype):
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(config, dtype)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp_norm = norm()
         self.mlp = MLP(config, dtype)
+        if config.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
+        self.residual_scale = config.residual_scale
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], cache_k: jax.Array, cache_v: jax.Array,
                  attention: AttentionFn, n_tokens: jax.Array, token_rows: int | None,
-                 rows: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 rows: tuple[jax.Array, jax.Array] | None = None,
+                 kind: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] float32, of which the first n_tokens are real; rope: `rotary_tables` of the tokens' positions;
         keys also cover the cached context
         (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype).
         `rows` (row indices [T], how many are in use): only those rows go on past the attention, and come out
-        in that order (the last layer: only the score rows reach the LM head; the rest of it is keys/values)."""
+        in that order (the last layer: only the score rows reach the LM head; the rest of it is keys/values).
+        `kind`: the layer's attention kind (see AttentionFn)."""
         q, k, v = over_tokens(lambda x, cos, sin: self.attn.project(self.attn_norm(x), cos, sin, cache_k.dtype),
                               n_tokens, token_rows, x, *rope)
-        out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]))
+        out = attention(q, jnp.concatenate([cache_k, k]), jnp.concatenate([cache_v, v]), kind)
+        sandwich = hasattr(self, "post_attn_norm")
 
         def finish(x, out):
-            x = x + self.attn.output(out)
-            return x + self.mlp(self.mlp_norm(x))
+            h = self.attn.output(out)
+            x = x + self.residual_scale * (self.post_attn_norm(h) if sandwich else h)
+            h = self.mlp(self.mlp_norm(x))
+            return x + self.residual_scale * (self.post_mlp_norm(h) if sandwich else h)
 
         if rows is None:
             return over_tokens(finish, n_tokens, token_rows, x, out), k, v
@@ -168,7 +192,7 @@ class CausalLM(nnx.Module):
         # One layer's modules with every parameter stacked over the layers (created under vmap).
         self.layers = nnx.vmap(lambda _: DecoderLayer(config, dtype), in_axes=0, out_axes=0)(
             jnp.arange(config.num_layers))
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_offset)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
 
@@ -189,8 +213,13 @@ class CausalLM(nnx.Module):
         """
         # The residual stream stays float32 whatever the weights' dtype (bfloat16 weights
         # with a bfloat16 residual drift past the 5e-2 logprob tolerance).
+        c = self.config
         x = self.embed[...][tokens].astype(jnp.float32)
-        rope = rotary_tables(positions, self.config.head_dim, self.config.rope_theta)
+        if c.embed_scale != 1.0:
+            x = x * c.embed_scale
+        # Each distinct RoPE's tables once per pass; a layer picks its own (Gemma 3: local and global bases).
+        tables = [rotary_tables(positions, rope) for rope in c.rope_list]
+        cos_all, sin_all = (jnp.stack(t) for t in zip(*tables))
         layer_def, layer_state = nnx.split(self.layers)
         # The last layer runs its output projection and MLP on the score rows only (x comes out as those rows):
         # a few per cent of a typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly one
@@ -200,12 +229,15 @@ class CausalLM(nnx.Module):
             raise ValueError("a pass offers one score row per token")
 
         def step(x, layer):
-            i, state, ck, cv = layer
-            run = lambda rows: nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows, rows)
+            i, state, ck, cv, kind, r = layer
+            rope = (cos_all[r], sin_all[r]) if len(tables) > 1 else tables[0]
+            run = lambda rows: nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows, rows,
+                                                           kind)
             x, k, v = jax.lax.cond(i == last, lambda: run((score_rows, n_rows)), lambda: run(None))
             return x, ((k, v) if keep_kv else None)
 
-        x, kv = jax.lax.scan(step, x, (jnp.arange(last + 1), layer_state, cache_k, cache_v))
+        per_layer = (jnp.asarray(c.layer_kinds, jnp.int32), jnp.asarray(c.layer_rope_index, jnp.int32))
+        x, kv = jax.lax.scan(step, x, (jnp.arange(last + 1), layer_state, cache_k, cache_v, *per_layer))
         return self.label_logprobs(self.final_norm(x), score_labels, n_rows), kv
 
     def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array) -> jax.Array:
@@ -214,6 +246,7 @@ class CausalLM(nnx.Module):
         The LM head runs on HEAD_ROWS rows at a time for as many steps as there are rows: a pass can offer a
         score row per token (so the row count is never a compile key) and pay only for the rows it uses."""
         head = self.lm_head if hasattr(self, "lm_head") else self.embed  # [V, D]; tied models reuse the embedding
+        c = self.config
         S, W = labels.shape
         rows = min(HEAD_ROWS, S)
         h = jnp.pad(h, ((0, -S % rows), (0, 0)))
@@ -222,6 +255,10 @@ class CausalLM(nnx.Module):
         def chunk(i, out):
             hc = jax.lax.dynamic_slice_in_dim(h, i * rows, rows)
             logits = head_logits(hc, head[...])
+            if c.logits_scaling != 1.0:  # Granite
+                logits = logits / c.logits_scaling
+            if c.final_softcap:  # Gemma 2
+                logits = jnp.tanh(logits / c.final_softcap) * c.final_softcap
             picked = jnp.take_along_axis(logits, jax.lax.dynamic_slice_in_dim(labels, i * rows, rows), axis=1)
             return jax.lax.dynamic_update_slice_in_dim(
                 out, picked - jax.nn.logsumexp(logits, axis=1, keepdims=True), i * rows, 0)

@@ -17,7 +17,7 @@ from flax import nnx
 from core import attention as attn
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.model import TOKEN_ROWS, CausalLM
+from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
 from core.packing import PackedSequence, PassPlan, build_pass, cache_length, ladder, plan_passes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
@@ -85,6 +85,23 @@ def _return_free_memory() -> None:
 # dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
 SHORTEST_CPU_PASS = 64
 
+# The prefix cache's size when none is given: fixed on CPU (host memory; the cache is NumPy there); on an
+# accelerator, this share of the device memory left once the weights are loaded and the largest pass has room
+# (the rest is headroom for XLA's own buffers and the estimate's error). A fixed 256 MiB there filled with a
+# few 4,000-token queries: jobs whose items span passes then waited for one another and passes ran under-filled.
+PREFIX_CACHE_BYTES_CPU = 256 << 20
+PREFIX_CACHE_SHARE = 0.5
+
+
+def device_prefix_cache_bytes(memory_stats: dict | None, pass_bytes: int) -> int | None:
+    """PREFIX_CACHE_SHARE of a device's memory left after what is in use (the weights) and `pass_bytes`, from
+    `jax.Device.memory_stats()`; None where the device reports no limit (the CPU)."""
+    if not memory_stats or not memory_stats.get("bytes_limit"):
+        return None
+    free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - pass_bytes
+    return max(int(free * PREFIX_CACHE_SHARE), 0)
+
+
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
 
@@ -131,17 +148,27 @@ def _run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, sc
               token_rows: int | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
-    log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables (see
-    Scorer._tables)."""
-    def attention(q, k, v):
-        if impl == "dense":
-            return attn.dense_attention(q, k, v, q_meta, kv_meta)
-        if impl == "xla":
-            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables)
-        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables, block_q=block_q, block_k=block_k,
-                                     interpret=impl == "pallas-interpret")
-
+    log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables, one set
+    per window of the model (see Scorer._tables)."""
     model = nnx.merge(model_def, model_state)
+    c = model.config
+
+    def one_kind(i: int, q, k, v):
+        layer = {"scale": c.scale, "softcap": c.attn_softcap, "window": c.attention_windows[i]}
+        if impl == "dense":
+            return attn.dense_attention(q, k, v, q_meta, kv_meta, **layer)
+        if impl == "xla":
+            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables[i], **layer)
+        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables[i], block_q=block_q, block_k=block_k,
+                                     interpret=impl == "pallas-interpret", **layer)
+
+    def attention(q, k, v, kind):
+        # A layer's window is a static value of its program: one branch per distinct window (Gemma 2: a
+        # global and a local one), chosen by the layer's kind as the layer loop runs.
+        if len(c.attention_windows) == 1:
+            return one_kind(0, q, k, v)
+        return jax.lax.switch(kind, [partial(one_kind, i) for i in range(len(c.attention_windows))], q, k, v)
+
     return model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention, keep_kv,
                  token_rows)
 
@@ -228,13 +255,15 @@ class Scorer:
 
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int | None = None, block_k: int = 64,
-                 prefix_cache_bytes: int = 256 << 20, max_programs: int = 24, shortest_pass: int | None = None,
+                 prefix_cache_bytes: int | None = None, max_programs: int = 24, shortest_pass: int | None = None,
                  **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
         already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
-        used go first). `shortest_pass`: the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU,
-        pass_tokens/8 elsewhere). `block_q`: query rows per tile of the block tables (None: 128; 64 on the XLA
-        path, which reads none of them, so that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see RequestTokenizer)."""
+        used go first). `prefix_cache_bytes`: None for the default (see PREFIX_CACHE_SHARE). `shortest_pass`:
+        the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU, pass_tokens/8 elsewhere). `block_q`:
+        query rows per tile of the block tables (None: 128; 64 on the XLA path, which reads none of them, so
+        that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see
+        RequestTokenizer)."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
@@ -267,6 +296,9 @@ class Scorer:
         self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
+        if prefix_cache_bytes is None:
+            stats = None if on_cpu else jax.devices()[0].memory_stats()
+            prefix_cache_bytes = device_prefix_cache_bytes(stats, self.pass_bytes()) or PREFIX_CACHE_BYTES_CPU
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
@@ -343,6 +375,16 @@ class Scorer:
         c = self.config
         rows = tokens if self.host_prefix_cache else _window_rows(tokens, self.block_k)
         return 2 * rows * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def pass_bytes(self) -> int:
+        """An estimate of the device memory the largest pass takes besides the weights (pass_tokens tokens
+        in one step, as on accelerators): per token, the float32 residual and its norm, q/k/v, the attention's
+        output and the MLP's gate/up and hidden (one layer's at a time), every layer's keys and values out, and
+        a cache input as long; and the LM head's logits for a step of rows."""
+        c, T = self.config, self.pass_tokens
+        per_token = 4 * (2 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
+        kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return T * (per_token + 2 * kv) + 2 * HEAD_ROWS * c.vocab_size * 4
 
     def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array,
                          needed: Collection[tuple[int, ...]]) -> None:
@@ -428,12 +470,18 @@ class Scorer:
         needs (a compile key on accelerators)."""
         return (cache_len + tokens) // self.block_k if self.attention in ("xla", "dense") else needed
 
-    def _tables(self, arrays, width: int) -> tuple[np.ndarray, ...]:
-        """The attention's host tables for a pass: `cascade_attention`'s on the XLA path, else the block
-        tables (the Pallas kernels'; the dense reference reads none), `width` wide."""
-        if self.attention == "xla":
-            return attn.cascade_tables(arrays.q_meta, arrays.kv_meta).as_tuple()
-        return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
+    def _tables(self, arrays, width: int) -> tuple[tuple[np.ndarray, ...], ...]:
+        """The attention's host tables for a pass, one set per window of the model (a windowed layer's skip the
+        tiles outside its window): `cascade_attention`'s on the XLA path, else the block tables (the Pallas
+        kernels'; the dense reference reads none), `width` wide (a window's tables list no more tiles)."""
+        def one(window: int) -> tuple[np.ndarray, ...]:
+            if self.attention == "xla":
+                return attn.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
+            if not window:
+                return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
+            ids, counts = attn.block_tables(arrays.q_meta, arrays.kv_meta, self.block_q, self.block_k, window=window)
+            return attn.pad_tables(ids, width), counts
+        return tuple(one(window) for window in self.config.attention_windows)
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
@@ -444,6 +492,7 @@ class Scorer:
             tables = tuple(i32(*shape) for shape in attn.cascade_table_shapes(tokens, cache_len + tokens))
         else:
             tables = (i32(tokens // self.block_q, width), i32(tokens // self.block_q))
+        tables = (tables,) * len(c.attention_windows)
         args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3, tables,
                 cache, cache, i32(score_rows),
                 i32(score_rows, label_width), i32(), i32())
@@ -499,7 +548,7 @@ class Scorer:
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], cached_lengths, C) for i in (0, 1))
         width = self._table_width(T, C, arrays.tile_ids.shape[1])
-        tables = tuple(jnp.asarray(t) for t in self._tables(arrays, width))
+        tables = jax.tree.map(jnp.asarray, self._tables(arrays, width))
         meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
         shape_key = (T, C, S, width, labels.shape[1], keep_kv)
         program = self._program(*shape_key)

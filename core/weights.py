@@ -1,11 +1,11 @@
 """Weight conversion: GGUF files and Hugging Face directories into `core.model.CausalLM`.
 
-Loaders produce per-layer matrices in the Hugging Face layout (out, in); `stack_weights`
-transposes, fuses and stacks them into the tree of the model's parameters; `load_model`
-puts them into the modules.
+Loaders produce per-layer matrices in the Hugging Face layout (out, in), by the keys below
+(q, k, v, o, gate, up, down, bq/bk/bv, attn_norm, mlp_norm, post_attn_norm, post_mlp_norm,
+q_norm, k_norm: each family's names map onto them); `stack_weights` transposes, fuses and
+stacks them into the tree of the model's parameters; `load_model` puts them into the modules.
 """
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -18,19 +18,42 @@ from core.config import ModelConfig
 from core.model import CausalLM
 from core.requests import write_atomically
 
-# Per-layer tensors by Hugging Face suffix (model.layers.N.<suffix>.weight).
+# Per-layer tensors by Hugging Face name (model.layers.N.<name>); Phi-3's fused ones are split on reading.
 _HF_LAYER = {
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-    "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
 }
-# The same tensors by GGUF name (blk.N.<name>.weight).
+_HF_BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+_HF_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# Gemma 2/3 name the norm after the attention post_attention_layernorm, the others name the MLP's so.
+_HF_SANDWICH = {"post_attn_norm": "post_attention_layernorm.weight", "mlp_norm": "pre_feedforward_layernorm.weight",
+                "post_mlp_norm": "post_feedforward_layernorm.weight"}
+_HF_PLAIN_NORM = {"mlp_norm": "post_attention_layernorm.weight"}
+# The same tensors by GGUF name (blk.N.<name>).
 _GGUF_LAYER = {
-    "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
-    "attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight",
+    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight", "attn_norm": "attn_norm.weight",
 }
+_GGUF_BIASES = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+_GGUF_QK_NORMS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}
+_GGUF_SANDWICH = {"post_attn_norm": "post_attention_norm.weight", "mlp_norm": "ffn_norm.weight",
+                  "post_mlp_norm": "post_ffw_norm.weight"}
+_GGUF_PLAIN_NORM = {"mlp_norm": "ffn_norm.weight"}
+
+
+def _layer_names(config: ModelConfig, gguf: bool) -> dict[str, str]:
+    """Our key -> the checkpoint's per-layer tensor name, for this family."""
+    names = dict(_GGUF_LAYER if gguf else _HF_LAYER)
+    if config.qkv_bias:
+        names.update(_GGUF_BIASES if gguf else _HF_BIASES)
+    if config.qk_norm:
+        names.update(_GGUF_QK_NORMS if gguf else _HF_QK_NORMS)
+    if config.sandwich_norms:
+        names.update(_GGUF_SANDWICH if gguf else _HF_SANDWICH)
+    else:
+        names.update(_GGUF_PLAIN_NORM if gguf else _HF_PLAIN_NORM)
+    return names
 
 
 def stack_weights(config: ModelConfig, embed: np.ndarray, final_norm: np.ndarray, layers: list[dict],
@@ -51,9 +74,14 @@ def stack_weights(config: ModelConfig, embed: np.ndarray, final_norm: np.ndarray
                     "w_down": stacked(lambda l: l["down"].T)},
         },
     }
+    if config.qkv_bias:
+        out["layers"]["attn"]["bqkv"] = stacked(lambda l: np.concatenate([l["bq"], l["bk"], l["bv"]]))
     if config.qk_norm:
         out["layers"]["attn"]["q_norm"] = {"weight": stacked(lambda l: l["q_norm"])}
         out["layers"]["attn"]["k_norm"] = {"weight": stacked(lambda l: l["k_norm"])}
+    if config.sandwich_norms:
+        out["layers"]["post_attn_norm"] = {"weight": stacked(lambda l: l["post_attn_norm"])}
+        out["layers"]["post_mlp_norm"] = {"weight": stacked(lambda l: l["post_mlp_norm"])}
     if lm_head is not None and not config.tie_word_embeddings:
         out["lm_head"] = lm_head.astype(np.float32)
     return out
@@ -66,15 +94,16 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str | Path, cache: Path | None = None) -> tuple[ModelConfig, dict]:
-    """Reads and dequantizes a llama or qwen3 GGUF file. With `cache` (a folder), the dequantized weights are
-    read from there (memory-mapped .npy files) if an earlier call wrote them, and written there if not."""
+    """Reads and dequantizes a GGUF file (see ModelConfig.from_gguf_reader for the architectures). With `cache`
+    (a folder), the dequantized weights are read from there (memory-mapped .npy files) if an earlier call wrote
+    them, and written there if not."""
     if cache is not None and cache.is_dir():
-        return ModelConfig(**json.loads((cache / "config.json").read_text())), _read_tree(cache)
+        return ModelConfig.from_dict(json.loads((cache / "config.json").read_text())), _read_tree(cache)
     config, weights = _dequantize_gguf(path)
     if cache is not None:
         def write(folder: Path) -> None:
             folder.mkdir()
-            (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+            (folder / "config.json").write_text(json.dumps(config.to_dict()))
             _write_tree(folder, weights)
         write_atomically(cache, write)
     return config, weights
@@ -110,11 +139,11 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
         t = tensors[name]
         return np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape.tolist())))
 
-    names = {k: v for k, v in _GGUF_LAYER.items() if config.qk_norm or k not in ("q_norm", "k_norm")}
+    names = _layer_names(config, gguf=True)
     layers = []
     for i in range(config.num_layers):
-        layer = {key: read(f"blk.{i}.{name}.weight") for key, name in names.items()}
-        if not config.qk_norm:  # llama: llama.cpp's converter permuted Q and K
+        layer = {key: read(f"blk.{i}.{name}") for key, name in names.items()}
+        if config.family == "llama":  # llama.cpp's converter permuted Q and K for its interleaved RoPE
             layer["q"] = _unpermute_qk(layer["q"], config.num_heads)
             layer["k"] = _unpermute_qk(layer["k"], config.num_kv_heads)
         layers.append(layer)
@@ -123,21 +152,64 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict]:
-    """Reads config.json and *.safetensors of a Hugging Face model directory."""
-    from safetensors.numpy import load_file
-
+    """Reads config.json and *.safetensors (one file or shards; float32, float16 or bfloat16) of a Hugging Face
+    model directory. A tensor the model would not use (a bias or norm the family does not have) is refused:
+    ignoring it would score another model."""
     path = Path(path)
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     raw: dict[str, np.ndarray] = {}
     for shard in sorted(path.glob("*.safetensors")):
-        raw.update(load_file(shard))
+        raw.update(_read_safetensors(shard))
     if not raw:
         raise ValueError(f"no .safetensors files in {path}")
     raw = {k.removeprefix("model."): v for k, v in raw.items()}
-    names = {k: v for k, v in _HF_LAYER.items() if config.qk_norm or k not in ("q_norm", "k_norm")}
-    layers = [{key: raw[f"layers.{i}.{name}.weight"] for key, name in names.items()} for i in range(config.num_layers)]
+    names = _layer_names(config, gguf=False)
+    q, kv = config.q_size, config.kv_size
+    used = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+    layers = []
+    for i in range(config.num_layers):
+        prefix = f"layers.{i}."
+        if config.family == "phi3":  # fused q/k/v and gate/up
+            names = {k: v for k, v in names.items() if k not in ("q", "k", "v", "gate", "up")}
+            qkv, gate_up = raw[prefix + "self_attn.qkv_proj.weight"], raw[prefix + "mlp.gate_up_proj.weight"]
+            layer = dict(zip(("q", "k", "v"), np.split(qkv, [q, q + kv])))
+            layer.update(zip(("gate", "up"), np.split(gate_up, 2)))
+            used |= {prefix + "self_attn.qkv_proj.weight", prefix + "mlp.gate_up_proj.weight"}
+        else:
+            layer = {}
+        for key, name in names.items():
+            if prefix + name not in raw:
+                raise ValueError(f"checkpoint tensor {prefix + name} is missing")
+            layer[key] = raw[prefix + name]
+            used.add(prefix + name)
+        layers.append(layer)
+    unused = sorted(k for k in set(raw) - used if "rotary_emb" not in k)
+    if unused:
+        raise ValueError(f"checkpoint tensors the {config.family} model does not use: {unused[:4]}")
     lm_head = raw.get("lm_head.weight")
+    if lm_head is None and not config.tie_word_embeddings:
+        raise ValueError("checkpoint tensor lm_head.weight is missing (tie_word_embeddings is false)")
     return config, stack_weights(config, raw["embed_tokens.weight"], raw["norm.weight"], layers, lm_head)
+
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16, "F64": np.float64}
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A .safetensors file's tensors, memory-mapped (safetensors' own NumPy reader has no bfloat16)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + size) if path.stat().st_size > 8 + size else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint tensor {name} has dtype {info['dtype']}; float32/16 and bfloat16 only")
+        lo, hi = info["data_offsets"]
+        out[name] = data[lo:hi].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict:
@@ -151,6 +223,13 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict:
         "gate": normal(F, D), "up": normal(F, D), "down": normal(D, F),
         "attn_norm": norm(D), "mlp_norm": norm(D), "q_norm": norm(config.head_dim), "k_norm": norm(config.head_dim),
     } for _ in range(config.num_layers)]
+    # Other families' tensors from a generator of their own: the tiny model's weights stay what they were.
+    other = np.random.default_rng(seed + 1)
+    for layer in layers:
+        layer.update({"post_attn_norm": (1.0 + 0.1 * other.normal(size=D)).astype(np.float32),
+                      "post_mlp_norm": (1.0 + 0.1 * other.normal(size=D)).astype(np.float32),
+                      **{key: (0.1 * other.normal(size=n)).astype(np.float32)
+                         for key, n in (("bq", q), ("bk", kv), ("bv", kv))}})
     # Small enough that logits stay in a realistic range (logprobs of -5..-20, not -80).
     embed = rng.normal(0.0, 0.1, size=(config.vocab_size, D)).astype(np.float32)
     lm_head = None if config.tie_word_embeddings else normal(config.vocab_size, D)

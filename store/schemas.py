@@ -167,9 +167,11 @@ def _utc(value: datetime | None) -> datetime | None:
 
 
 def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
-    """A rerank job's results from its [documents, (yes, no)] log-probabilities: most relevant first."""
+    """A rerank job's results from its [documents, (yes, no)] log-probabilities (or [documents, (yes,)]: the
+    label's probability): most relevant first."""
     rerank = request["rerank"]
-    relevance = scores_from_logprobs(logprobs, True)[:, 0] if len(logprobs) else np.zeros(0)
+    logprobs = np.asarray(logprobs, np.float64)
+    relevance = scores_from_logprobs(logprobs, logprobs.shape[-1] > 1)[:, 0] if len(logprobs) else np.zeros(0)
     order = np.argsort(-relevance, kind="stable")[: rerank["top_n"] or None]
     # The stored items are the documents between the template's separator and suffix; they are not stored twice.
     # (Jobs stored before the separator existed have none.)

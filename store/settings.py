@@ -42,7 +42,9 @@ class Settings(BaseSettings):
     max_programs: int = 24
     # Device memory for recent queries' keys/values (a query shared by requests, or whose items span passes,
     # is computed once). A job whose items span passes starts when its query fits beside those under way.
-    prefix_cache_bytes: int = 256 << 20
+    # Unset: 256 MiB on CPU; on accelerators a share of the device memory left after the weights and the
+    # largest pass (core.scorer.device_prefix_cache_bytes).
+    prefix_cache_bytes: int | None = None
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
     compile_cache_dir: str | None = None
     # ladder: a starting worker compiles (or loads from COMPILE_CACHE_DIR) every program of the pass-shape

@@ -57,6 +57,18 @@ def test_cuda_lowers_the_pass_program_with_the_mosaic_gpu_kernel(model):
     assert out["attention_path"] == "pallas-mosaic-gpu"
 
 
+@pytest.mark.parametrize("model", ["gemma2-2b", "mistral-7b"])
+def test_windowed_families_compile_for_v6e_and_lower_for_h100(model):
+    """Gemma 2's local and global layers (two attention programs, soft-caps) and Mistral's windowed layers."""
+    windows = aot.MODELS[model].attention_windows
+    assert windows == ((0, 4096) if model == "gemma2-2b" else (4096,))
+    tpu = build("tpu-v6e", model)
+    assert tpu["stage"] == "compiled" and tpu["pallas_kernels"] >= len(windows)
+    cuda = build("cuda-h100", model)
+    assert cuda["stage"] == "lowered" and cuda["pallas_kernels"] >= len(windows)
+    assert cuda["attention_path"] == "pallas-mosaic-gpu"
+
+
 def test_a_failed_build_exits_non_zero(monkeypatch, capsys):
     def fails(*args):
         raise RuntimeError("Mosaic failed to compile TPU kernel")

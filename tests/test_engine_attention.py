@@ -22,7 +22,8 @@ def random_plan(rng, max_items: int) -> PassPlan:
     return PassPlan(sequences)
 
 
-def run_all(arrays, heads=4, kv_heads=2, dim=16, seed=0, block_q=32, block_k=16, pallas=True):
+def run_all(arrays, heads=4, kv_heads=2, dim=16, seed=0, block_q=32, block_k=16, pallas=True, **layer):
+    """Every implementation's output and the dense reference's, for a layer's `scale`, `softcap`, `window`."""
     rng = np.random.default_rng(seed)
     T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
     q = jnp.asarray(rng.normal(size=(T, heads, dim)), jnp.float32)
@@ -30,15 +31,17 @@ def run_all(arrays, heads=4, kv_heads=2, dim=16, seed=0, block_q=32, block_k=16,
     v = jnp.asarray(rng.normal(size=(Tk, kv_heads, dim)), jnp.float32)
     meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
     qm, km = meta(arrays.q_meta), meta(arrays.kv_meta)
-    ids, counts = jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts)
+    window = layer.get("window", 0)
+    ids, counts = (jnp.asarray(t) for t in A.block_tables(arrays.q_meta, arrays.kv_meta, block_q, block_k,
+                                                           window=window))
     real = arrays.q_meta.seq >= 0
-    ref = np.asarray(A.dense_attention(q, k, v, qm, km))[real]
-    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta).as_tuple()
-    outs = {"xla": A.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k),
-            "cascade": A.cascade_attention(q, k, v, qm, km, *tables)}
+    ref = np.asarray(A.dense_attention(q, k, v, qm, km, **layer))[real]
+    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
+    outs = {"xla": A.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k, **layer),
+            "cascade": A.cascade_attention(q, k, v, qm, km, *tables, **layer)}
     if pallas:
         outs["pallas"] = A.pallas_attention(q, k, v, qm, km, ids, counts, block_q=block_q, block_k=block_k,
-                                            interpret=True)
+                                            interpret=True, **layer)
     return ref, {name: np.asarray(o)[real] for name, o in outs.items()}
 
 
@@ -100,3 +103,31 @@ def test_cascade_prefix_windows_read_each_prefix_key_once():
                          kv.pos[None])
         needed = (mask & (kv.item[None] < 0)).any(axis=0)
         assert read.max() <= 1 and (read[: len(kv.seq)][needed] == 1).all()
+
+
+@pytest.mark.parametrize("seed,window", [(0, 1), (1, 7), (2, 40), (3, 100), (4, 300)])
+def test_sliding_windows_and_softcaps_match_dense(seed, window):
+    """A window by position within each item's own sequence (query + item), a soft-cap and a scale of the
+    layer's own, on random layouts (cached prefixes, long items, prefixes longer than the window)."""
+    rng = np.random.default_rng(seed)
+    arrays = build_pass(random_plan(rng, max_items=[20, 60, 120, 40, 300][seed]), 32, 16)
+    layer = {"window": window, "softcap": [None, 1.5][seed % 2], "scale": 0.3}
+    ref, outs = run_all(arrays, seed=seed, pallas=seed < 3, **layer)
+    for name, out in outs.items():
+        assert np.abs(out - ref).max() < 2e-5, name
+
+
+def test_window_tables_skip_tiles_outside_the_window():
+    """A 600-token query under a 64-token window: each query tile lists only the key tiles its window
+    reaches, never one it needs (checked against the token-level rule), and far fewer than without it."""
+    plan = PassPlan([PackedSequence(tuple(range(600)), items=[(0, i, tuple(range(20))) for i in range(10)])])
+    arrays = build_pass(plan, 128, 64)
+    q, kv = arrays.q_meta, arrays.kv_meta
+    ids, counts = A.block_tables(q, kv, 128, 64, window=64)
+    assert counts.max() <= 4 and counts.sum() < arrays.tile_counts.sum() / 2
+    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None], 64)
+    for i in range(len(counts)):
+        needed = set(np.flatnonzero(mask[i * 128:(i + 1) * 128].reshape(128, -1, 64).any(axis=(0, 2))).tolist())
+        assert needed <= set(ids[i, : counts[i]].tolist())
+    tables = A.cascade_tables(q, kv, window=64)
+    assert tables.prefix_counts.max() <= 2  # of the query's 3 prefix windows of 256 keys

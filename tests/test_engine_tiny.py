@@ -335,3 +335,22 @@ def test_on_cpu_a_small_request_runs_in_a_pass_of_its_own_size(tiny):
     assert result.tokens == 26 and result.padded_tokens == 64
     single = scorer.logprobs(list(range(5, 17)), [list(range(20, 27)), list(range(30, 37))], [1, 2], mode="single")
     assert np.abs(scorer.logprobs(list(range(5, 17)), [list(range(20, 27)), list(range(30, 37))], [1, 2]) - single).max() <= 1e-4
+
+
+def test_prefix_cache_size_defaults_from_the_device(tiny):
+    """Unset: 256 MiB on CPU (a device without a memory limit); on an accelerator, PREFIX_CACHE_SHARE of the
+    memory left after what is in use (the weights) and the largest pass. A size given is kept."""
+    from core.scorer import PREFIX_CACHE_BYTES_CPU, PREFIX_CACHE_SHARE, device_prefix_cache_bytes
+
+    assert tiny.prefix_cache_bytes == PREFIX_CACHE_BYTES_CPU
+    assert device_prefix_cache_bytes(None, 1) is None and device_prefix_cache_bytes({"bytes_in_use": 3}, 1) is None
+    big = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=16384)
+    small = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=512, prefix_cache_bytes=123)
+    assert small.prefix_cache_bytes == 123
+    # at least every layer's keys and values out and a cache input as long, in float32
+    assert big.pass_bytes() > 2 * 16384 * 2 * tiny.config.num_layers * tiny.config.kv_size * 4
+    assert big.pass_bytes() > small.pass_bytes()
+    stats = {"bytes_limit": 80 << 30, "bytes_in_use": 3 << 30}  # an H100 holding its weights
+    expected = int(((80 << 30) - (3 << 30) - big.pass_bytes()) * PREFIX_CACHE_SHARE)
+    assert device_prefix_cache_bytes(stats, big.pass_bytes()) == expected > 30 << 30
+    assert device_prefix_cache_bytes({"bytes_limit": 1 << 30, "bytes_in_use": 1 << 30}, 5) == 0  # no room

@@ -49,18 +49,21 @@ def inputs(arrays, heads, kv_heads, dim, dtype, seed):
         arrays.tile_counts)
 
 
-def reference(q, k, v, qm, km):
+def reference(q, k, v, qm, km, **layer):
     f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(A.dense_attention(f32(q), f32(k), f32(v), qm, km))
+    return np.asarray(A.dense_attention(f32(q), f32(k), f32(v), qm, km, **layer))
 
 
-def run_tpu(arrays, tile=128, heads=4, kv_heads=2, dim=64, dtype=jnp.float32, seed=0):
+def run_tpu(arrays, tile=128, heads=4, kv_heads=2, dim=64, dtype=jnp.float32, seed=0, **layer):
     args = inputs(arrays, heads, kv_heads, dim, dtype, seed)
+    if layer.get("window"):  # the window's own tables
+        args = (*args[:5], *(jnp.asarray(t) for t in A.block_tables(arrays.q_meta, arrays.kv_meta, 128, 64,
+                                                                      window=layer["window"])))
     tpu_interpreter.reset_tpu_interpret_mode_state()
-    out = A.tpu_attention(*args, 128, 64, tile_q=tile, tile_k=tile, interpret=STRICT)
+    out = A.tpu_attention(*args, 128, 64, tile_q=tile, tile_k=tile, interpret=STRICT, **layer)
     out = np.asarray(out.astype(jnp.float32))
     assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
-    return out, reference(*args[:5])
+    return out, reference(*args[:5], **layer)
 
 
 def check(arrays, out, ref, tol):
@@ -84,6 +87,16 @@ LAYOUTS = [
 def test_tpu_kernel_random_layouts_match_dense(seed, sequences, max_items, lengths, prefix):
     arrays = build_pass(layout(np.random.default_rng(seed), sequences, max_items, lengths, prefix), 128, 64)
     out, ref = run_tpu(arrays, seed=seed)
+    check(arrays, out, ref, 2e-5)
+
+
+@pytest.mark.parametrize("seed,window,softcap", [(1, 5, None), (3, 128, 2.0), (4, 300, 30.0)])
+def test_tpu_kernel_sliding_windows_and_softcaps(seed, window, softcap):
+    """Windows shorter than a tile, a tile long and longer than the prefixes; the unmasked fast path must
+    respect the window too (full tiles under a short window are not full)."""
+    _, sequences, max_items, lengths, prefix = LAYOUTS[seed]
+    arrays = build_pass(layout(np.random.default_rng(seed), sequences, max_items, lengths, prefix), 128, 64)
+    out, ref = run_tpu(arrays, seed=seed, window=window, softcap=softcap, scale=0.2)
     check(arrays, out, ref, 2e-5)
 
 
@@ -165,8 +178,10 @@ def test_interpret_mode_catches_a_bad_table(monkeypatch):
     tpu_interpreter.reset_tpu_interpret_mode_state()
 
 
-@pytest.mark.parametrize("dim,seed,cached", [(64, 0, True), (128, 1, False), (64, 2, False)])
-def test_gpu_kernel_in_gpu_interpret_mode(dim, seed, cached):
+@pytest.mark.parametrize("dim,seed,cached,layer", [(64, 0, True, {}), (128, 1, False, {}), (64, 2, False, {}),
+                                                   (64, 3, True, {"window": 9, "softcap": 2.0, "scale": 0.2}),
+                                                   (256, 4, False, {"window": 30})])
+def test_gpu_kernel_in_gpu_interpret_mode(dim, seed, cached, layer):
     """One block (GPU interpret mode runs one): a 64-token query tile over a cached prefix and/or its own."""
     rng = np.random.default_rng(seed)
     prefix = tuple(range(int(rng.integers(20, 200) if cached else rng.integers(5, 25))))
@@ -181,9 +196,9 @@ def test_gpu_kernel_in_gpu_interpret_mode(dim, seed, cached):
     arrays = build_pass(plan, 64, 64)
     assert len(arrays.tokens) == 64
     args = inputs(arrays, 1, 1, dim, jnp.bfloat16, seed)
-    out = A.gpu_attention(*args, 64, 64, interpret=InterpretGPUParams(detect_races=True))
+    out = A.gpu_attention(*args, 64, 64, interpret=InterpretGPUParams(detect_races=True), **layer)
     out = np.asarray(out.astype(jnp.float32))
-    check(arrays, out, reference(*args[:5]), 3e-2)
+    check(arrays, out, reference(*args[:5], **layer), 3e-2)
 
 
 def test_engine_pallas_on_cpu_is_the_xla_path(caplog):
