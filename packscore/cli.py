@@ -31,6 +31,8 @@ def _embedded_environment() -> None:
     os.environ.setdefault("BROKER_DIR", str((EMBEDDED_DIR / "broker").resolve()))
     os.environ.setdefault("COMPILE_CACHE_DIR", str((EMBEDDED_DIR / "compile-cache").resolve()))
     os.environ.setdefault("MODEL_CACHE_DIR", str((EMBEDDED_DIR / "model-cache").resolve()))
+    # Reference batches may read and write local files under the folder the service was started in.
+    os.environ.setdefault("BATCH_LOCAL_ROOT", str(Path.cwd().resolve()))
 
 
 def migrate(args: argparse.Namespace | None = None) -> None:
