@@ -157,6 +157,11 @@ def plan(objects: list[Location], options: Options, settings: Settings) -> Itera
             raise ServiceError(404, "input_not_found", f"no input object at {location.uri}") from None
         except (pa.ArrowInvalid, pa.ArrowException) as exc:
             raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
+        except OSError as exc:
+            if "parquet" in str(exc).lower() or "thrift" in str(exc).lower():
+                raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
+            raise ServiceError(503, "storage_unreachable", f"{location.uri} could not be read now "
+                                                           f"({type(exc).__name__}); try again") from None
 
 
 def _check_columns(location: Location, options: Options, names: list[str]) -> None:
