@@ -45,6 +45,10 @@ class BackfillError(Exception):
     pass
 
 
+class UploadTooLarge(BackfillError):
+    """The file is over the upload limits: the CLI runs it as a reference batch if the service can read it."""
+
+
 @dataclass
 class InputLine:
     number: int  # in the file, from 1
@@ -215,9 +219,8 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
     for line in read_input(input_path):
         ids.append(line.custom_id)
         if len(ids) > UPLOAD_MAX_REQUESTS:
-            raise BackfillError(f"{input_path} has more than {UPLOAD_MAX_REQUESTS} requests (line {line.number}), "
-                                "over the upload limit: split it, or put it where the service can read it and "
-                                "run it as a reference batch (README: Backfills from object storage)")
+            raise UploadTooLarge(f"{input_path} has more than {UPLOAD_MAX_REQUESTS} requests (line {line.number}), "
+                                 "over the upload limit")
         if line.error is None:
             wanted.add(line.custom_id)
         else:

@@ -262,15 +262,31 @@ INPUT_FORMATS = ("jsonl", "parquet", "csv")
 
 
 def backfill(args: argparse.Namespace) -> None:
-    from packscore.backfill import BackfillError, input_kind, run_backfill, run_reference_backfill
+    from packscore.backfill import BackfillError, UploadTooLarge, input_kind, run_backfill, run_reference_backfill
 
     try:
         reference = args.format in INPUT_FORMATS or args.query_column is not None or \
             input_kind(args.input) == "reference"
         with _client(args) as client:
             if not reference:
-                run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
-                return
+                try:
+                    run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
+                    return
+                except UploadTooLarge as exc:
+                    # Nothing was sent: the service may read the file itself (embedded mode, BATCH_LOCAL_ROOT).
+                    print(f"{exc}: running it as a reference batch", file=sys.stderr)
+                    try:
+                        batch = run_reference_backfill(client, args.input, f"{args.out}.parts", poll=args.poll,
+                                                       format="jsonl", output_format="jsonl")
+                    except BackfillError:
+                        raise CommandError(f"{exc}, and the service cannot read it: split it, or put it where "
+                                           "the service can read it (README: Backfills from object storage)") from None
+                    with open(args.out, "w") as out:  # the result lines, as an upload's would be
+                        for line in client.iter_batch_results(batch["id"], format=args.format):
+                            out.write(json.dumps(line, separators=(",", ":")) + "\n")
+                    if batch["status"] != "completed":
+                        sys.exit(1)
+                    return
             columns = None
             if args.query_column or args.item_column:
                 if not (args.query_column and args.item_column):

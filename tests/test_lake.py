@@ -21,7 +21,7 @@ from store.db import session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, Location
 from store.lake.tables import Columns, Options, plan, read_chunk
-from store.models import ApiKey, Batch, Chunk
+from store.models import ApiKey, Chunk, WebhookDelivery
 from store.settings import get_settings
 from tests.object_store import SeaweedS3
 from worker import drain as drain_module
@@ -196,6 +196,24 @@ def test_parquet_is_planned_by_row_groups_and_pairs_group_by_query(lake_settings
     assert refused.value.code == "unknown_column"
 
 
+def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(15, 7)
+    import pyarrow.csv as pacsv
+
+    pacsv.write_csv(table, root / "pairs.csv")
+    lake_settings.batch_chunk_bytes = 300
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    chunks = list(plan(Access(str(root), []).expand("pairs.csv"), options, lake_settings))
+    assert len(chunks) > 5
+    ids, items = [], 0
+    for c in chunks:
+        rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+        ids += rows.passthrough["pair_id"]
+        items += rows.items
+    assert ids == table.column("pair_id").to_pylist() and items == 105
+
+
 # ---- the chunk path end to end -----------------------------------------------------------------------------
 
 
@@ -317,7 +335,8 @@ def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settin
     root = Path(lake_settings.batch_local_root)
     pq.write_table(pair_table(20, 10), root / "p.parquet", row_group_size=40)
     created = client.post("/batches", json={"input": "p.parquet", "output": "out", "columns": {
-        "query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}, headers=auth(key)).json()
+        "query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS,
+        "webhook_url": "http://127.0.0.1:9/hook"}, headers=auth(key)).json()
     assert created["chunks"]["total"] == 5
     # One chunk runs (claimed by hand, as a worker would), then the batch is cancelled.
     from store.lake import chunks as lake
@@ -327,6 +346,10 @@ def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settin
     assert lake.claim_chunk("another", get_settings()) is None  # no chunk starts after the cancel
     assert lake.commit_chunk("by-hand", claimed, 0, 0, 0, ("input_corrupt", "stand-in"))
     assert lake.settle(created["id"])
+    assert not lake.settle(created["id"])  # settled once: one webhook
+    with session_scope() as session:
+        hooks = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == created["id"])).all()
+    assert [json.loads(h.payload)["type"] for h in hooks] == ["batch.cancelled"]
     batch = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
     assert batch["status"] == "cancelled" and batch["chunks"]["cancelled"] == 4
     manifest = json.loads((root / "out" / created["id"] / "_manifest.json").read_text())

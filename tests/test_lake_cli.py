@@ -55,7 +55,9 @@ def test_a_file_over_the_upload_limit_is_refused_before_sending(tmp_path: Path) 
     started = time.monotonic()
     result = backfill("big.jsonl", "--out", "out.jsonl", cwd=tmp_path)
     seconds = time.monotonic() - started
+    # Nothing of the file was sent: it would be run as a reference batch (here no service answers).
     assert result.returncode == 1 and "line 100001" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "running it as a reference batch" in result.stderr and "cannot reach" in result.stderr
     assert not (tmp_path / "out.jsonl").exists()
     print(f"\n150,000-line file refused in {seconds:.1f} s")
     assert seconds < 30

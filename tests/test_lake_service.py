@@ -114,3 +114,37 @@ def test_interactive_score_answered_within_its_bound_during_a_backfill(service: 
     assert running["status"] == "in_progress" and running["chunks"]["done"] < running["chunks"]["total"]
     assert max(seconds) < SCORE_BOUND_SECONDS, seconds
     assert np.median(seconds) < SCORE_BOUND_SECONDS / 2
+
+
+def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, root: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.service_harness import REPO
+
+    if not service.live_workers():
+        service.start_worker()
+    table = pair_table(30, 10)
+    pq.write_table(table, root / "cli.parquet")
+    env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key,
+           "XDG_CONFIG_HOME": str(root / "config")}
+    args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"), "--out", str(root / "cli-out"),
+            "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
+            "--poll", "0.2"]
+    first = subprocess.Popen(args, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while not list((root / "config" / "packscore" / "backfills").glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130 and "goes on" in err and "Traceback" not in err, err
+    second = subprocess.run(args, env=env, cwd=REPO, text=True, capture_output=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "re-attached to batch" in second.stderr and "\r" not in second.stderr  # no terminal: plain lines
+    assert "completed: 300 rows (0 errors)" in second.stderr
+    [folder] = (root / "cli-out").iterdir()
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    ids = [i for entry in manifest["objects"] for i in pq.read_table(folder / entry["name"]).column("pair_id").to_pylist()]
+    assert ids == table.column("pair_id").to_pylist()
