@@ -10,9 +10,18 @@ number in the file. Results are keyed by custom_id; a line without a usable one 
 256 characters, already used on an earlier line, or a line that is not a JSON object) is keyed `line-N`, N
 its line number, so every result line has a custom_id of its own. Results are appended as they finish, not
 in the input's order: join on custom_id.
+
+`packscore backfill s3://bucket/pairs/ --out s3://bucket/scores/ --format parquet --query-column q
+--item-column doc --labels 9805,787` runs a reference batch instead: the data stays in storage (or in a local
+file the service may read: embedded mode), the service reads it in chunks and writes result objects under
+--out. Ctrl-C detaches (the batch goes on); the same command re-attaches. A local file that is not JSONL
+(Parquet, CSV, .gz/.zst) or is over the upload limit goes the same way; one the service cannot read is
+refused before anything is sent.
 """
 
+import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -23,10 +32,21 @@ from typing import IO
 from packscore.client import TERMINAL_BATCH, Client, PackscoreError
 
 UPLOAD_CHUNK_BYTES = 256 * 1024
+# The service's default upload limits (BATCH_MAX_REQUESTS, BATCH_MAX_BYTES): a file over them is a reference
+# batch, or refused here, before it is sent.
+UPLOAD_MAX_REQUESTS = 100_000
+UPLOAD_MAX_BYTES = 200 * 1024 * 1024
+REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
+# Without a terminal the bar is a line of its own at most this often (a log is not a screen).
+LOG_EVERY_SECONDS = 10.0
 
 
 class BackfillError(Exception):
     pass
+
+
+class UploadTooLarge(BackfillError):
+    """The file is over the upload limits: the CLI runs it as a reference batch if the service can read it."""
 
 
 @dataclass
@@ -95,26 +115,44 @@ def read_done(path: Path) -> set[str]:
 
 
 class ProgressBar:
-    """One line on stderr: requests done, requests/s over this run, ETA."""
+    """Progress on stderr: done (lines written, or rows), the rate since `rebase` (results that were already
+    done when a resumed run began arrive at once and are not a rate), ETA. On a terminal one line redrawn with
+    \r; otherwise a plain line every LOG_EVERY_SECONDS."""
 
-    def __init__(self, total: int, done: int, stream: IO[str]) -> None:
+    def __init__(self, total: int | None, done: int, stream: IO[str], unit: str = "requests") -> None:
         self.total = total
+        self.unit = unit
+        self.stream = stream
+        self.tty = stream.isatty() if hasattr(stream, "isatty") else False
+        self.last_line = 0.0
+        self.rebase(done)
+
+    def rebase(self, done: int) -> None:
         self.start_done = done
         self.start = time.monotonic()
-        self.stream = stream
 
-    def show(self, done: int, note: str = "") -> None:
-        done = min(done, self.total)
+    def show(self, done: int, note: str = "", eta: float | None = None) -> None:
+        total = self.total if self.total is not None else 0
+        done = min(done, total) if self.total is not None else done
         elapsed = time.monotonic() - self.start
         rate = (done - self.start_done) / elapsed if elapsed > 0 else 0.0
-        eta = f"{int((self.total - done) / rate) // 60}:{int((self.total - done) / rate) % 60:02d}" if rate > 0 else "?"
-        filled = int(30 * done / self.total) if self.total else 30
-        self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} requests  "
-                          f"{rate:.1f}/s  ETA {eta}  {note}".rstrip().ljust(80))
+        if eta is None and rate > 0 and self.total is not None:
+            eta = (total - done) / rate
+        eta_text = f"{int(eta) // 60}:{int(eta) % 60:02d}" if eta is not None else "?"
+        of = f"/{total}" if self.total is not None else ""
+        bar = f"[{'#' * int(30 * done / total)}{'.' * (30 - int(30 * done / total))}] " if total else ""
+        text = f"{bar}{done}{of} {self.unit}  {rate:.1f}/s  ETA {eta_text}  {note}".rstrip()
+        if self.tty:
+            self.stream.write("\r" + text.ljust(80))
+        elif time.monotonic() - self.last_line >= LOG_EVERY_SECONDS:
+            self.stream.write(text + "\n")
+            self.last_line = time.monotonic()
+        else:
+            return
         self.stream.flush()
 
     def finish(self, message: str) -> None:
-        self.stream.write(f"\n{message}\n")
+        self.stream.write(f"\n{message}\n" if self.tty else f"{message}\n")
         self.stream.flush()
 
 
@@ -152,17 +190,19 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
             poll: float, format: str) -> str:
     """Polls the batch until it ends, appending results as they come; returns its final status. Partial
     downloads (so an interruption keeps most of the work) are spaced out so they cost little."""
-    base = len(done & wanted)
-    last_download, cost = time.monotonic(), 0.0
+    last_download, cost = 0.0, 0.0
+    first = True
     while True:
         batch = client.get_batch(batch_id)
-        counts = batch["counts"]
         terminal = batch["status"] in TERMINAL_BATCH
         if terminal or time.monotonic() - last_download >= max(10 * poll, 20 * cost):
             started = time.monotonic()
             _download(client, batch_id, out, done, wanted, format)
             last_download, cost = time.monotonic(), time.monotonic() - started
-        bar.show(max(len(done & wanted), base + counts["succeeded"] + counts["failed"]), batch["status"])
+            if first:  # what was done before this run (a resume) is not this run's rate
+                bar.rebase(len(done & wanted))
+                first = False
+        bar.show(len(done & wanted), batch["status"])  # lines written, not requests finished on the server
         if terminal:
             return batch["status"]
         time.sleep(poll)
@@ -178,6 +218,9 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
     refused: list[InputLine] = []
     for line in read_input(input_path):
         ids.append(line.custom_id)
+        if len(ids) > UPLOAD_MAX_REQUESTS:
+            raise UploadTooLarge(f"{input_path} has more than {UPLOAD_MAX_REQUESTS} requests (line {line.number}), "
+                                 "over the upload limit")
         if line.error is None:
             wanted.add(line.custom_id)
         else:
@@ -221,3 +264,94 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
         raise BackfillError(f"{missing} requests got no result")
     bar.finish(f"done: {len(ids)} results in {out_path}")
     return len(ids)
+
+
+# ---- reference batches -------------------------------------------------------------------------------------
+
+
+def input_kind(spec: str) -> str:
+    """"reference" for data the service reads itself (a storage URI; a local Parquet, CSV or compressed file;
+    a JSONL file over the upload limits), "upload" for a JSONL file to send. A missing local file is an error
+    here, not a traceback."""
+    if spec.startswith(REMOTE_SCHEMES):
+        return "reference"
+    if "://" in spec and not spec.startswith("file://"):
+        raise BackfillError(f"{spec}: only s3://, gs://, az:// URIs and local files are served")
+    path = Path(spec[len("file://"):] if spec.startswith("file://") else spec)
+    if any(c in str(path) for c in "*?["):
+        return "reference"
+    if not path.exists():
+        raise BackfillError(f"{path}: no such file")
+    if path.is_dir():
+        return "reference"
+    with path.open("rb") as f:
+        head = f.read(4)
+    name = path.name.lower()
+    if head == b"PAR1" or head[:2] == b"\x1f\x8b" or head == b"\x28\xb5\x2f\xfd" or \
+            name.endswith((".parquet", ".csv", ".gz", ".zst", ".zstd")):
+        return "reference"
+    if path.stat().st_size > UPLOAD_MAX_BYTES:
+        return "reference"
+    return "upload"
+
+
+def state_file(input_spec: str, output: str) -> Path:
+    """Where the batch in flight for this (input, output) is remembered, so the same command re-attaches."""
+    home = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "packscore" / "backfills"
+    home.mkdir(parents=True, exist_ok=True)
+    return home / hashlib.sha256(f"{input_spec}\n{output}".encode()).hexdigest()[:20]
+
+
+def _absolute(spec: str) -> str:
+    """A local path as the service should see it (absolute: it may run from another folder)."""
+    if spec.startswith(REMOTE_SCHEMES) or spec.startswith("file://"):
+        return spec
+    return str(Path(spec).absolute())
+
+
+def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll: float = 1.0,
+                           format: str | None = None, columns: dict | None = None,
+                           label_token_ids: list[int] | None = None, output_format: str = "parquet",
+                           stderr: IO[str] = sys.stderr) -> dict:
+    """Submits (or re-attaches to) a reference batch and follows it to its end with a progress bar of rows;
+    returns the batch. Interrupted (KeyboardInterrupt), the batch goes on: the same call re-attaches."""
+    state = state_file(input_spec, output)
+    batch = None
+    if state.exists():
+        try:
+            batch = client.get_batch(state.read_text().strip())
+            if batch["status"] in ("failed", "cancelled"):
+                batch = None
+            else:
+                stderr.write(f"re-attached to batch {batch['id']}\n")
+        except PackscoreError as exc:
+            if exc.status != 404:
+                raise
+    if batch is None:
+        try:
+            batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
+                                                  columns=columns, label_token_ids=label_token_ids,
+                                                  output_format=output_format)
+        except PackscoreError as exc:
+            if exc.code in ("local_paths_disabled", "path_outside_root"):
+                raise BackfillError(f"the service cannot read {input_spec} ({exc.code}: {exc.message}); local files "
+                                    "are read by an embedded service from under the folder it runs in") from None
+            raise
+        state.write_text(batch["id"] + "\n")
+        stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
+    rows = batch.get("rows") or {}
+    bar = ProgressBar(rows.get("total"), rows.get("done", 0), stderr, unit="rows")
+    while True:
+        rows = batch.get("rows") or {}
+        chunks = batch.get("chunks") or {}
+        bar.show(rows.get("done", 0), f"chunks {chunks.get('done', 0)}/{chunks.get('total', 0)} {batch['status']}",
+                 batch.get("eta_seconds"))
+        if batch["status"] in TERMINAL_BATCH:
+            break
+        time.sleep(poll)
+        batch = client.get_batch(batch["id"])
+    state.unlink(missing_ok=True)
+    failed = f", {batch['chunks']['failed']} chunks failed" if batch["chunks"]["failed"] else ""
+    bar.finish(f"{batch['status']}: {batch['rows']['done']} rows ({batch['rows']['failed']} errors{failed}); "
+               f"results under {batch['output']} (_manifest.json)")
+    return batch

@@ -32,6 +32,8 @@ def _embedded_environment() -> None:
     os.environ.setdefault("BROKER_DIR", str((EMBEDDED_DIR / "broker").resolve()))
     os.environ.setdefault("COMPILE_CACHE_DIR", str((EMBEDDED_DIR / "compile-cache").resolve()))
     os.environ.setdefault("MODEL_CACHE_DIR", str((EMBEDDED_DIR / "model-cache").resolve()))
+    # Reference batches may read and write local files under the folder the service was started in.
+    os.environ.setdefault("BATCH_LOCAL_ROOT", str(Path.cwd().resolve()))
 
 
 def migrate(args: argparse.Namespace | None = None) -> None:
@@ -276,16 +278,55 @@ def wait_batch(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+INPUT_FORMATS = ("jsonl", "parquet", "csv")
+
+
 def backfill(args: argparse.Namespace) -> None:
-    from packscore.backfill import BackfillError, run_backfill
+    from packscore.backfill import BackfillError, UploadTooLarge, input_kind, run_backfill, run_reference_backfill
 
     try:
+        reference = args.format in INPUT_FORMATS or args.query_column is not None or \
+            input_kind(args.input) == "reference"
         with _client(args) as client:
-            run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
+            if not reference:
+                try:
+                    run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
+                    return
+                except UploadTooLarge as exc:
+                    # Nothing was sent: the service may read the file itself (embedded mode, BATCH_LOCAL_ROOT).
+                    print(f"{exc}: running it as a reference batch", file=sys.stderr)
+                    try:
+                        batch = run_reference_backfill(client, args.input, f"{args.out}.parts", poll=args.poll,
+                                                       format="jsonl", output_format="jsonl")
+                    except BackfillError:
+                        raise CommandError(f"{exc}, and the service cannot read it: split it, or put it where "
+                                           "the service can read it (README: Backfills from object storage)") from None
+                    with open(args.out, "w") as out:  # the result lines, as an upload's would be
+                        for line in client.iter_batch_results(batch["id"], format=args.format):
+                            out.write(json.dumps(line, separators=(",", ":")) + "\n")
+                    if batch["status"] != "completed":
+                        sys.exit(1)
+                    return
+            columns = None
+            if args.query_column or args.item_column:
+                if not (args.query_column and args.item_column):
+                    raise CommandError("a pair table needs both --query-column and --item-column")
+                columns = {"query": args.query_column, "item": args.item_column, "ids": args.id_column or []}
+            elif not args.input.lower().split("?")[0].endswith((".jsonl", ".json", ".ndjson", ".gz", ".zst")) \
+                    and args.format != "jsonl":
+                raise CommandError(f"{args.input} is not a JSONL file: give --query-column and --item-column for a "
+                                   "Parquet or CSV pair table")
+            batch = run_reference_backfill(
+                client, args.input, args.out, poll=args.poll,
+                format=args.format if args.format in INPUT_FORMATS else None, columns=columns,
+                label_token_ids=args.labels, output_format=args.output_format)
+            if batch["status"] != "completed":
+                sys.exit(1)
     except BackfillError as exc:
         raise CommandError(str(exc)) from None
     except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+        print("\ninterrupted: a reference batch goes on (run the same command again to re-attach); an upload "
+              "resumes from its output when run again", file=sys.stderr)
         sys.exit(130)
 
 
@@ -363,11 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("backfill", parents=[connection],
                             help="run a JSONL file as a batch, resumably; results to --out, progress to stderr")
-    p.add_argument("input", help="JSONL: one request per line, each with a unique custom_id")
-    p.add_argument("--out", required=True, help="results JSONL; appended to, custom_ids in it are skipped")
+    p.add_argument("input", help="JSONL: one request per line, each with a unique custom_id; or data the service "
+                                 "reads itself: s3://, gs://, az:// URIs, globs, Parquet/CSV pair tables")
+    p.add_argument("--out", required=True, help="results JSONL (appended to, custom_ids in it are skipped); for "
+                                                "data in storage, the URI prefix for the result objects")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between progress checks")
-    p.add_argument("--format", choices=("packscore", "openai"), default="packscore",
-                   help="result lines: this service's own, or OpenAI Batch API output lines")
+    p.add_argument("--format", choices=("packscore", "openai", *INPUT_FORMATS), default="packscore",
+                   help="an uploaded file's result lines: this service's own, or OpenAI Batch API output lines; "
+                        "or the input's format for data the service reads (default: from its extension)")
+    p.add_argument("--query-column", help="a pair table's query column")
+    p.add_argument("--item-column", help="a pair table's item (document) column")
+    p.add_argument("--id-column", action="append", help="a column passed through to the output (repeat)")
+    p.add_argument("--labels", type=_token_ids, help="label token ids for a pair table, comma-separated")
+    p.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
+                   help="result objects of data in storage")
     p.set_defaults(func=backfill)
     return parser
 

@@ -29,7 +29,7 @@ from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STAT
                           WebhookDelivery, new_id, utcnow)
 from store.outbox import enqueue_webhook, vet_webhook_url
 from store.rerank import RerankPrompt
-from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
+from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchSource, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
                            RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results, route_body)
 from store.settings import Settings
 
@@ -45,7 +45,7 @@ def upload_timeout() -> ServiceError:
     return ServiceError(408, "upload_timeout", "the upload did not finish within BATCH_UPLOAD_TIMEOUT_SECONDS")
 
 
-class _LineError(Exception):
+class LineError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
@@ -92,14 +92,14 @@ class Ingest:
         for raw in lines:
             self.lines += 1
             if raw is None:
-                self._add(None, _LineError("line_too_long", f"the line is over {self.settings.max_body_bytes} bytes"))
+                self._add(None, LineError("line_too_long", f"the line is over {self.settings.max_body_bytes} bytes"))
                 continue
             if not raw.strip():
                 continue
             try:
                 value = json.loads(raw)
             except ValueError as exc:  # not JSON, or not UTF-8
-                self._add(None, _LineError("invalid_json", f"not a JSON value: {exc}"))
+                self._add(None, LineError("invalid_json", f"not a JSON value: {exc}"))
                 continue
             self._add(value)
         self._flush()
@@ -111,7 +111,7 @@ class Ingest:
             self._add(value)
         self._flush()
 
-    def _add(self, value: Any, error: _LineError | None = None) -> None:
+    def _add(self, value: Any, error: LineError | None = None) -> None:
         self.total += 1
         if self.total > self.settings.batch_max_requests:
             raise ServiceError(413, "batch_too_large", f"a batch holds at most {self.settings.batch_max_requests} requests")
@@ -132,7 +132,7 @@ class Ingest:
             if error is not None:
                 raise error
             row.update(self._validate(value))
-        except _LineError as exc:
+        except LineError as exc:
             # A repeated custom_id's error line has none: a join on custom_id then finds the first line's result only.
             if exc.code == "duplicate_custom_id" or not (isinstance(custom_id, str) and custom_id):
                 custom_id = None
@@ -144,36 +144,24 @@ class Ingest:
             self._flush()
 
     def _validate(self, value: Any) -> dict:
-        if not isinstance(value, dict):
-            raise _LineError("invalid_input", "the line is not a JSON object")
+        body, custom_id, return_logprobs = parse_line(value)
         rerank = None
-        if {"method", "url", "body"} & value.keys():
-            line = _parse(OpenAIBatchLine, value)
-            if line.method.upper() != "POST":
-                raise _LineError("method_not_allowed", f"method {line.method!r}: only POST is served")
-            if line.url not in OPENAI_URLS:
-                raise _LineError("unknown_url", f"url {line.url!r} is not one of {', '.join(OPENAI_URLS)}")
-            body = _parse(OPENAI_URLS[line.url], line.body, "body")
-            custom_id, return_logprobs = line.custom_id, False
-            if isinstance(body, RerankRequest):
-                body, rerank = self.rerank_prompt.score_input(body)
-        else:
-            body = _parse(BatchLine, value)
-            custom_id, return_logprobs = body.custom_id, body.return_logprobs
+        if isinstance(body, RerankRequest):
+            body, rerank = self.rerank_prompt.score_input(body)
         digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         if digest in self._seen:
-            raise _LineError("duplicate_custom_id",
+            raise LineError("duplicate_custom_id",
                              f"custom_id {custom_id!r} was already used on line {self._seen[digest]}")
         self._seen[digest] = self.lines
         return self._request(body, custom_id, return_logprobs, rerank)
 
     def _request(self, body: ScoreInput, custom_id: str, return_logprobs: bool, rerank: dict | None) -> dict:
         if body.model is not None and body.model != self.request_tokenizer.model_name:
-            raise _LineError("unknown_model", f"model {body.model!r} is not served here")
+            raise LineError("unknown_model", f"model {body.model!r} is not served here")
         try:
             tokenized = self.request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
         except ScoringError as exc:
-            raise _LineError(exc.code, exc.message) from None
+            raise LineError(exc.code, exc.message) from None
         self.queued += 1
         query_key = hashlib.blake2b(json.dumps(body.query).encode(), digest_size=16).hexdigest()
         return {"status": "queued", "custom_id": custom_id, "request": job_request(body, rerank),
@@ -205,13 +193,28 @@ class Ingest:
         return self.batch
 
 
+def parse_line(value: Any) -> tuple[ScoreInput | RerankRequest, str, bool]:
+    """One line of a batch (either format) as (its body, custom_id, return_logprobs), or a LineError."""
+    if not isinstance(value, dict):
+        raise LineError("invalid_input", "the line is not a JSON object")
+    if {"method", "url", "body"} & value.keys():
+        line = _parse(OpenAIBatchLine, value)
+        if line.method.upper() != "POST":
+            raise LineError("method_not_allowed", f"method {line.method!r}: only POST is served")
+        if line.url not in OPENAI_URLS:
+            raise LineError("unknown_url", f"url {line.url!r} is not one of {', '.join(OPENAI_URLS)}")
+        return _parse(OPENAI_URLS[line.url], line.body, "body"), line.custom_id, False
+    body = _parse(BatchLine, value)
+    return body, body.custom_id, body.return_logprobs
+
+
 def _parse(schema: type[ModelT], value: Any, where: str = "") -> ModelT:
     try:
         return schema.model_validate(value)
     except ValidationError as exc:
         message = "; ".join(f"{'.'.join(map(str, (where, *e['loc']) if where else e['loc']))}: {e['msg']}"
                             if e["loc"] or where else e["msg"] for e in exc.errors()[:5])
-        raise _LineError("invalid_input", message) from None
+        raise LineError("invalid_input", message) from None
 
 
 def fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
@@ -267,10 +270,13 @@ async def jsonl_lines(stream: AsyncIterator[bytes], settings: Settings) -> Async
     yield lines
 
 
-def parse_batch_body(body: bytes) -> BatchCreate:
-    """The JSON body form of an upload (run it in a thread: a large body takes a while to parse)."""
+def parse_batch_body(body: bytes) -> BatchCreate | BatchSource:
+    """The JSON body form of an upload, or of a reference batch (one that names `input`; run it in a thread:
+    a large body takes a while to parse)."""
     try:
-        return BatchCreate.model_validate(json.loads(body))
+        value = json.loads(body)
+        schema = BatchSource if isinstance(value, dict) and "input" in value else BatchCreate
+        return schema.model_validate(value)
     except ValueError as exc:  # ValidationError is a ValueError too
         message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
         raise ServiceError(422, "invalid_input", f"invalid JSON batch body: {message}") from None

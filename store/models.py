@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -53,6 +54,8 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     webhook_secret: Mapped[str] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    # Storage URI prefixes this key's reference batches may read and write (besides BATCH_STORAGE_PREFIXES).
+    storage_prefixes: Mapped[list | None] = mapped_column(JSON, nullable=True)
 
 
 _LIVE = "status IN ('queued', 'running')"
@@ -151,6 +154,11 @@ class Batch(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # A reference batch (its data in storage, run as chunks): the options (store.lake.tables.Options), the
+    # output prefix, and its size as planned. NULL for an uploaded batch.
+    source: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    output_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
+    chunks_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # When a worker last claimed from this batch: the batch lane serves the tenant waiting longest.
     last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
@@ -159,6 +167,40 @@ class Batch(Base):
 
 
 BATCH_TERMINAL_STATUSES = ("completed", "cancelled", "failed")
+
+
+class Chunk(Base):
+    """A part of a reference batch's input (store/lake/): the unit a worker claims, with a lease, attempts and
+    the sweeper as jobs have. Done, it names the one object holding its results: the chunk rows are the
+    batch's manifest."""
+
+    __tablename__ = "chunks"
+    __table_args__ = (
+        _partial_index("ix_chunks_ready", ("status", "not_before"), _LIVE),
+    )
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    input: Mapped[str] = mapped_column(Text)  # a vetted URI (store.lake.access.Location.uri)
+    part: Mapped[int] = mapped_column(Integer)  # Parquet row group; -1 for byte ranges
+    start: Mapped[int] = mapped_column(BigInteger)
+    stop: Mapped[int] = mapped_column(BigInteger)
+    rows_total: Mapped[int | None] = mapped_column(Integer, nullable=True)  # known for Parquet
+    # queued, running, succeeded, failed, cancelled
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A chunk that failed for a reason that may pass (the store unreachable) waits until then.
+    not_before: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    rows_done: Mapped[int] = mapped_column(Integer, default=0)
+    rows_failed: Mapped[int] = mapped_column(Integer, default=0)
+    items_done: Mapped[int] = mapped_column(Integer, default=0)
+    output: Mapped[str | None] = mapped_column(Text, nullable=True)  # the committed object's name
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class JobResult(Base):

@@ -265,6 +265,57 @@ class BatchCreate(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
+class ColumnsSpec(BaseModel):
+    """A pair table's columns: the query, the item (document), id columns passed through to the output, and
+    optionally a column holding each row's label token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, max_length=256)
+    item: str = Field(min_length=1, max_length=256)
+    ids: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=32)
+    label: str | None = Field(default=None, min_length=1, max_length=256)
+
+
+class BatchSource(BaseModel):
+    """The JSON body form of POST /batches that names its data instead of carrying it (a reference batch):
+    `input` (a URI, a list of URIs, or a glob; s3://, gs://, az:// or a local path), `output` (a URI prefix),
+    `format` (jsonl, parquet, csv; default from the extension), and for pair tables `columns` and
+    `label_token_ids`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: Annotated[str, Field(min_length=1, max_length=4096)] | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1, max_length=10_000)]
+    output: str = Field(min_length=1, max_length=4096)
+    format: Literal["jsonl", "parquet", "csv"] | None = None
+    output_format: Literal["parquet", "jsonl"] = "parquet"
+    columns: ColumnsSpec | None = None
+    label_token_ids: list[StrictInt] | None = Field(default=None, max_length=4096)
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
+    return_logprobs: StrictBool = False
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    metadata: dict[str, Any] | None = None
+
+
+class RowCounts(BaseModel):
+    """A reference batch's input rows: done (each has one result row, an error row included), of which failed,
+    and all of them (None while unknown: JSONL and CSV are planned by size)."""
+
+    done: int
+    failed: int
+    total: int | None
+
+
+class ChunkCounts(BaseModel):
+    total: int
+    done: int
+    in_flight: int
+    failed: int
+    cancelled: int
+
+
 class BatchCounts(BaseModel):
     total: int
     succeeded: int
@@ -286,3 +337,9 @@ class BatchOut(BaseModel):
     webhook_url: str | None
     webhook: WebhookState | None = None
     metadata: dict[str, Any] | None
+    # Reference batches only: the chunks, the rows done so far (counts are rows there), the output prefix of
+    # the batch's objects, and an estimate of the seconds left.
+    chunks: ChunkCounts | None = None
+    rows: RowCounts | None = None
+    output: str | None = None
+    eta_seconds: float | None = None

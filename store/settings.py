@@ -75,6 +75,19 @@ class Settings(BaseSettings):
     # worker's sweeper if the API died with it.
     batch_upload_timeout_seconds: float = 3600.0
 
+    # Reference batches (POST /batches naming its data; store/lake/): local paths are served only under this
+    # folder (unset: none are; `serve --embedded` sets the folder it was started in), and remote URIs only under
+    # these prefixes (every key), or those of the key's own `storage_prefixes` column. None by default.
+    batch_local_root: str | None = None
+    batch_storage_prefixes: Annotated[list[str], NoDecode] = []
+    # A reference batch is planned into chunks of about this many Parquet rows, or JSONL/CSV bytes; at most
+    # this many chunks per batch (not BATCH_MAX_REQUESTS).
+    batch_chunk_rows_target: int = 5000
+    batch_chunk_bytes: int = 8 << 20
+    batch_max_chunks: int = 200_000
+    # A compressed JSONL file cannot be split into chunks: it is one, so at most this large.
+    batch_compressed_max_bytes: int = 64 << 20
+
     # Retention (store/retention.py): finished jobs, their results and webhook deliveries, and finished batches
     # are deleted this long after they finished (as the OpenAI Batch API keeps files); passes after their own.
     result_ttl_days: float = 30.0
@@ -105,7 +118,7 @@ class Settings(BaseSettings):
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
 
-    @field_validator("webhook_allowlist", "webhook_retry_schedule", mode="before")
+    @field_validator("webhook_allowlist", "webhook_retry_schedule", "batch_storage_prefixes", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         # Environment lists are comma-separated ("127.0.0.1,10.0.0.0/8") or JSON.

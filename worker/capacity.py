@@ -2,6 +2,7 @@
 
     python -m worker.capacity [--target tpu-v6e|tpu-v5e|cuda-h100 | --device-tokens-per-s R]
                               [--shapes contract,small,backfill] [--workers 1,2] [--device-seconds 10]
+    python -m worker.capacity --runs datalake:1,datalake:2 [--pairs 1000000]
 
 It starts the real service on a fresh Postgres database (with Redis): one API process and N workers whose
 device step is simulated. A simulated pass takes (real tokens of the pass) / R seconds of a device timeline
@@ -344,6 +345,113 @@ class Bench:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
             admin.dispose()
 
+    def run_datalake(self, workers: int, pairs: int, docs: int = 20) -> dict:
+        """The `datalake` shape: a Parquet pair table on a local S3 store (SeaweedFS), `pairs` rows of a
+        200-token query and `docs` 15-token documents per query, run as a reference batch with Parquet output
+        to the store."""
+        import httpx
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        import s3fs
+        from sqlalchemy import create_engine, func, make_url, select, text
+
+        from migrations import upgrade
+        from store.models import Batch, Chunk, Pass
+        from tests.object_store import CREDENTIALS, SeaweedS3  # the tests' store, started here too
+
+        tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        store = SeaweedS3(self.logs / f"{tag}-s3")
+        store.start()
+        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{tag}"'))
+        url = make_url(self.admin_url).set(database=tag).render_as_string(hide_password=False)
+        procs: list[subprocess.Popen] = []
+        try:
+            fs = s3fs.S3FileSystem(key=CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                                   endpoint_url=store.endpoint)
+            rng = np.random.default_rng(0)
+            queries = pairs // docs
+            query_text = [_text(rng, 200, f"query {i}:") for i in range(queries)]
+            doc_words = rng.choice(WORDS, size=(pairs, 15))
+            started = time.perf_counter()
+            for part, lo in enumerate(range(0, queries, 5000)):  # files of 5,000 queries, row groups of 5,000 rows
+                hi = min(queries, lo + 5000)
+                table = pa.table({"q": np.repeat(query_text[lo:hi], docs),
+                                  "doc": [" ".join(w) for w in doc_words[lo * docs:hi * docs]],
+                                  "pair_id": pa.array(np.arange(lo * docs, hi * docs), pa.int64())})
+                with fs.open(f"lake/pairs/part-{part:04d}.parquet", "wb") as f:
+                    pq.write_table(table, f, row_group_size=5000)
+            print(f"wrote {pairs} pairs in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            upgrade(url)
+            env = {**self._env(url, tag), **store.env, "BATCH_STORAGE_PREFIXES": "s3://lake/"}
+            created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
+                                     env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
+            key = created.split("api_key=", 1)[1].split()[0]
+            port = _free_port()
+            base = f"http://127.0.0.1:{port}"
+            api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
+                              f"{tag}-api.log")
+            procs.append(api)
+            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
+            api_cpu, pg_cpu = cpu_seconds([api.pid]), postgres_cpu()
+            response = httpx.post(f"{base}/batches", headers={"Authorization": f"Bearer {key}"}, timeout=600, json={
+                "input": "s3://lake/pairs/", "output": "s3://lake/scores/", "format": "parquet",
+                "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": [9805, 787]})
+            assert response.status_code == 201, response.text
+            batch_id = response.json()["id"]
+            api_submit_cpu, pg_submit_cpu = cpu_seconds([api.pid]) - api_cpu, postgres_cpu() - pg_cpu
+            worker_procs = [self._spawn(["worker.capacity", "simulated-worker", "--device-tokens-per-s",
+                                         str(self.rate)], env, f"{tag}-worker{i}.log") for i in range(workers)]
+            procs += worker_procs
+            engine = create_engine(url)
+            with engine.connect() as conn:
+                _wait(lambda: conn.scalar(select(func.count()).select_from(Chunk).where(Chunk.status != "queued")),
+                      300, "the first chunk claim", interval=0.02)
+                worker_cpu, pg_cpu, api_cpu = cpu_seconds([p.pid for p in worker_procs]), postgres_cpu(), \
+                    cpu_seconds([api.pid])
+                poller = conn.scalar(text("SELECT pg_backend_pid()"))
+                polling = cpu_seconds([poller])
+                _wait(lambda: conn.scalar(select(Batch.status).where(Batch.id == batch_id)) == "completed", 7200,
+                      "the batch", interval=0.5)
+                polling = cpu_seconds([poller]) - polling
+            worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
+            pg_drain = postgres_cpu() - pg_cpu - polling
+            rss = {f"worker{i}": _rss_mib(p.pid) for i, p in enumerate(worker_procs)} | {"api": _rss_mib(api.pid)}
+            with engine.connect() as conn:
+                first, last = conn.execute(select(func.min(Chunk.started_at), func.max(Chunk.finished_at))).one()
+                tokens = conn.scalar(select(func.sum(Pass.tokens)))
+                chunks = conn.scalar(select(func.count()).select_from(Chunk))
+                rows_done, failed = conn.execute(select(func.sum(Chunk.rows_done), func.sum(Chunk.rows_failed))).one()
+                tables = {name: conn.scalar(text(f"SELECT count(*) FROM {name}")) for name in
+                          ("batches", "chunks", "jobs", "job_results", "webhook_deliveries", "passes")}
+            engine.dispose()
+            wall = (last - first).total_seconds()
+            device = tokens / self.rate
+            assert rows_done == pairs, f"{rows_done} rows done of {pairs}"
+            return {"shape": "datalake", "workers": workers, "pairs": pairs, "chunks": chunks,
+                    "duty": round(device / (wall * workers), 3), "items_per_s": round(pairs / wall),
+                    "ideal_items_per_s": round(pairs / device * workers), "wall_s": round(wall, 1),
+                    "device_s": round(device, 1), "rows_failed": failed,
+                    "postgres_cpu_ms_per_line": {"submit": round(pg_submit_cpu / pairs * 1e3, 5),
+                                                 "drain": round(pg_drain / pairs * 1e3, 5)},
+                    "rows_in_postgres": tables, "worker_cpu_ms_per_item": round(worker_cpu / pairs * 1e3, 4),
+                    "api_cpu_s_for_the_batch": round(api_submit_cpu + cpu_seconds([api.pid]) - api_cpu, 2),
+                    "rss_mib": rss}
+        finally:
+            stop_processes(procs)
+            store.stop()
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
+            admin.dispose()
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    return round(int(status.split("VmRSS:", 1)[1].split()[0]) / 1024, 1)
 
 def stop_processes(procs: list[subprocess.Popen], seconds: float = 20) -> None:
     """SIGTERM to those still running, then SIGKILL to those that did not exit within `seconds`."""
@@ -452,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "postgresql+psycopg://root@127.0.0.1:5432/postgres"))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--pairs", type=int, default=1_000_000, help="the datalake shape's pair-table rows")
     args = parser.parse_args(argv)
     if args.command == "simulated-worker":
         run_simulated_worker(args.device_tokens_per_s)
@@ -467,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args.database_url, args.redis_url, rate, logs)
     results = []
     for shape, workers in runs:
+        if shape == "datalake":  # its own table of figures (per line, not per job)
+            print(json.dumps(bench.run_datalake(int(workers), args.pairs)), flush=True)
+            continue
         figures = bench.run(shape, int(workers), args.device_seconds)
         results.append(figures)
         print(json.dumps(figures), flush=True)

@@ -29,6 +29,7 @@ from store.broker import clear_pending_kick
 from store.jobqueue import Boundary, ClaimedJob, JobWriter, WriterFailed
 from store.models import PRIORITY_BATCH
 from store.settings import Settings, get_settings
+from worker import lake
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ class _Launched:
 
 def tokenized(scorer: Scorer, job: ClaimedJob) -> TokenizedRequest:
     """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
-    another model) is tokenized from its text here."""
+    another model) is tokenized from its text here. A chunk's request comes tokenized by the chunk feed."""
+    if (request := lake.request_of(job)) is not None:
+        return request
     if job.tokens is not None and job.model == scorer.model_name:
         return scorer.requests.check_stored(job.tokens)  # this worker's limits may differ from the API's
     r = job.request
@@ -128,10 +131,12 @@ class PassLoop:
     """Runs claimed jobs in packed passes until none is left or it is told to stop (see the module's doc)."""
 
     def __init__(self, scorer: Scorer, owner: str, settings: Settings, writer: JobWriter,
-                 claim: Callable[[bool], list[ClaimedJob]]) -> None:
-        """`claim(interactive_only)` leases the next jobs (called in the writer's thread)."""
+                 claim: Callable[[bool], list[ClaimedJob]], busy: Callable[[], bool] = lambda: False) -> None:
+        """`claim(interactive_only)` leases the next jobs (called in the writer's thread); `busy()`: whether a
+        claim that found nothing may still find work soon (the chunk feed is reading a chunk)."""
         self.scorer, self.owner, self.settings, self.writer = scorer, owner, settings, writer
         self._claim = claim
+        self._busy = busy
         self.running: list[RunningJob] = []
         self._order = 0
         self.claimed_total = 0
@@ -193,7 +198,7 @@ class PassLoop:
 
     def _admit(self, claimed: list[tuple[ClaimedJob, TokenizedRequest | ScoringError]]) -> None:
         self.claimed_total += len(claimed)
-        active_jobs.add(job.id for job, _ in claimed)
+        active_jobs.add(job.id for job, _ in claimed if not lake.handles(job))
         for job, request in claimed:
             if isinstance(request, ScoringError):
                 self.writer.fail(self.owner, job, (request.code, request.message))
@@ -310,13 +315,17 @@ class PassLoop:
             touched[run.job_id] = run
         finished = [r for r in touched.values() if r.done == r.request.n_items]
         self.running = [r for r in self.running if r.done < r.request.n_items]
+        # A chunk's requests report to their chunk (which commits its object), not to the jobs table.
+        finished = [r for r in finished if not lake.finish(r.claimed, r.logprobs)]
+        touched = {job_id: r for job_id, r in touched.items() if not lake.handles(r.claimed)}
         self.writer.boundary(Boundary(
             owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
             padded_tokens=result.padded_tokens, seconds=result.seconds,
             progress=[(r.job_id, r.done) for r in touched.values() if r.done < r.request.n_items],
             finished=[(r.claimed, r.logprobs) for r in finished],
-            open_ids=[r.job_id for r in self.running]),
-            {r.job_id: r.claimed.batch_id for r in [*finished, *self.running] if r.claimed.batch_id})
+            open_ids=[r.job_id for r in self.running if not lake.handles(r.claimed)]),
+            {r.job_id: r.claimed.batch_id for r in [*finished, *self.running]
+             if r.claimed.batch_id and not lake.handles(r.claimed)})
 
     def _drop_closed(self) -> None:
         """Drops the jobs the writer found cancelled or no longer ours (their items still in flight are
@@ -348,7 +357,7 @@ class PassLoop:
                     claiming = None
                     # An interactive-only claim that finds nothing says nothing of the batch lane: taken as "no
                     # work left", it ended the loop with batch requests queued (the sweeper restarted it later).
-                    exhausted = not jobs if claiming_all else exhausted and not jobs
+                    exhausted = not jobs and not self._busy() if claiming_all else exhausted and not jobs
                     self._admit(jobs)
                 if should_stop():
                     break
@@ -388,7 +397,8 @@ class PassLoop:
         """Jobs with nothing left to launch and nothing in flight, yet not every item scored: an engine bug,
         not the user's fault."""
         for run in self.running:
-            self.writer.fail(self.owner, run.claimed, ("internal_error", "the engine did not score every item"))
+            if not lake.abandon(run.claimed, "the engine did not score every item"):
+                self.writer.fail(self.owner, run.claimed, ("internal_error", "the engine did not score every item"))
         self.running = []
 
     def _hand_back(self, inflight: _Launched | None, claiming, error: str | None) -> None:  # type: ignore[no-untyped-def]
@@ -404,7 +414,7 @@ class PassLoop:
             self._urgent = []
         except Exception:
             log.exception("the pass loop could not finish its last pass")
-        held = self.running
+        held = [r for r in self.running if not lake.abandon(r.claimed, error)]
         self.running = []
         if held:
             try:
@@ -422,12 +432,14 @@ def batch_pass_tokens(scorer: Scorer, settings: Settings) -> int:
     return min(settings.batch_round_tokens or default, scorer.pass_tokens)
 
 
-def _claimer(owner: str, settings: Settings, round_tokens: int) -> Callable[[bool], list[ClaimedJob]]:
+def _claimer(owner: str, settings: Settings, round_tokens: int,
+             feed: lake.ChunkFeed | None = None) -> Callable[[bool], list[ClaimedJob]]:
     def claim(interactive_only: bool) -> list[ClaimedJob]:
         clear_pending_kick()  # jobs committed from now on send a kick; those before are seen by this claim
         if interactive_only:
             return jobqueue.claim_interactive(owner, settings)
-        return jobqueue.claim_jobs(owner, settings, round_tokens)
+        # Reference batches' chunks after uploaded batches' rounds.
+        return jobqueue.claim_jobs(owner, settings, round_tokens) or (feed.take() if feed else [])
     return claim
 
 
@@ -444,8 +456,9 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
     round_tokens = batch_pass_tokens(scorer, settings)
     claim_tokens = CLAIM_AHEAD_PASSES * round_tokens if scorer.launches_ahead else \
         max(round_tokens, min(CLAIM_AHEAD_PASSES * round_tokens, scorer.pass_tokens))
-    claim = _claimer(owner, settings, claim_tokens)
-    return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event())
+    feed = lake.feed_for(scorer, owner, settings)
+    claim = _claimer(owner, settings, claim_tokens, feed)
+    return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event(), feed.busy)
 
 
 def run_jobs(scorer: Scorer, owner: str, jobs: list[ClaimedJob]) -> None:
@@ -456,9 +469,10 @@ def run_jobs(scorer: Scorer, owner: str, jobs: list[ClaimedJob]) -> None:
 
 
 def _run_loop(scorer: Scorer, owner: str, settings: Settings, claim: Callable[[bool], list[ClaimedJob]],
-              should_stop: Callable[[], bool], wake: threading.Event) -> int:
+              should_stop: Callable[[], bool], wake: threading.Event,
+              busy: Callable[[], bool] = lambda: False) -> int:
     writer = JobWriter(active_jobs.discard)
-    loop = PassLoop(scorer, owner, settings, writer, claim)
+    loop = PassLoop(scorer, owner, settings, writer, claim, busy)
     try:
         while True:
             try:

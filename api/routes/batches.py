@@ -14,8 +14,9 @@ from api.schemas import BatchList
 from store import batches
 from store.broker import kick_drain
 from store.errors import ServiceError
+from store.lake import chunks as lake
 from store.models import Batch
-from store.schemas import BatchCreate, BatchOut
+from store.schemas import BatchCreate, BatchOut, BatchSource
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/batches", tags=["batches"])
@@ -23,12 +24,13 @@ router = APIRouter(prefix="/batches", tags=["batches"])
 _UPLOAD_DOC = {
     "requestBody": {"content": {
         "application/jsonl": {"schema": {"type": "string", "format": "binary"}},
-        "application/json": {"schema": BatchCreate.model_json_schema()},
+        "application/json": {"schema": {"oneOf": [BatchCreate.model_json_schema(),
+                                                  BatchSource.model_json_schema()]}},
     }},
 }
 
 
-async def _json_body(request: Request, limit: int) -> BatchCreate:
+async def _json_body(request: Request, limit: int) -> BatchCreate | BatchSource:
     body = bytearray()
     async for data in request.stream():
         body += data
@@ -47,7 +49,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
     "webhook_url", "metadata"}`. A line is a job's fields, or an OpenAI Batch API line (`method`, `url`:
     /v1/score or /v1/rerank, `body`). The upload is validated line by line as it streams in: a bad line
-    becomes an error result of its own. An upload with no JSON object line is a 400."""
+    becomes an error result of its own. An upload with no JSON object line is a 400.
+
+    A JSON body naming `input` and `output` instead is a reference batch: the data stays in storage (s3://,
+    gs://, az://, or a local path under BATCH_LOCAL_ROOT) and is run in chunks; see README "Backfills from
+    object storage"."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > settings.batch_max_bytes:
         raise ServiceError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
@@ -57,6 +63,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     body = None
     if content_type == "application/json":
         body = await _json_body(request, settings.max_body_bytes)
+        if isinstance(body, BatchSource):
+            batch = await run_in_threadpool(_create_reference, session, key, body, request_tokenizer, settings)
+            kick_drain()
+            response.headers["Location"] = f"/batches/{batch.id}"
+            return await run_in_threadpool(read, session, batch)
         webhook_url, meta = body.webhook_url, body.metadata
     else:
         try:
@@ -94,6 +105,19 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     return await run_in_threadpool(batches.read_batch, session, batch)
 
 
+def _create_reference(session: Session, key, body: BatchSource, request_tokenizer, settings) -> Batch:  # type: ignore[no-untyped-def]
+    try:
+        return lake.create_reference_batch(session, key, body, request_tokenizer, settings)
+    except Exception:
+        session.rollback()  # nothing of a refused batch is kept
+        raise
+
+
+def read(session: Session, batch: Batch) -> BatchOut:
+    """An uploaded batch's counts come from its jobs, a reference batch's from its chunks."""
+    return lake.read_reference(session, batch) if batch.source is not None else batches.read_batch(session, batch)
+
+
 async def _fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
     try:
         await run_in_threadpool(batches.fail_upload, session, batch, code, message)
@@ -106,12 +130,12 @@ def list_batches(key: CurrentKey, session: SessionDep, limit: Annotated[int, Que
                  cursor: str | None = None) -> BatchList:
     """This key's batches, newest first. Pass `next_cursor` back as `cursor`."""
     rows, next_cursor = batches.list_batches(session, key, limit, cursor)
-    return BatchList(data=[batches.read_batch(session, batch) for batch in rows], next_cursor=next_cursor)
+    return BatchList(data=[read(session, batch) for batch in rows], next_cursor=next_cursor)
 
 
 @router.get("/{batch_id}", response_model=BatchOut)
 def get_batch(batch_id: str, key: CurrentKey, session: SessionDep) -> BatchOut:
-    return batches.read_batch(session, batches.get_batch(session, key, batch_id))
+    return read(session, batches.get_batch(session, key, batch_id))
 
 
 @router.get("/{batch_id}/results", response_class=StreamingResponse,
@@ -123,7 +147,9 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
     "body"}, "error"}`. While the batch runs, the requests finished so far (call again for more); complete
     once the batch has ended."""
     batch = batches.get_batch(session, key, batch_id)
-    return StreamingResponse(batches.iter_results(batch.id, settings.batch_chunk_rows, format == "openai"),
+    lines = lake.iter_results(batch.id, format == "openai") if batch.source is not None else \
+        batches.iter_results(batch.id, settings.batch_chunk_rows, format == "openai")
+    return StreamingResponse(lines,
                              media_type="application/jsonl", headers={"Batch-Status": batch.status})
 
 
@@ -131,7 +157,8 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
 def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, response: Response) -> BatchOut:
     """Requests not started are cancelled (200 once none is running; 202 `cancelling` while the running ones
     finish). Finished requests stay in the results. A batch that has ended: 409."""
-    batch = batches.cancel_batch(session, batches.get_batch(session, key, batch_id))
+    batch = batches.get_batch(session, key, batch_id)
+    batch = lake.cancel_reference(session, batch) if batch.source is not None else batches.cancel_batch(session, batch)
     if batch.status != "cancelled":
         response.status_code = 202
-    return batches.read_batch(session, batch)
+    return read(session, batch)

@@ -1,0 +1,189 @@
+"""Where a reference batch's data may be: URIs resolved to one filesystem each, and who may read or write them.
+
+Local paths are served only under BATCH_LOCAL_ROOT (none by default; `serve --embedded` sets its own folder):
+the path is resolved with its symlinks and `..` first, so neither leads out of the root. Remote URIs (`s3://`,
+`gs://`, `az://`) are served only under a prefix allowed for the API key: BATCH_STORAGE_PREFIXES (every key)
+or the key's own `storage_prefixes` column; none by default. Output prefixes follow the same rules.
+
+Credentials are never in a URI, the database, a response or a log: each filesystem takes them from its
+store's standard chain on the host (for S3 the AWS environment variables, profiles and instance roles, and
+AWS_ENDPOINT_URL for an S3-compatible store; for GCS and Azure their own libraries' chains).
+"""
+
+import os
+import posixpath
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+from store.errors import ServiceError
+
+# URI scheme -> fsspec protocol. gcsfs and adlfs are optional installs (`pip install packscore[gcs]` /
+# `[azure]`): fsspec knows their protocols and says which package to install when one is missing.
+REMOTE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "az", "abfs": "az", "abfss": "az"}
+GLOB_CHARACTERS = "*?["
+
+
+def refusal(code: str, message: str, status: int = 400) -> ServiceError:
+    return ServiceError(status, code, message)
+
+
+@dataclass(frozen=True)
+class Location:
+    """One object or prefix: `protocol` ("file" or a remote protocol) and the path fsspec takes for it
+    (`/abs/path` or `bucket/key`)."""
+
+    protocol: str
+    path: str
+
+    @classmethod
+    def parse(cls, uri: str) -> "Location":
+        """A URI this module made (`uri`), already vetted: stored in a chunk row, say."""
+        if uri.startswith("file://"):
+            return cls("file", uri[len("file://"):])
+        scheme, path = uri.split("://", 1)
+        return cls(REMOTE_PROTOCOLS[scheme], path)
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self.path}" if self.protocol == "file" else f"{self.scheme}://{self.path}"
+
+    @property
+    def scheme(self) -> str:
+        return {"gcs": "gs"}.get(self.protocol, self.protocol)
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        return filesystem(self.protocol)
+
+    def child(self, name: str) -> "Location":
+        return Location(self.protocol, posixpath.join(self.path.rstrip("/"), name))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+@lru_cache
+def filesystem(protocol: str) -> AbstractFileSystem:
+    """One filesystem per protocol and process, with the host's credentials (fsspec caches its instances too)."""
+    if protocol == "file":
+        return fsspec.filesystem("file", auto_mkdir=True)
+    try:
+        return fsspec.filesystem(protocol)
+    except ImportError as exc:
+        raise refusal("storage_unavailable", f"{protocol}:// is not installed on this server ({exc})", 400) from None
+
+
+class Access:
+    """What one API key may read and write (see the module's doc)."""
+
+    def __init__(self, local_root: str | None, prefixes: list[str]) -> None:
+        self.local_root = Path(local_root).resolve() if local_root else None
+        self.prefixes = [_remote(prefix, check=False) for prefix in prefixes]
+
+    def location(self, uri: str, what: str = "input") -> Location:
+        """The location of `uri` if this key may use it, else a 400/403 with a stable code. A glob stays a
+        glob here (its part before the first wildcard is what is checked; `expand` checks each match)."""
+        if not isinstance(uri, str) or not uri.strip():
+            raise refusal("invalid_uri", f"{what} must be a non-empty URI or path")
+        scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+        if scheme in ("", "file"):
+            return self._local(uri, what)
+        if scheme not in REMOTE_PROTOCOLS:
+            raise refusal("unsupported_uri", f"{what}: {scheme}:// is not served (s3://, gs://, az:// or a local path)")
+        location = _remote(uri)
+        if not any(_under(location, prefix) for prefix in self.prefixes):
+            raise refusal("storage_prefix_not_allowed",
+                          f"{what} {location.uri} is not under a prefix allowed for this API key", 403)
+        return location
+
+    def _local(self, uri: str, what: str) -> Location:
+        if self.local_root is None:
+            raise refusal("local_paths_disabled", f"{what}: local paths are not served here (BATCH_LOCAL_ROOT is unset)")
+        if uri.startswith("file://"):
+            parts = urlsplit(uri)
+            if parts.netloc not in ("", "localhost"):
+                raise refusal("path_outside_root", f"{what}: file:// URIs name a local path only")
+            uri = unquote(parts.path)
+        if "\x00" in uri:
+            raise refusal("invalid_uri", f"{what}: the path holds a NUL character")
+        path = Path(uri) if Path(uri).is_absolute() else self.local_root / uri
+        if ".." in path.parts:
+            raise refusal("path_outside_root", f"{what}: '..' is not allowed in a path")
+        # The part before a wildcard is resolved (symlinks followed) and must stay under the root.
+        static = _static_part(str(path))
+        if not _within(Path(static).resolve(), self.local_root):
+            raise refusal("path_outside_root", f"{what} is outside BATCH_LOCAL_ROOT")
+        return Location("file", str(Path(static).resolve()) + str(path)[len(static):])
+
+    def allows(self, location: Location) -> bool:
+        """Whether a concrete object (a glob's match, say) is still inside what this key may read."""
+        if location.protocol == "file":
+            return self.local_root is not None and _within(Path(location.path).resolve(), self.local_root)
+        return any(_under(location, prefix) for prefix in self.prefixes)
+
+    def expand(self, uris: str | list[str]) -> list[Location]:
+        """Input URIs, a list of them, or globs, as the objects they name (sorted within each glob). A prefix
+        ending in "/" names the objects under it. Each match is checked again: a symlink in a folder under the
+        root may point out of it."""
+        objects: list[Location] = []
+        for uri in [uris] if isinstance(uris, str) else uris:
+            location = self.location(uri)
+            fs = location.fs
+            try:
+                if any(c in location.path for c in GLOB_CHARACTERS):
+                    found = sorted(fs.glob(location.path))
+                elif location.path.endswith("/") or fs.isdir(location.path):
+                    found = sorted(fs.find(location.path))
+                else:
+                    found = [location.path]
+            except FileNotFoundError:
+                found = []
+            except OSError as exc:
+                raise refusal("storage_unreachable", f"input {location.uri}: {type(exc).__name__}", 503) from None
+            for path in found:
+                match = Location(location.protocol, path if location.protocol != "file" else str(Path(path)))
+                if posixpath.basename(path).startswith(("_", ".")):
+                    continue  # _SUCCESS, _manifest.json, hidden files: never data
+                if not self.allows(match):
+                    raise refusal("path_outside_root", f"input {match.name} leads outside what this key may read")
+                objects.append(match)
+            if not found:
+                raise refusal("input_not_found", f"no input object at {location.uri}", 404)
+        return objects
+
+
+def _remote(uri: str, check: bool = True) -> Location:
+    parts = urlsplit(uri)
+    protocol = REMOTE_PROTOCOLS.get(parts.scheme.lower())
+    if protocol is None or not parts.netloc:
+        raise refusal("invalid_uri", f"{uri!r} is not a storage URI with a bucket")
+    if parts.query or parts.fragment or "@" in parts.netloc:
+        raise refusal("invalid_uri", "a storage URI has no credentials, query or fragment")
+    key = parts.path
+    if check and any(segment in (".", "..") for segment in key.split("/")):
+        raise refusal("path_outside_root", "'.' and '..' are not allowed in a storage URI")
+    return Location(protocol, parts.netloc + key)
+
+
+def _under(location: Location, prefix: Location) -> bool:
+    """At a path-segment boundary: s3://b/team-a/ does not allow s3://b/team-ab/."""
+    if location.protocol != prefix.protocol:
+        return False
+    base = prefix.path.rstrip("/") + "/"
+    return location.path == prefix.path.rstrip("/") or location.path.startswith(base)
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _static_part(path: str) -> str:
+    """The folder part of a path before its first wildcard."""
+    at = min((path.find(c) for c in GLOB_CHARACTERS if c in path), default=-1)
+    return path if at < 0 else os.path.dirname(path[:at]) or "/"

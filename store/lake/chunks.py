@@ -1,0 +1,408 @@
+"""Reference batches in the database: one batch row and one row per chunk, never a row per line.
+
+Creating one (the API): access is checked, the input is planned from metadata (store.lake.tables.plan) and
+the chunk rows inserted with the batch, in one transaction. Running one (the workers): a chunk is claimed
+under a lease (SKIP LOCKED), its lease extended by the heartbeat, and it ends in one conditional UPDATE
+that names its result object: a worker that lost the lease commits nothing, and the chunk rows are the
+manifest. An expired lease is swept like a job's (the attempt counts; the chunk fails after MAX_ATTEMPTS). A
+chunk whose store was unreachable waits a little longer each attempt (`not_before`). Once no chunk is live,
+the batch is settled: `_manifest.json` (then `_SUCCESS` if completed) is written, the status changes in a
+conditional UPDATE (so the webhook is queued once), and objects of lost attempts are removed.
+"""
+
+import json
+import logging
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from core import RequestTokenizer, ScoringError
+from store.counters import count
+from store.db import session_factory, session_scope
+from store.errors import ServiceError
+from store.lake.access import Access, Location
+from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan, read_table, write_manifest
+from store.models import ApiKey, Batch, Chunk, WebhookDelivery, utcnow
+from store.outbox import enqueue_webhook, vet_webhook_url
+from store.schemas import (BatchCounts, BatchOut, BatchSource, ChunkCounts, ErrorInfo, Progress, RowCounts,
+                           WebhookState, _utc)
+from store.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LIVE = ("queued", "running")
+# A chunk whose store failed waits this long times 2**(attempt - 1) before it is claimed again (capped).
+RETRY_BASE_SECONDS = 1.0
+RETRY_MAX_SECONDS = 30.0
+INSERT_PAGE = 1000
+
+_CHUNKS = Chunk.__table__.c
+
+
+def access_for(key: ApiKey, settings: Settings) -> Access:
+    return Access(settings.batch_local_root, [*settings.batch_storage_prefixes, *(key.storage_prefixes or [])])
+
+
+def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer,
+                           settings: Settings) -> Batch:
+    """Checks access, plans the chunks from metadata and commits the batch with its chunk rows (status
+    in_progress); any refusal is a ServiceError and leaves nothing behind."""
+    vet_webhook_url(body.webhook_url, settings.webhook_allowlist)
+    access = access_for(key, settings)
+    output = access.location(body.output, "output")
+    if any(c in output.path for c in "*?["):
+        raise ServiceError(400, "invalid_uri", "output is a prefix, not a glob")
+    objects = access.expand(body.input)
+    columns = Columns(body.columns.query, body.columns.item, tuple(body.columns.ids), body.columns.label) \
+        if body.columns else None
+    if columns is not None and columns.label is None and not body.label_token_ids:
+        raise ServiceError(400, "empty_label_token_ids", "a pair table needs label_token_ids (or columns.label)")
+    if body.label_token_ids:
+        try:  # the engine's own checks of the labels (range, non-empty), on a stand-in request
+            tokenizer.tokenize([0], [], body.label_token_ids)
+        except ScoringError as exc:
+            if exc.code.startswith(("label", "empty_label")):
+                raise ServiceError(400, exc.code, exc.message) from None
+    options = Options(body.format or "", columns, tuple(body.label_token_ids) if body.label_token_ids else None,
+                      body.apply_softmax, body.item_first, body.return_logprobs, body.output_format)
+    batch = Batch(api_key_id=key.id, model=tokenizer.model_name, webhook_url=body.webhook_url,
+                  metadata_=body.metadata, status="in_progress", in_progress_at=utcnow())
+    session.add(batch)
+    session.flush()
+    # Each object's format is checked as it is planned (format_of); the batch keeps the one given, if any.
+    batch.source = {**options.to_json(), "input": body.input}
+    batch.output_uri = output.child(batch.id).uri
+    n = rows = 0
+    known = True
+    page: list[dict] = []
+    for chunk in plan(objects, options, settings):
+        if n >= settings.batch_max_chunks:
+            raise ServiceError(413, "batch_too_large", f"the input is over BATCH_MAX_CHUNKS ({settings.batch_max_chunks}) "
+                                                       "chunks: split it into several batches")
+        page.append(_chunk_row(batch.id, n, chunk))
+        n += 1
+        rows += chunk.rows or 0
+        known = known and chunk.rows is not None
+        if len(page) >= INSERT_PAGE:
+            session.execute(insert(Chunk), page)
+            page = []
+    if page:
+        session.execute(insert(Chunk), page)
+    if n == 0:
+        raise ServiceError(400, "empty_batch", "the input has no data")
+    batch.chunks_total = n
+    batch.total = rows if known else 0
+    session.commit()
+    session.refresh(batch)
+    return batch
+
+
+def _chunk_row(batch_id: str, index: int, chunk: PlannedChunk) -> dict:
+    return {"batch_id": batch_id, "index": index, "input": chunk.input, "part": chunk.part, "start": chunk.start,
+            "stop": chunk.stop, "rows_total": chunk.rows, "status": "queued", "attempts": 0, "rows_done": 0,
+            "rows_failed": 0, "items_done": 0}
+
+
+# ---- the workers' side -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimedChunk:
+    batch_id: str
+    index: int
+    attempt: int
+    input: Location
+    part: int
+    start: int
+    stop: int
+    options: Options
+    output: Location  # the batch's output folder
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.batch_id, self.index)
+
+    @property
+    def object(self) -> Location:
+        return self.output.child(object_name(self.index, self.attempt, self.options.output_format))
+
+
+def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
+    """Leases the next ready chunk (the batch claimed from least recently first, then oldest batch, then
+    chunk order), or None."""
+    now = utcnow()
+    with session_scope() as session:
+        candidate = session.execute(
+            select(_CHUNKS.batch_id, _CHUNKS.index).select_from(Chunk.__table__.join(Batch, Batch.id == _CHUNKS.batch_id))
+            .where(_CHUNKS.status == "queued", Batch.status == "in_progress",
+                   (_CHUNKS.not_before.is_(None)) | (_CHUNKS.not_before <= now))
+            .order_by(Batch.last_claimed_at.asc().nulls_first(), _CHUNKS.batch_id, _CHUNKS.index).limit(1)
+            .with_for_update(of=Chunk.__table__, skip_locked=True)).first()
+        if candidate is None:
+            return None
+        row = session.execute(
+            update(Chunk.__table__).where(_CHUNKS.batch_id == candidate.batch_id, _CHUNKS.index == candidate.index,
+                                          _CHUNKS.status == "queued")
+            .values(status="running", lease_owner=owner, attempts=_CHUNKS.attempts + 1,
+                    lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
+                    started_at=func.coalesce(_CHUNKS.started_at, now))
+            .returning(_CHUNKS.batch_id, _CHUNKS.index, _CHUNKS.attempts, _CHUNKS.input, _CHUNKS.part,
+                       _CHUNKS.start, _CHUNKS.stop)).first()
+        if row is None:
+            return None
+        source, output = session.execute(select(Batch.source, Batch.output_uri).where(Batch.id == row.batch_id)).one()
+    # Its own short transaction: the batch row is never locked while a chunk row is (cancel takes the batch first).
+    with session_scope() as session:
+        session.execute(update(Batch).where(Batch.id == row.batch_id).values(last_claimed_at=now))
+    return ClaimedChunk(row.batch_id, row.index, row.attempts, Location.parse(row.input), row.part, row.start,
+                        row.stop, Options.from_json(source), Location.parse(output))
+
+
+def extend_leases(owner: str, settings: Settings, keys: set[tuple[str, int]]) -> None:
+    if not keys:
+        return
+    now = utcnow()
+    with session_scope() as session:
+        for batch_id, index in keys:
+            session.execute(update(Chunk.__table__).where(
+                _CHUNKS.batch_id == batch_id, _CHUNKS.index == index, _CHUNKS.lease_owner == owner,
+                _CHUNKS.status == "running").values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
+
+
+def commit_chunk(owner: str, chunk: ClaimedChunk, rows: int, rows_failed: int, items: int,
+                 error: tuple[str, str] | None = None) -> bool:
+    """The chunk is done: its object (`chunk.object`, already written) becomes its result, under the lease
+    condition, in one transaction. With `error` (the input is missing or corrupt) it fails, with no object.
+    Returns whether it was still ours; if not, the caller removes what it wrote."""
+    values = dict(status="failed" if error else "succeeded", lease_owner=None, lease_expires_at=None,
+                  finished_at=utcnow(), rows_done=rows, rows_failed=rows_failed, items_done=items,
+                  output=None if error else chunk.object.name)
+    if error:
+        values.update(error_code=error[0], error_message=error[1][:2000])
+    with session_scope() as session:
+        changed = session.execute(update(Chunk.__table__).where(
+            _CHUNKS.batch_id == chunk.batch_id, _CHUNKS.index == chunk.index, _CHUNKS.lease_owner == owner,
+            _CHUNKS.status == "running", _CHUNKS.attempts == chunk.attempt).values(**values)).rowcount
+        if changed:
+            count(session, "chunks_finished", label=values["status"])
+            count(session, "batch_rows", rows)
+    return bool(changed)
+
+
+def release_chunk(owner: str, settings: Settings, chunk: ClaimedChunk, error: str | None) -> None:
+    """Hands a chunk back: after a failure (`error`) the attempt counts and it waits before it runs again,
+    failing after MAX_ATTEMPTS; when the worker stops (None) it does not count."""
+    now = utcnow()
+    with session_scope() as session:
+        row = session.execute(select(Chunk).where(
+            Chunk.batch_id == chunk.batch_id, Chunk.index == chunk.index, Chunk.lease_owner == owner,
+            Chunk.status == "running").with_for_update()).scalar_one_or_none()
+        if row is None:
+            return
+        if error is None:
+            row.attempts -= 1
+        _requeue_or_fail(session, row, settings, "input_unavailable", error or "", now)
+
+
+def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str, message: str, now) -> None:  # type: ignore[no-untyped-def]
+    row.lease_owner = row.lease_expires_at = None
+    if row.attempts >= settings.max_attempts:
+        row.status, row.error_code, row.error_message, row.finished_at = "failed", code, message[:2000], now
+        count(session, "chunks_finished", label="failed")
+    else:
+        row.status = "queued"
+        wait = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(row.attempts - 1, 0)) if message else 0
+        row.not_before = now + timedelta(seconds=wait)
+
+
+def sweep_chunks(settings: Settings) -> set[str]:
+    """Re-queues chunks whose lease expired (their worker died); returns the batches that may be over (none
+    of their chunks live), which the caller settles."""
+    now = utcnow()
+    with session_scope() as session:
+        expired = session.scalars(select(Chunk).where(Chunk.status == "running", Chunk.lease_expires_at < now)
+                                  .with_for_update(skip_locked=True)).all()
+        for row in expired:
+            log.warning("lease of chunk %s/%s held by %s expired; re-queueing", row.batch_id, row.index, row.lease_owner)
+            _requeue_or_fail(session, row, settings, "worker_lost", "the worker running this chunk stopped", now)
+        live = select(Chunk.batch_id).where(Chunk.batch_id == Batch.id, Chunk.status.in_(LIVE)).exists()
+        over = set(session.scalars(select(Batch.id).where(Batch.source.is_not(None),
+                                                          Batch.status.in_(("in_progress", "cancelling")), ~live)))
+    return over
+
+
+def live_chunks() -> bool:
+    """Whether any chunk waits to be claimed now (the sweeper's wake-up)."""
+    with session_scope() as session:
+        return session.scalar(select(Chunk.index).join(Batch, Batch.id == Chunk.batch_id).where(
+            Chunk.status == "queued", Batch.status == "in_progress",
+            (Chunk.not_before.is_(None)) | (Chunk.not_before <= utcnow())).limit(1)) is not None
+
+
+def settle(batch_id: str) -> bool:
+    """Ends the batch if none of its chunks is live: writes the manifest (then `_SUCCESS`), changes its status
+    in a conditional UPDATE (so of concurrent callers exactly one queues the webhook) and removes objects of
+    lost attempts. Returns whether this call ended it."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status not in ("in_progress", "cancelling"):
+            return False
+        if session.scalar(select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status.in_(LIVE)).limit(1)) \
+                is not None:
+            return False
+        status = "cancelled" if batch.status == "cancelling" else "completed"
+        output = Location.parse(batch.output_uri)
+        manifest = _manifest(session, batch, status)
+    # Before the status changes: a reader that sees the batch over finds the manifest. A worker dying here
+    # leaves the batch live, and the sweeper settles it again (the manifest is the same).
+    write_manifest(output, manifest, status == "completed")
+    _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
+    with session_scope() as session:
+        changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress",
+                                                                                              "cancelling")))
+                                  .values(status=status, finished_at=utcnow())).rowcount
+        if changed:
+            batch = session.get(Batch, batch_id)
+            session.refresh(batch)
+            if batch.webhook_url:
+                enqueue_webhook(session, batch.api_key_id, batch.webhook_url, f"batch.{batch.status}",
+                                read_reference(session, batch).model_dump(mode="json", exclude={"webhook"}),
+                                batch_id=batch.id)
+    return bool(changed)
+
+
+def _manifest(session: Session, batch: Batch, status: str) -> dict:
+    objects, failed, cancelled = [], [], []
+    rows = rows_failed = items = 0
+    for chunk in session.execute(select(Chunk.index, Chunk.input, Chunk.part, Chunk.start, Chunk.stop, Chunk.status,
+                                        Chunk.output, Chunk.rows_done, Chunk.rows_failed, Chunk.items_done,
+                                        Chunk.error_code, Chunk.error_message, Chunk.rows_total)
+                                 .where(Chunk.batch_id == batch.id).order_by(Chunk.index)):
+        where = {"chunk": chunk.index, "input": chunk.input, "part": chunk.part, "start": chunk.start,
+                 "stop": chunk.stop}
+        if chunk.status == "succeeded":
+            objects.append({"name": chunk.output, **where, "rows": chunk.rows_done, "rows_failed": chunk.rows_failed,
+                            "items": chunk.items_done})
+            rows += chunk.rows_done
+            rows_failed += chunk.rows_failed
+            items += chunk.items_done
+        elif chunk.status == "failed":
+            failed.append({**where, "rows": chunk.rows_total, "error": {"code": chunk.error_code,
+                                                                        "message": chunk.error_message}})
+        else:
+            cancelled.append({**where, "rows": chunk.rows_total})
+    return {"batch_id": batch.id, "status": status, "output_format": (batch.source or {}).get("output_format"),
+            "rows": rows, "rows_failed": rows_failed, "items": items, "objects": objects, "failed_chunks": failed,
+            "cancelled_chunks": cancelled}
+
+
+def _remove_uncommitted(output: Location, committed: set[str]) -> None:
+    """Objects of attempts that lost their lease (or died while writing): never in the manifest, removed."""
+    try:
+        names = [posixpath.basename(p) for p in output.fs.find(output.path)]
+        stale = [output.child(n).path for n in names if n.startswith("part-") and n not in committed]
+        if stale:
+            output.fs.rm(stale)
+    except OSError as exc:
+        log.warning("could not remove the objects of lost attempts under %s: %s", output.uri, exc)
+
+
+def remove_lost_attempts(chunk: ClaimedChunk) -> None:
+    """After a chunk's commit: earlier attempts' objects of the same chunk (a killed worker's)."""
+    try:
+        pattern = chunk.output.child(f"part-{chunk.index:06d}-attempt-*").path
+        stale = [p for p in chunk.output.fs.glob(pattern) if posixpath.basename(p) != chunk.object.name]
+        if stale:
+            chunk.output.fs.rm(stale)
+    except OSError as exc:
+        log.warning("could not remove earlier attempts of chunk %s/%s: %s", chunk.batch_id, chunk.index, exc)
+
+
+# ---- the API's side ----------------------------------------------------------------------------------------
+
+
+def read_reference(session: Session, batch: Batch) -> BatchOut:
+    """The batch with its chunks' progress: rows and items done, chunks done and in flight, an ETA."""
+    by_status = {status: (n, rows, failed, items) for status, n, rows, failed, items in session.execute(
+        select(Chunk.status, func.count(), func.coalesce(func.sum(Chunk.rows_done), 0),
+               func.coalesce(func.sum(Chunk.rows_failed), 0), func.coalesce(func.sum(Chunk.items_done), 0))
+        .where(Chunk.batch_id == batch.id).group_by(Chunk.status))}
+    n = {s: v[0] for s, v in by_status.items()}
+    rows_done = sum(v[1] for v in by_status.values())
+    rows_failed = sum(v[2] for v in by_status.values())
+    items_done = sum(v[3] for v in by_status.values())
+    chunks = ChunkCounts(total=batch.chunks_total, done=n.get("succeeded", 0) + n.get("failed", 0),
+                         in_flight=n.get("running", 0), failed=n.get("failed", 0), cancelled=n.get("cancelled", 0))
+    eta = None
+    if batch.status in ("in_progress", "cancelling") and chunks.done and batch.in_progress_at is not None:
+        elapsed = (utcnow() - batch.in_progress_at).total_seconds()
+        left = batch.chunks_total - chunks.done - chunks.cancelled
+        eta = round(elapsed * left / chunks.done, 1)
+    delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
+                              .order_by(WebhookDelivery.created_at.desc()).limit(1))
+    cancelled_rows = session.scalar(select(func.coalesce(func.sum(Chunk.rows_total), 0)).where(
+        Chunk.batch_id == batch.id, Chunk.status == "cancelled")) or 0
+    return BatchOut(
+        id=batch.id, status=batch.status, model=batch.model,
+        counts=BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
+                           cancelled=cancelled_rows),
+        progress=Progress(items_done=items_done, items_total=items_done if batch.status == "completed" else 0),
+        created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
+        finished_at=_utc(batch.finished_at),
+        error=ErrorInfo(code=batch.error_code, message=batch.error_message or "") if batch.error_code else None,
+        webhook_url=batch.webhook_url,
+        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
+        metadata=batch.metadata_, chunks=chunks, output=batch.output_uri, eta_seconds=eta,
+        rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
+
+
+def cancel_reference(session: Session, batch: Batch) -> Batch:
+    """No chunk starts after this; running chunks finish and are kept. The batch is cancelling until they
+    have, then cancelled, with a manifest of what was done."""
+    if batch.status not in ("in_progress", "cancelling"):
+        raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
+    session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
+                    .values(status="cancelling"))
+    cancelled = session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id == batch.id, _CHUNKS.status == "queued")
+                                .values(status="cancelled", finished_at=utcnow())).rowcount
+    count(session, "chunks_finished", cancelled, label="cancelled")
+    session.commit()
+    settle(batch.id)
+    session.refresh(batch)
+    return batch
+
+
+def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
+    """The committed objects' rows as JSONL, in chunk order (a failed chunk is one error line). Objects of
+    uncommitted attempts are never read: only the names in the chunk rows are."""
+    with session_factory()() as session:
+        output = session.scalar(select(Batch.output_uri).where(Batch.id == batch_id))
+        chunks = session.execute(select(Chunk.index, Chunk.status, Chunk.output, Chunk.input, Chunk.error_code,
+                                        Chunk.error_message).where(Chunk.batch_id == batch_id,
+                                                                   Chunk.status.in_(("succeeded", "failed")))
+                                 .order_by(Chunk.index)).all()
+    folder = Location.parse(output)
+    for chunk in chunks:
+        if chunk.status == "failed":
+            error = {"code": chunk.error_code, "message": chunk.error_message or ""}
+            line = {"custom_id": None, "chunk": chunk.index, "input": chunk.input, "scores": None, "error": error}
+            yield (json.dumps(line) + "\n").encode()
+            continue
+        for k, rows in enumerate(read_table(folder.child(chunk.output))):
+            yield "".join(json.dumps(_line(row, batch_id, chunk.index, k * 1000 + i, openai), separators=(",", ":"))
+                          + "\n" for i, row in enumerate(rows)).encode()
+
+
+def _line(row: dict, batch_id: str, chunk: int, i: int, openai: bool) -> dict:
+    code, message = row.pop("error_code", None), row.pop("error_message", None)
+    error = {"code": code, "message": message or ""} if code else None
+    if not openai:
+        return {**row, **({"error": error} if error else {})}
+    request_id = f"{batch_id}:{chunk}:{i}"
+    body = {"error": error} if error else {k: row[k] for k in ("scores", "logprobs") if k in row}
+    return {"id": request_id, "custom_id": row.get("custom_id"), "error": None,
+            "response": {"status_code": 400 if error else 200, "request_id": request_id, "body": body}}

@@ -1,0 +1,424 @@
+"""The data of a reference batch: planning it into chunks from metadata, reading a chunk into scoring requests,
+writing a chunk's results as one object, and the manifest.
+
+Formats: Parquet and CSV (pyarrow), JSONL (plain, `.gz` or `.zst`). A Parquet file is planned from its footer
+(row groups, split into slices of about BATCH_CHUNK_ROWS rows); JSONL and CSV from their size (byte ranges of
+BATCH_CHUNK_BYTES; a range's first partial line belongs to the range before it, so ranges need no data to
+plan). A compressed JSONL file cannot be split: it is one chunk, and files over BATCH_COMPRESSED_MAX_BYTES
+are refused.
+
+A pair table (Parquet or CSV) has one row per (query, document): `columns` names the query and item columns,
+id columns passed through to the output, and optionally a label column (a list of token ids per row).
+Adjacent rows with the same query (and labels) are one request, so the query runs once. JSONL lines are the
+lines of an uploaded batch (a job's fields with `custom_id`, or an OpenAI Batch line to /v1/score).
+
+A row that cannot be scored (a bad value, too many tokens, an unknown label id) is an output row with
+`error_code` and `error_message`; nothing per row goes to the database.
+"""
+
+import io
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from core import RequestTokenizer, ScoringError, TokenizedRequest, scores_from_logprobs
+from store.batches import LineError, parse_line
+from store.errors import ServiceError
+from store.lake.access import Location
+from store.schemas import RerankRequest
+from store.settings import Settings
+
+FORMATS = ("jsonl", "parquet", "csv")
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+# The most rows (items) one request of a pair table takes: a longer run of rows with the same query is split.
+MAX_GROUP_ROWS = 1000
+
+
+class InputError(Exception):
+    """A chunk's input cannot be read for good (missing, corrupt): its rows fail with this code. A transient
+    failure (the store unreachable) is any other exception: the chunk is tried again."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Columns:
+    query: str
+    item: str
+    ids: tuple[str, ...] = ()
+    label: str | None = None
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([self.query, self.item, *self.ids, *([self.label] if self.label else [])]))
+
+
+@dataclass(frozen=True)
+class Options:
+    """A batch's scoring options (every request of it)."""
+
+    format: str
+    columns: Columns | None  # pair tables only
+    label_token_ids: tuple[int, ...] | None
+    apply_softmax: bool = False
+    item_first: bool = False
+    return_logprobs: bool = False
+    output_format: str = "parquet"
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "columns": self.columns.__dict__ | {"ids": list(self.columns.ids)}
+                if self.columns else None, "label_token_ids": list(self.label_token_ids or []) or None,
+                "apply_softmax": self.apply_softmax, "item_first": self.item_first,
+                "return_logprobs": self.return_logprobs, "output_format": self.output_format}
+
+    @classmethod
+    def from_json(cls, value: dict) -> "Options":
+        columns = value.get("columns")
+        return cls(value["format"], Columns(columns["query"], columns["item"], tuple(columns.get("ids") or ()),
+                                            columns.get("label")) if columns else None,
+                   tuple(value["label_token_ids"]) if value.get("label_token_ids") else None,
+                   value.get("apply_softmax", False), value.get("item_first", False),
+                   value.get("return_logprobs", False), value.get("output_format", "parquet"))
+
+
+def format_of(location: Location, given: str | None) -> tuple[str, str | None]:
+    """(format, compression) from `given` or the object's extension."""
+    name = location.name.lower()
+    compression = next((c for ext, c in COMPRESSIONS.items() if name.endswith(ext)), None)
+    if compression:
+        name = name.rsplit(".", 1)[0]
+    ext = posixpath.splitext(name)[1].lstrip(".")
+    found = {"jsonl": "jsonl", "json": "jsonl", "ndjson": "jsonl", "parquet": "parquet", "pq": "parquet",
+             "csv": "csv"}.get(ext)
+    fmt = given or found
+    if fmt is None:
+        raise ServiceError(400, "unknown_format", f"the format of {location.name} is not known from its name: "
+                                                  f"give format (one of {', '.join(FORMATS)})")
+    if compression and fmt != "jsonl":
+        raise ServiceError(400, "unsupported_compression", f"{location.name}: only JSONL may be .gz or .zst")
+    return fmt, compression
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """A part of one input object: Parquet rows [start, stop) of row group `part`; JSONL/CSV bytes
+    [start, stop) (`part` -1)."""
+
+    input: str
+    part: int
+    start: int
+    stop: int
+    rows: int | None  # known for Parquet
+
+
+def plan(objects: list[Location], options: Options, settings: Settings) -> Iterator[PlannedChunk]:
+    """The chunks of these objects, from metadata only (Parquet footers, object sizes, a CSV's header line)."""
+    for location in objects:
+        fmt, compression = format_of(location, options.format)
+        fs = location.fs
+        try:
+            if fmt == "parquet":
+                with fs.open(location.path, "rb") as f:
+                    meta = pq.ParquetFile(f).metadata
+                    names = meta.schema.to_arrow_schema().names
+                    _check_columns(location, options, names)
+                    for group in range(meta.num_row_groups):
+                        rows = meta.row_group(group).num_rows
+                        step = max(1, settings.batch_chunk_rows_target)
+                        for start in range(0, rows, step):
+                            yield PlannedChunk(location.uri, group, start, min(rows, start + step),
+                                               min(rows, start + step) - start)
+                continue
+            size = fs.size(location.path)
+            if fmt == "csv":
+                with fs.open(location.path, "rb") as f:
+                    header = f.readline(1 << 20)
+                _check_columns(location, options, _csv_header(header))
+            elif options.columns is not None:
+                raise ServiceError(400, "invalid_input", "columns are for Parquet and CSV pair tables, not JSONL")
+            if compression:
+                if size > settings.batch_compressed_max_bytes:
+                    raise ServiceError(413, "compressed_input_too_large",
+                                       f"{location.name}: a compressed JSONL file is one chunk, at most "
+                                       f"{settings.batch_compressed_max_bytes} bytes; split it or send it uncompressed")
+                yield PlannedChunk(location.uri, -1, 0, size, None)
+                continue
+            for start in range(0, size, settings.batch_chunk_bytes):
+                yield PlannedChunk(location.uri, -1, start, min(size, start + settings.batch_chunk_bytes), None)
+        except FileNotFoundError:
+            raise ServiceError(404, "input_not_found", f"no input object at {location.uri}") from None
+        except (pa.ArrowInvalid, pa.ArrowException) as exc:
+            raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
+        except OSError as exc:
+            if "parquet" in str(exc).lower() or "thrift" in str(exc).lower():
+                raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
+            raise ServiceError(503, "storage_unreachable", f"{location.uri} could not be read now "
+                                                           f"({type(exc).__name__}); try again") from None
+
+
+def _check_columns(location: Location, options: Options, names: list[str]) -> None:
+    if options.columns is None:
+        raise ServiceError(400, "columns_required", f"{location.name}: a {options.format or 'table'} input needs "
+                                                    "columns (query, item)")
+    missing = [c for c in options.columns.names() if c not in names]
+    if missing:
+        raise ServiceError(400, "unknown_column", f"{location.name} has no column {missing[0]!r} "
+                                                  f"(it has {', '.join(names[:20])})")
+
+
+def _csv_header(line: bytes) -> list[str]:
+    try:
+        return pacsv.read_csv(io.BytesIO(line + b"\n")).column_names if line.strip() else []
+    except pa.ArrowInvalid:
+        return []
+
+
+# ---- reading a chunk ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChunkRows:
+    """A chunk read and tokenized: its rows' passthrough values, the requests (each with the rows it covers;
+    a pair table's request has one row per item, a JSONL line's one row for all its items) and the rows'
+    errors."""
+
+    pair_table: bool
+    n_rows: int
+    passthrough: dict[str, list]  # column -> value per row (custom_id for JSONL)
+    passthrough_types: dict[str, pa.DataType]
+    requests: list[tuple[list[int], TokenizedRequest, bool]] = field(default_factory=list)  # (rows, request, softmax)
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
+    return_logprobs: dict[int, bool] = field(default_factory=dict)  # JSONL rows that asked for them
+
+    @property
+    def items(self) -> int:
+        return sum(r.n_items for _, r, _ in self.requests)
+
+
+def read_chunk(location: Location, part: int, start: int, stop: int, options: Options,
+               tokenizer: RequestTokenizer) -> ChunkRows:
+    """Reads one chunk and tokenizes it (worker side). Raises InputError when the object is missing or
+    corrupt; any other exception is transient."""
+    fmt, compression = format_of(location, options.format)
+    fs = location.fs
+    try:
+        if fmt == "parquet":
+            with fs.open(location.path, "rb") as f:
+                table = pq.ParquetFile(f).read_row_group(part, columns=options.columns.names())
+            return _pairs(table.slice(start, stop - start), options, tokenizer)
+        if compression:
+            with fs.open(location.path, "rb", compression=compression) as f:
+                data = f.read()
+        else:
+            data = _byte_range(fs, location.path, start, stop)
+        if fmt == "csv":
+            header = b""
+            if start > 0:
+                with fs.open(location.path, "rb") as f:
+                    header = f.readline(1 << 20)
+            table = pacsv.read_csv(io.BytesIO(header + data), convert_options=pacsv.ConvertOptions(
+                include_columns=options.columns.names(),
+                column_types={options.columns.query: pa.string(), options.columns.item: pa.string()}))
+            return _pairs(table, options, tokenizer)
+        return _lines(data.splitlines(), options, tokenizer)
+    except FileNotFoundError:
+        raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError, EOFError) as exc:
+        raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}") from None
+    except OSError as exc:
+        # pyarrow reports a corrupt Parquet file as an OSError ("Parquet magic bytes not found", "Couldn't
+        # deserialize thrift"); the store's own failures are other OSErrors (connection errors) and retried.
+        if "parquet" in str(exc).lower() or "thrift" in str(exc).lower():
+            raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}") from None
+        raise
+
+
+def _byte_range(fs: Any, path: str, start: int, stop: int) -> bytes:
+    """The lines that start in [start, stop): from the first line start at or after `start` to the end of
+    the line holding byte stop - 1."""
+    with fs.open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the rest of the line that started before `start` (or just its newline)
+        begin = f.tell()
+        if begin >= stop:
+            return b""
+        data = f.read(stop - begin)
+        if not data.endswith(b"\n"):
+            data += f.readline()
+        return data
+
+
+def _pairs(table: pa.Table, options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
+    columns = options.columns
+    ids = {name: table.column(name).to_pylist() for name in columns.ids}
+    rows = ChunkRows(True, table.num_rows, ids, {name: table.schema.field(name).type for name in columns.ids})
+    queries = table.column(columns.query).to_pylist()
+    items = table.column(columns.item).to_pylist()
+    labels = table.column(columns.label).to_pylist() if columns.label else None
+    group: list[int] = []
+
+    def key(i: int) -> tuple:
+        return (queries[i], tuple(labels[i]) if labels and labels[i] is not None else None)
+
+    for i in range(table.num_rows):
+        if not isinstance(queries[i], (str, list)) or not isinstance(items[i], (str, list)):
+            rows.errors[i] = ("invalid_row", f"{columns.query!r} and {columns.item!r} must be text or token ids "
+                                             "(a value is missing)")
+            continue
+        if labels is not None and not isinstance(labels[i], list):
+            rows.errors[i] = ("invalid_row", f"{columns.label!r} must be a list of token ids")
+            continue
+        if group and (key(group[0]) != key(i) or len(group) >= MAX_GROUP_ROWS):
+            _add_group(rows, group, queries, items, labels, options, tokenizer)
+            group = []
+        group.append(i)
+    if group:
+        _add_group(rows, group, queries, items, labels, options, tokenizer)
+    return rows
+
+
+def _add_group(rows: ChunkRows, group: list[int], queries: list, items: list, labels: list | None,
+               options: Options, tokenizer: RequestTokenizer) -> None:
+    label_ids = labels[group[0]] if labels is not None else list(options.label_token_ids or [])
+    try:
+        request = tokenizer.tokenize(queries[group[0]], [items[i] for i in group], label_ids, options.item_first)
+    except ScoringError as exc:
+        if exc.code not in ("too_many_tokens", "mixed_input_types", "token_id_out_of_range", "invalid_input") \
+                or len(group) == 1:
+            for i in group:
+                rows.errors[i] = (exc.code, exc.message)
+            return
+        # One row's item may be the cause: each row on its own says which; the others go on together.
+        good = []
+        for i in group:
+            try:
+                tokenizer.tokenize(queries[i], [items[i]], label_ids, options.item_first)
+                good.append(i)
+            except ScoringError as row_exc:
+                rows.errors[i] = (row_exc.code, row_exc.message)
+        if good and len(good) < len(group):
+            _add_group(rows, good, queries, items, labels, options, tokenizer)
+        elif good:  # each row alone is fine, together too many tokens: halve
+            half = len(good) // 2
+            _add_group(rows, good[:half], queries, items, labels, options, tokenizer)
+            _add_group(rows, good[half:], queries, items, labels, options, tokenizer)
+        return
+    rows.requests.append((group, request, options.apply_softmax))
+
+
+def _lines(lines: list[bytes], options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
+    kept = [line for line in lines if line.strip()]
+    rows = ChunkRows(False, len(kept), {"custom_id": [None] * len(kept)}, {"custom_id": pa.string()})
+    for i, raw in enumerate(kept):
+        try:
+            try:
+                value = json.loads(raw)
+            except ValueError as exc:
+                raise LineError("invalid_json", f"not a JSON value: {exc}") from None
+            if isinstance(value, dict) and isinstance(value.get("custom_id"), str):
+                rows.passthrough["custom_id"][i] = value["custom_id"][:256]
+            body, custom_id, return_logprobs = parse_line(value)
+            if isinstance(body, RerankRequest):
+                raise LineError("unknown_url", "rerank lines are served by uploaded batches, not reference batches")
+            if body.model is not None and body.model != tokenizer.model_name:
+                raise LineError("unknown_model", f"model {body.model!r} is not served here")
+            request = tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
+        except LineError as exc:
+            rows.errors[i] = (exc.code, exc.message)
+            continue
+        except ScoringError as exc:
+            rows.errors[i] = (exc.code, exc.message)
+            continue
+        rows.return_logprobs[i] = return_logprobs or options.return_logprobs
+        rows.requests.append(([i], request, body.apply_softmax))
+    return rows
+
+
+# ---- writing results ---------------------------------------------------------------------------------------
+
+
+def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Options,
+                 failure: tuple[str, str] | None = None) -> pa.Table:
+    """One row per input row: passthrough columns, scores (list<double> per pair; list<list<double>> per
+    JSONL line), logprobs if asked for, error_code, error_message. `logprobs[k]`: request k's [items,
+    labels] log-probabilities (None: not scored)."""
+    n = rows.n_rows
+    scores: list[Any] = [None] * n
+    raw: list[Any] = [None] * n
+    codes: list[str | None] = [None] * n
+    messages: list[str | None] = [None] * n
+    for i, (code, message) in rows.errors.items():
+        codes[i], messages[i] = code, message
+    for (covered, _, softmax), lp in zip(rows.requests, logprobs):
+        if lp is None:
+            for i in covered:
+                codes[i], messages[i] = failure or ("internal_error", "the request was not scored")
+            continue
+        values = scores_from_logprobs(lp, softmax)
+        if rows.pair_table:
+            for k, i in enumerate(covered):
+                scores[i] = values[k].tolist()
+                raw[i] = np.asarray(lp[k], np.float64).tolist()
+        else:
+            scores[covered[0]] = values.tolist()
+            raw[covered[0]] = np.asarray(lp, np.float64).tolist()
+    score_type = pa.list_(pa.float64()) if rows.pair_table else pa.list_(pa.list_(pa.float64()))
+    columns = {name: pa.array(values, rows.passthrough_types[name]) for name, values in rows.passthrough.items()}
+    columns["scores"] = pa.array(scores, score_type)
+    if options.return_logprobs or any(rows.return_logprobs.values()):
+        if not rows.pair_table:
+            raw = [value if rows.return_logprobs.get(i) else None for i, value in enumerate(raw)]
+        columns["logprobs"] = pa.array(raw, score_type)
+    columns["error_code"] = pa.array(codes, pa.string())
+    columns["error_message"] = pa.array(messages, pa.string())
+    return pa.table(columns)
+
+
+def object_name(chunk_index: int, attempt: int, output_format: str) -> str:
+    """A chunk attempt's object: a retried chunk never writes over (or next to, unnoticed) an earlier attempt."""
+    return f"part-{chunk_index:06d}-attempt-{attempt}.{'parquet' if output_format == 'parquet' else 'jsonl'}"
+
+
+def write_table(location: Location, table: pa.Table, output_format: str) -> None:
+    with location.fs.open(location.path, "wb") as f:
+        if output_format == "parquet":
+            pq.write_table(table, f, compression="zstd")
+        else:
+            for batch in table.to_batches(max_chunksize=1000):
+                f.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in batch.to_pylist()).encode())
+
+
+def read_table(location: Location) -> Iterator[list[dict]]:
+    """A committed result object's rows, a thousand at a time."""
+    with location.fs.open(location.path, "rb") as f:
+        if location.path.endswith(".parquet"):
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=1000):
+                yield batch.to_pylist()
+        else:
+            rows: list[dict] = []
+            for line in f:
+                rows.append(json.loads(line))
+                if len(rows) >= 1000:
+                    yield rows
+                    rows = []
+            if rows:
+                yield rows
+
+
+def write_manifest(prefix: Location, manifest: dict, success: bool) -> None:
+    """`_manifest.json`, then `_SUCCESS` for a completed batch (readers that wait for _SUCCESS find the manifest
+    complete)."""
+    with prefix.fs.open(prefix.child("_manifest.json").path, "wb") as f:
+        f.write(json.dumps(manifest, indent=1).encode())
+    if success:
+        with prefix.fs.open(prefix.child("_SUCCESS").path, "wb") as f:
+            f.write(b"")

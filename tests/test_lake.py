@@ -1,0 +1,402 @@
+"""Reference batches (issue 29) in-process on PostgreSQL and a real S3 store (SeaweedFS): access control,
+planning and reading chunks, the chunk path through the pass loop to committed objects and the manifest,
+per-row and per-chunk errors, cancel, and a store outage."""
+
+import gzip
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from sqlalchemy import func, select, update
+
+from store.db import session_scope
+from store.errors import ServiceError
+from store.lake.access import Access, Location
+from store.lake.tables import Columns, Options, plan, read_chunk
+from store.models import ApiKey, Chunk, WebhookDelivery
+from store.settings import get_settings
+from tests.object_store import SeaweedS3
+from worker import drain as drain_module
+from worker.scorer import get_scorer
+
+LABELS = [5, 17, 300]
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """A real S3 store for the session; its endpoint and keys go into the environment (the standard chain)."""
+    store = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    store.start()  # raises (fails the tests) if it cannot start: never a skip
+    os.environ.update(store.env)
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def lake_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    settings = get_settings()
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setattr(settings, "batch_local_root", str(root))
+    monkeypatch.setattr(settings, "batch_chunk_rows_target", 40)
+    monkeypatch.setattr(settings, "batch_chunk_bytes", 2000)
+    return settings
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def allow(key: str, prefixes: list[str]) -> None:
+    from api.auth import hash_key
+
+    with session_scope() as session:
+        session.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(key)).values(storage_prefixes=prefixes))
+    from api import auth as auth_module
+    auth_module._found.clear()  # the API's key cache
+
+
+def pair_table(n_queries: int, docs: int, seed: int = 0) -> pa.Table:
+    """Sorted by query, as README says a pair table should be: adjacent rows share their query."""
+    rng = np.random.default_rng(seed)
+    q, d, ids = [], [], []
+    for i in range(n_queries):
+        for j in range(docs):
+            q.append(f"question {i} about {rng.integers(1000)}?")
+            d.append(f"document {j} says {rng.integers(1000)}")
+            ids.append(i * 1000 + j)
+        q[-docs:] = [q[-docs]] * docs
+    return pa.table({"q": q, "doc": d, "pair_id": pa.array(ids, pa.int64())})
+
+
+def run_worker(owner: str = "lake-worker", seconds: float = 180) -> None:
+    drain_module.drain(get_scorer(), owner, get_settings())
+
+
+def wait_batch(client, key: str, batch_id: str, seconds: float = 180) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+        if batch["status"] in ("completed", "cancelled", "failed"):
+            return batch
+        run_worker()
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} did not end: {batch}")
+
+
+def results(client, key: str, batch_id: str, **params) -> list[dict]:  # type: ignore[no-untyped-def]
+    response = client.get(f"/batches/{batch_id}/results", headers=auth(key), params=params)
+    assert response.status_code == 200, response.text
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+# ---- access ------------------------------------------------------------------------------------------------
+
+
+def test_local_paths_stay_under_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "a.jsonl").write_text("{}\n")
+    outside = tmp_path / "secret.jsonl"
+    outside.write_text("{}\n")
+    (root / "data" / "link.jsonl").symlink_to(outside)
+    (root / "linkdir").symlink_to(tmp_path)
+    access = Access(str(root), [])
+    assert access.location("data/a.jsonl").path == str(root / "data" / "a.jsonl")
+    assert access.location(f"file://{root}/data/a.jsonl").protocol == "file"
+    for uri in ["../secret.jsonl", "data/../../secret.jsonl", str(outside), f"file://{outside}", "data/link.jsonl",
+                "linkdir/secret.jsonl", "file://otherhost/etc/passwd", "/etc/passwd"]:
+        with pytest.raises(ServiceError) as refused:
+            access.expand(uri)
+        assert (refused.value.status, refused.value.code) == (400, "path_outside_root"), uri
+    # A glob whose matches include a symlink out of the root.
+    with pytest.raises(ServiceError) as refused:
+        access.expand(f"{root}/data/*.jsonl")
+    assert refused.value.code == "path_outside_root"
+    with pytest.raises(ServiceError) as refused:
+        Access(None, []).location("data/a.jsonl")
+    assert refused.value.code == "local_paths_disabled"
+
+
+def test_remote_uris_only_under_allowed_prefixes() -> None:
+    access = Access(None, ["s3://bucket/team-a/", "gs://other/x"])
+    assert access.location("s3://bucket/team-a/pairs/*.parquet").path == "bucket/team-a/pairs/*.parquet"
+    assert access.location("gs://other/x/y.jsonl") == Location("gcs", "other/x/y.jsonl")
+    assert access.location("gs://other/x/y.jsonl").uri == "gs://other/x/y.jsonl"
+    for uri, code in [("s3://bucket/team-ab/x", "storage_prefix_not_allowed"),
+                      ("s3://bucket/x", "storage_prefix_not_allowed"),
+                      ("s3://bucket/team-a/../team-b/x", "path_outside_root"),
+                      ("az://bucket/team-a/x", "storage_prefix_not_allowed"),
+                      ("s3://key:secret@bucket/team-a/x", "invalid_uri"),
+                      ("http://bucket/team-a/x", "unsupported_uri")]:
+        with pytest.raises(ServiceError) as refused:
+            access.location(uri)
+        assert refused.value.code == code, uri
+    with pytest.raises(ServiceError) as refused:
+        Access(None, []).location("s3://bucket/team-a/x")
+    assert (refused.value.status, refused.value.code) == (403, "storage_prefix_not_allowed")
+
+
+# ---- planning and reading ----------------------------------------------------------------------------------
+
+
+def test_jsonl_byte_ranges_read_every_line_once(tmp_path: Path, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    path = Path(lake_settings.batch_local_root) / "lines.jsonl"
+    lines = [{"custom_id": f"r{i}", "query": "q " * (i % 7 + 1), "items": ["a", "b b"][: i % 3],
+              "label_token_ids": LABELS} for i in range(300)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "\n")
+    access = Access(lake_settings.batch_local_root, [])
+    options = Options("jsonl", None, None)
+    tokenizer = get_scorer().requests
+    for chunk_bytes in (97, 1000, 1 << 20):
+        lake_settings.batch_chunk_bytes = chunk_bytes
+        chunks = list(plan(access.expand("lines.jsonl"), options, lake_settings))
+        assert len(chunks) == -(-path.stat().st_size // chunk_bytes)
+        seen = []
+        for c in chunks:
+            seen += read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, tokenizer).passthrough["custom_id"]
+        assert seen == [line["custom_id"] for line in lines], chunk_bytes
+    # Compressed: one chunk each, the same lines.
+    for name, data in (("lines.jsonl.gz", gzip.compress(path.read_bytes())),
+                       ("lines.jsonl.zst", zstandard.ZstdCompressor().compress(path.read_bytes()))):
+        (path.parent / name).write_bytes(data)
+        [c] = plan(access.expand(name), Options("", None, None), lake_settings)
+        rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, Options("", None, None), tokenizer)
+        assert rows.passthrough["custom_id"] == [line["custom_id"] for line in lines]
+
+
+def test_parquet_is_planned_by_row_groups_and_pairs_group_by_query(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(10, 12)
+    pq.write_table(table, root / "pairs.parquet", row_group_size=50)
+    access = Access(str(root), [])
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    chunks = list(plan(access.expand("pairs.parquet"), options, lake_settings))
+    # 120 rows in row groups of 50 (50, 50, 20), each split at 40 rows: 40+10, 40+10, 20.
+    assert [(c.part, c.start, c.stop) for c in chunks] == [(0, 0, 40), (0, 40, 50), (1, 0, 40), (1, 40, 50), (2, 0, 20)]
+    ids, requests = [], 0
+    for c in chunks:
+        rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+        ids += rows.passthrough["pair_id"]
+        assert all(len(covered) == r.n_items for covered, r, _ in rows.requests)
+        requests += len(rows.requests)
+    assert ids == table.column("pair_id").to_pylist()
+    # One request per query, and one more at each chunk boundary inside a query's rows (40, 50, 90, 100).
+    assert requests == 10 + 4
+    with pytest.raises(ServiceError) as refused:
+        list(plan(access.expand("pairs.parquet"), Options("", Columns("q", "text"), tuple(LABELS)), lake_settings))
+    assert refused.value.code == "unknown_column"
+
+
+def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(15, 7)
+    import pyarrow.csv as pacsv
+
+    pacsv.write_csv(table, root / "pairs.csv")
+    lake_settings.batch_chunk_bytes = 300
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    chunks = list(plan(Access(str(root), []).expand("pairs.csv"), options, lake_settings))
+    assert len(chunks) > 5
+    ids, items = [], 0
+    for c in chunks:
+        rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+        ids += rows.passthrough["pair_id"]
+        items += rows.items
+    assert ids == table.column("pair_id").to_pylist() and items == 105
+
+
+# ---- the chunk path end to end -----------------------------------------------------------------------------
+
+
+def test_pair_table_from_s3_matches_jobs(client, make_key, empty_queue, s3_store, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    import fsspec
+
+    key, _ = make_key()
+    allow(key, ["s3://lake/in/", "s3://lake/out/"])
+    table = pair_table(8, 12, seed=1)
+    fs = fsspec.filesystem("s3")
+    with fs.open("lake/in/match/pairs.parquet", "wb") as f:
+        pq.write_table(table, f, row_group_size=48)
+    body = {"input": "s3://lake/in/match/", "output": "s3://lake/out/match/", "format": "parquet",
+            "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS,
+            "return_logprobs": True}
+    created = client.post("/batches", json=body, headers=auth(key))
+    assert created.status_code == 201, created.text
+    batch = created.json()
+    assert batch["chunks"]["total"] == 4 and batch["counts"]["total"] == 96 and batch["status"] == "in_progress"
+    done = wait_batch(client, key, batch["id"])
+    assert done["status"] == "completed", done
+    assert done["rows"] == {"done": 96, "failed": 0, "total": 96} and done["progress"]["items_done"] == 96
+    assert done["chunks"] == {"total": 4, "done": 4, "in_flight": 0, "failed": 0, "cancelled": 0}
+    # The output: one object per chunk, typed columns, then the manifest and _SUCCESS.
+    folder = f"lake/out/match/{batch['id']}"
+    manifest = json.loads(fs.cat(f"{folder}/_manifest.json"))
+    assert fs.exists(f"{folder}/_SUCCESS") and manifest["rows"] == 96 and len(manifest["objects"]) == 4
+    parts = [pq.read_table(fs.open(f"{folder}/{entry['name']}")) for entry in manifest["objects"]]
+    out = pa.concat_tables(parts)
+    assert out.schema.field("pair_id").type == pa.int64()
+    assert out.schema.field("scores").type == pa.list_(pa.float64())
+    assert out.column("pair_id").to_pylist() == table.column("pair_id").to_pylist()
+    assert out.column("error_code").null_count == 96
+    # The same pairs as POST /jobs requests: the engine's agreement (1e-4).
+    queries = table.column("q").to_pylist()
+    docs = table.column("doc").to_pylist()
+    rows = results(client, key, batch["id"])
+    assert [r["pair_id"] for r in rows] == table.column("pair_id").to_pylist()
+    for start in range(0, 96, 12):
+        job = client.post("/jobs", json={"query": queries[start], "items": docs[start:start + 12],
+                                         "label_token_ids": LABELS, "return_logprobs": True}, headers=auth(key))
+        run_worker()
+        job = client.get(f"/jobs/{job.json()['id']}", headers=auth(key)).json()
+        assert job["status"] == "succeeded"
+        expected = np.asarray(job["logprobs"])
+        got = np.asarray([r["logprobs"] for r in rows[start:start + 12]])
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    openai = results(client, key, batch["id"], format="openai")
+    assert len(openai) == 96 and all(line["response"]["status_code"] == 200 for line in openai)
+    # Nothing per line in Postgres: the batch row and its chunk rows.
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Chunk).where(Chunk.batch_id == batch["id"])) == 4
+
+
+def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                        lake_settings) -> None:
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    (root / "in").mkdir()
+    good = pair_table(3, 4)
+    bad = pa.table({"q": ["ok query", None, "ok query", "long " * 9000],
+                    "doc": ["fine", "no query", "x", "y"], "pair_id": pa.array([1, 2, 3, 4], pa.int64()),
+                    "labels": [LABELS, LABELS, [1, 10**9], LABELS]})
+    pq.write_table(good.append_column("labels", pa.array([LABELS] * 12)), root / "in" / "a.parquet")
+    pq.write_table(bad, root / "in" / "b.parquet")
+    pq.write_table(good.append_column("labels", pa.array([LABELS] * 12)), root / "in" / "c.parquet")
+    body = {"input": "in/*.parquet", "output": "out", "columns": {"query": "q", "item": "doc", "ids": ["pair_id"],
+                                                                  "label": "labels"}}
+    created = client.post("/batches", json=body, headers=auth(key))
+    assert created.status_code == 201, created.text
+    batch_id = created.json()["id"]
+    # After planning: c.parquet is corrupted, a.parquet removed.
+    (root / "in" / "c.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
+    (root / "in" / "a.parquet").unlink()
+    done = wait_batch(client, key, batch_id)
+    assert done["status"] == "completed" and done["chunks"]["failed"] == 2
+    rows = results(client, key, batch_id)
+    chunk_errors = sorted(r["error"]["code"] for r in rows if "chunk" in r)
+    assert chunk_errors == ["input_corrupt", "input_not_found"]
+    by_id = {r["pair_id"]: r for r in rows if "chunk" not in r}
+    assert by_id[1]["scores"] is not None and "error" not in by_id[1]
+    assert by_id[2]["error"]["code"] == "invalid_row"
+    assert by_id[3]["error"]["code"] == "label_token_id_out_of_range"
+    assert by_id[4]["error"]["code"] == "too_many_tokens"
+    manifest = json.loads((root / "out" / batch_id / "_manifest.json").read_text())
+    assert manifest["rows"] == 4 and manifest["rows_failed"] == 3
+    assert {c["error"]["code"] for c in manifest["failed_chunks"]} == {"input_corrupt", "input_not_found"}
+
+
+def test_refusals(client, make_key, empty_queue, lake_settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    other, _ = make_key("other")
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(2, 2), root / "p.parquet")
+    (tmp_path / "secret.parquet").write_bytes((root / "p.parquet").read_bytes())
+    (root / "escape.parquet").symlink_to(tmp_path / "secret.parquet")
+    base = {"output": "out", "columns": {"query": "q", "item": "doc"}, "label_token_ids": LABELS}
+    for body, status, code in [
+            ({**base, "input": "../secret.parquet"}, 400, "path_outside_root"),
+            ({**base, "input": str(tmp_path / "secret.parquet")}, 400, "path_outside_root"),
+            ({**base, "input": "escape.parquet"}, 400, "path_outside_root"),
+            ({**base, "input": "p.parquet", "output": "../out"}, 400, "path_outside_root"),
+            ({**base, "input": "s3://lake/in/x.parquet"}, 403, "storage_prefix_not_allowed"),
+            ({**base, "input": "p.parquet", "output": "s3://lake/out/"}, 403, "storage_prefix_not_allowed"),
+            ({**base, "input": "missing.parquet"}, 404, "input_not_found"),
+            ({**base, "input": "p.parquet", "label_token_ids": [10**9]}, 400, "label_token_id_out_of_range"),
+            ({**base, "input": "p.parquet", "columns": {"query": "q", "item": "nope"}}, 400, "unknown_column")]:
+        response = client.post("/batches", json=body, headers=auth(key))
+        assert (response.status_code, response.json()["error"]["code"]) == (status, code), body
+    created = client.post("/batches", json={**base, "input": "p.parquet"}, headers=auth(key)).json()
+    assert client.get(f"/batches/{created['id']}", headers=auth(other)).status_code == 404
+    assert client.get(f"/batches/{created['id']}/results", headers=auth(other)).status_code == 404
+    assert client.post(f"/batches/{created['id']}/cancel", headers=auth(other)).status_code == 404
+    client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
+
+
+def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(20, 10), root / "p.parquet", row_group_size=40)
+    created = client.post("/batches", json={"input": "p.parquet", "output": "out", "columns": {
+        "query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS,
+        "webhook_url": "http://127.0.0.1:9/hook"}, headers=auth(key)).json()
+    assert created["chunks"]["total"] == 5
+    # One chunk runs (claimed by hand, as a worker would), then the batch is cancelled.
+    from store.lake import chunks as lake
+    claimed = lake.claim_chunk("by-hand", get_settings())
+    cancelled = client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
+    assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelling"
+    assert lake.claim_chunk("another", get_settings()) is None  # no chunk starts after the cancel
+    assert lake.commit_chunk("by-hand", claimed, 0, 0, 0, ("input_corrupt", "stand-in"))
+    assert lake.settle(created["id"])
+    assert not lake.settle(created["id"])  # settled once: one webhook
+    with session_scope() as session:
+        hooks = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == created["id"])).all()
+    assert [json.loads(h.payload)["type"] for h in hooks] == ["batch.cancelled"]
+    batch = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
+    assert batch["status"] == "cancelled" and batch["chunks"]["cancelled"] == 4
+    manifest = json.loads((root / "out" / created["id"] / "_manifest.json").read_text())
+    assert manifest["status"] == "cancelled" and len(manifest["cancelled_chunks"]) == 4
+    assert not (root / "out" / created["id"] / "_SUCCESS").exists()
+
+
+def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key, empty_queue, s3_store,  # type: ignore[no-untyped-def]
+                                                               lake_settings) -> None:
+    import fsspec
+
+    key, _ = make_key()
+    allow(key, ["s3://lake/"])
+    table = pair_table(30, 8, seed=3)
+    fs = fsspec.filesystem("s3")
+    with fs.open("lake/in/outage/pairs.parquet", "wb") as f:
+        pq.write_table(table, f, row_group_size=24)
+    created = client.post("/batches", json={"input": "s3://lake/in/outage/pairs.parquet", "output": "s3://lake/out/",
+                                            "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+                                            "label_token_ids": LABELS}, headers=auth(key)).json()
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            run_worker("outage-worker")
+            time.sleep(0.2)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while client.get(f"/batches/{created['id']}", headers=auth(key)).json()["chunks"]["done"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    s3_store.stop()
+    time.sleep(10)
+    s3_store.start()
+    try:
+        done = wait_batch(client, key, created["id"], 240)
+    finally:
+        stop.set()
+        worker.join(60)
+    assert done["status"] == "completed", done
+    assert done["chunks"]["failed"] == 0
+    rows = results(client, key, created["id"])
+    assert sorted(r["pair_id"] for r in rows) == sorted(table.column("pair_id").to_pylist())
+    assert all(r["scores"] is not None for r in rows)
+    # Only committed objects are left, one per chunk.
+    folder = f"lake/out/{created['id']}"
+    parts = [p for p in fs.ls(folder, refresh=True) if "/part-" in p]
+    assert len(parts) == created["chunks"]["total"]

@@ -1,0 +1,150 @@
+"""Reference batches against a real service (uvicorn + Celery worker subprocesses, PostgreSQL, Redis,
+tiny-random): a worker SIGKILLed in the middle of a chunk, an attempt's object left half-written by a dead
+worker, and a 1-item /v1/score answered within its bound while a backfill runs."""
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.service_harness import Service, running_service, wait_until
+
+LABELS = [5, 17, 300]
+# A 1-item /v1/score while a backfill runs waits at most for the batch pass on the engine and one short pass:
+# on this CPU with the tiny model, well under a second; the bound leaves room for a loaded 2-core host.
+SCORE_BOUND_SECONDS = 3.0
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lake-root")
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, run_id: str, database_factory, tmp_path_factory, root: Path) -> Iterator[Service]:  # type: ignore[no-untyped-def]
+    with database_factory(f"packscore_lake_{run_id}") as url, running_service(
+            {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:lake:", "BATCH_LOCAL_ROOT": str(root),
+             "BATCH_CHUNK_ROWS_TARGET": "25", "BATCH_ROUND_TOKENS": "256",
+             "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"},
+            tmp_path_factory.mktemp("lake-logs")) as service:
+        yield service
+
+
+def pair_table(n_queries: int, docs: int) -> pa.Table:
+    rows = [(f"Question {i}: which document answers it best?", f"document {j} for question {i}", i * 1000 + j)
+            for i in range(n_queries) for j in range(docs)]
+    return pa.table({"q": [r[0] for r in rows], "doc": [r[1] for r in rows],
+                     "pair_id": pa.array([r[2] for r in rows], pa.int64())})
+
+
+def submit(service: Service, root: Path, name: str, table: pa.Table) -> dict:
+    pq.write_table(table, root / f"{name}.parquet")
+    with service.http() as client:
+        response = client.post("/batches", json={"input": f"{name}.parquet", "output": f"out-{name}",
+                                                 "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+                                                 "label_token_ids": LABELS})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def batch(service: Service, batch_id: str) -> dict:
+    with service.http() as client:
+        return client.get(f"/batches/{batch_id}").json()
+
+
+def test_a_killed_worker_leaves_every_row_exactly_once(service: Service, root: Path) -> None:
+    table = pair_table(40, 20)
+    created = submit(service, root, "killed", table)
+    assert created["chunks"]["total"] == 32
+    worker = service.start_worker()
+    wait_until(lambda: batch(service, created["id"])["chunks"]["done"] >= 2 and
+               batch(service, created["id"])["chunks"]["in_flight"] >= 1, 300, "two chunks done, one in flight")
+    service.kill_worker(worker)  # SIGKILL in the middle of a chunk (one is in flight)
+    # As if it had died while writing that chunk's object: a torn object of its attempt.
+    folder = root / "out-killed" / created["id"]
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(service.env["DATABASE_URL"])
+    with engine.connect() as connection:
+        running = connection.execute(text("SELECT index, attempts FROM chunks WHERE batch_id = :b AND status = "
+                                          "'running'"), {"b": created["id"]}).all()
+    engine.dispose()
+    assert running
+    for index, attempt in running:
+        (folder / f"part-{index:06d}-attempt-{attempt}.parquet").write_bytes(b"PAR1 torn")
+    service.start_worker()
+    wait_until(lambda: batch(service, created["id"])["status"] == "completed", 600, "the batch to complete")
+    done = batch(service, created["id"])
+    assert done["rows"] == {"done": 800, "failed": 0, "total": 800}
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert (folder / "_SUCCESS").exists() and manifest["rows"] == 800
+    committed = sorted(entry["name"] for entry in manifest["objects"])
+    assert sorted(p.name for p in folder.glob("part-*")) == committed  # torn and lost attempts removed
+    ids = [i for name in committed for i in pq.read_table(folder / name).column("pair_id").to_pylist()]
+    assert sorted(ids) == sorted(table.column("pair_id").to_pylist())  # every row exactly once
+    with service.http() as client:
+        lines = [json.loads(line) for line in client.get(f"/batches/{created['id']}/results").text.splitlines()]
+    assert sorted(line["pair_id"] for line in lines) == sorted(ids)
+    assert all(line["scores"] is not None for line in lines)
+
+
+def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
+    if not service.live_workers():
+        service.start_worker()
+    service.wait_for_workers(1)
+    created = submit(service, root, "busy", pair_table(100, 20))
+    wait_until(lambda: batch(service, created["id"])["chunks"]["done"] >= 1, 300, "the backfill to be running")
+    seconds = []
+    with service.http() as client:
+        for i in range(5):
+            started = time.monotonic()
+            response = client.post("/v1/score", json={"query": f"Is this right {i}?", "items": ["yes"],
+                                                      "label_token_ids": LABELS})
+            seconds.append(time.monotonic() - started)
+            assert response.status_code == 200, response.text
+            time.sleep(0.3)
+        running = client.get(f"/batches/{created['id']}").json()
+        client.post(f"/batches/{created['id']}/cancel")
+    print(f"\n/v1/score during a backfill: {', '.join(f'{s:.3f}' for s in seconds)} s")
+    assert running["status"] == "in_progress" and running["chunks"]["done"] < running["chunks"]["total"]
+    assert max(seconds) < SCORE_BOUND_SECONDS, seconds
+    assert np.median(seconds) < SCORE_BOUND_SECONDS / 2
+
+
+def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, root: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tests.service_harness import REPO
+
+    if not service.live_workers():
+        service.start_worker()
+    table = pair_table(30, 10)
+    pq.write_table(table, root / "cli.parquet")
+    env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key,
+           "XDG_CONFIG_HOME": str(root / "config")}
+    args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"), "--out", str(root / "cli-out"),
+            "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
+            "--poll", "0.2"]
+    first = subprocess.Popen(args, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while not list((root / "config" / "packscore" / "backfills").glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130 and "goes on" in err and "Traceback" not in err, err
+    second = subprocess.run(args, env=env, cwd=REPO, text=True, capture_output=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "re-attached to batch" in second.stderr and "\r" not in second.stderr  # no terminal: plain lines
+    assert "completed: 300 rows (0 errors)" in second.stderr
+    [folder] = (root / "cli-out").iterdir()
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    ids = [i for entry in manifest["objects"] for i in pq.read_table(folder / entry["name"]).column("pair_id").to_pylist()]
+    assert ids == table.column("pair_id").to_pylist()

@@ -1,0 +1,302 @@
+"""The chunk feed: a worker's source of reference-batch requests for the pass loop (worker/drain.py).
+
+Off the device's path, in threads of its own:
+- the reader claims a chunk (store.lake.chunks), reads it from storage and tokenizes it, one chunk ahead of
+  what the pass loop has taken;
+- the pass loop takes a chunk's requests when it claims batch work and finds no uploaded batch request
+  (interactive jobs still go first: chunk requests are batch-lane requests in its passes) and reports each
+  request's log-probabilities back;
+- the committer writes a finished chunk's results as one object and commits it under the lease
+  (store.lake.chunks.commit_chunk); an object whose commit finds the lease lost is removed;
+- the keeper extends the leases of the chunks held, sweeps expired ones and settles batches that are over.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from core import Scorer, TokenizedRequest
+from store.broker import kick_drain
+from store.jobqueue import ClaimedJob
+from store.lake import chunks as lake
+from store.lake.tables import ChunkRows, InputError, read_chunk, result_table, write_table
+from store.models import PRIORITY_BATCH
+from store.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# How long a failed object write is retried (the store down for a while) before the chunk is handed back.
+WRITE_RETRY_SECONDS = 60.0
+# How long the pass loop's claim waits for a chunk being read (it has nothing else to take).
+TAKE_WAIT_SECONDS = 0.2
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRequest(ClaimedJob):
+    """A request of a chunk, as the pass loop holds it (it has no job row: its results go to `work`)."""
+
+    work: "ChunkWork | None" = None
+    k: int = 0  # its index among the chunk's requests
+    tokenized: TokenizedRequest | None = None
+
+
+@dataclass(eq=False)
+class ChunkWork:
+    chunk: lake.ClaimedChunk
+    rows: ChunkRows | None
+    feed: "ChunkFeed"
+    logprobs: list[np.ndarray | None] = field(default_factory=list)
+    left: int = 0
+    over: bool = False  # committed or handed back: late reports are dropped
+    input_error: InputError | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is not None:
+            self.logprobs = [None] * len(self.rows.requests)
+            self.left = len(self.rows.requests)
+
+    def done(self, k: int, logprobs: np.ndarray) -> None:
+        """Request k's scores (from the pass loop's thread)."""
+        if self.over or self.logprobs[k] is not None:
+            return
+        self.logprobs[k] = logprobs
+        self.left -= 1
+        if self.left == 0:
+            self.over = True
+            self.feed.complete(self)
+
+    def abandon(self, error: str | None) -> None:
+        """The pass loop gave up on the chunk's requests: it is handed back (the attempt counts after an error)."""
+        if not self.over:
+            self.over = True
+            self.feed.hand_back(self, error)
+
+
+class ChunkFeed:
+    def __init__(self, scorer: Scorer, owner: str, settings: Settings) -> None:
+        self.scorer, self.owner, self.settings = scorer, owner, settings
+        self._ready: deque[ChunkWork] = deque()
+        self._held: dict[tuple[str, int], lake.ClaimedChunk] = {}
+        self._changed = threading.Condition()
+        self._want = threading.Event()
+        self._reading = False
+        self._stop = threading.Event()
+        self._commits: queue.Queue[ChunkWork | None] = queue.Queue()
+        self.stats = {"read_seconds": 0.0, "write_seconds": 0.0, "chunks": 0}
+        for target, name in ((self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"),
+                             (self._keep_loop, "chunk-keeper")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    # ---- the pass loop's side ---------------------------------------------------------------------------
+
+    def take(self) -> list[ClaimedJob]:
+        """The requests of the next chunk read, if one is (waiting a little for one being read); asks the
+        reader for the one after it."""
+        self._want.set()
+        with self._changed:
+            # The reader clears `_want` when it finds no chunk: then there is none to wait for.
+            self._changed.wait_for(lambda: self._ready or not (self._reading or self._want.is_set()),
+                                   TAKE_WAIT_SECONDS)
+            if not self._ready:
+                return []
+            work = self._ready.popleft()
+        self._want.set()
+        chunk = work.chunk
+        return [ChunkRequest(f"{chunk.batch_id}:{chunk.index}:{k}", PRIORITY_BATCH, self.scorer.model_name, None, None,
+                             chunk.batch_id, None, work=work, k=k, tokenized=request)
+                for k, (_, request, _) in enumerate(work.rows.requests)]
+
+    def busy(self) -> bool:
+        """Whether a chunk is being read or waits to be taken (the pass loop does not end meanwhile)."""
+        with self._changed:
+            return bool(self._ready) or self._reading or self._want.is_set()
+
+    # ---- reading ----------------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._want.wait(1.0):
+                continue
+            with self._changed:
+                if self._ready:  # one chunk ahead is enough
+                    self._want.clear()
+                    self._changed.notify_all()
+                    continue
+                self._reading = True
+            try:
+                work = self._read_next()
+            except Exception:  # noqa: BLE001  (the database is down: try again later)
+                log.exception("claiming a chunk failed")
+                work = None
+                time.sleep(1.0)
+            with self._changed:
+                self._reading = False
+                if work is not None:
+                    self._ready.append(work)
+                else:
+                    self._want.clear()
+                self._changed.notify_all()
+
+    def _read_next(self) -> ChunkWork | None:
+        chunk = lake.claim_chunk(self.owner, self.settings)
+        if chunk is None:
+            return None
+        with self._changed:
+            self._held[chunk.key] = chunk
+        started = time.perf_counter()
+        try:
+            rows = read_chunk(chunk.input, chunk.part, chunk.start, chunk.stop, chunk.options, self.scorer.requests)
+        except InputError as exc:
+            self._commits.put(ChunkWork(chunk, None, self, over=True, input_error=exc))
+            return None
+        except Exception as exc:  # noqa: BLE001  (the store unreachable, say: the chunk runs again later)
+            log.warning("reading chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
+            self._release(chunk, f"{type(exc).__name__}: {exc}")
+            return None
+        finally:
+            self.stats["read_seconds"] += time.perf_counter() - started
+        work = ChunkWork(chunk, rows, self)
+        for k, (_, request, _) in enumerate(rows.requests):  # an empty items list is done as it is
+            if request.n_items == 0:
+                work.done(k, np.zeros((0, len(request.label_token_ids)), np.float32))
+        if work.over:
+            return None
+        return work
+
+    # ---- committing -------------------------------------------------------------------------------------
+
+    def complete(self, work: ChunkWork) -> None:
+        self._commits.put(work)
+
+    def hand_back(self, work: ChunkWork, error: str | None) -> None:
+        self._commits.put(ChunkWork(work.chunk, None, self, over=True,
+                                    input_error=None if error is None else InputError("", error)))
+        # (a ChunkWork with no rows and an InputError with no code: handed back, see _commit)
+
+    def _commit_loop(self) -> None:
+        while (work := self._commits.get()) is not None:
+            try:
+                self._commit(work)
+            except Exception:  # noqa: BLE001  (the database is down: the lease expires and the chunk runs again)
+                log.exception("committing chunk %s/%s failed", work.chunk.batch_id, work.chunk.index)
+                with self._changed:
+                    self._held.pop(work.chunk.key, None)
+
+    def _commit(self, work: ChunkWork) -> None:
+        chunk = work.chunk
+        if work.rows is None:
+            error = work.input_error
+            if error is not None and error.code:
+                lake.commit_chunk(self.owner, chunk, 0, 0, 0, (error.code, error.message))
+            else:
+                self._release(chunk, error.message if error is not None else None)
+                return
+        else:
+            started = time.perf_counter()
+            table = result_table(work.rows, work.logprobs, chunk.options)
+            if not self._write(chunk, table):
+                self._release(chunk, "the result object could not be written")
+                return
+            self.stats["write_seconds"] += time.perf_counter() - started
+            rows = work.rows
+            if lake.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
+                    len(covered) for (covered, _, _), lp in zip(rows.requests, work.logprobs) if lp is None),
+                    rows.items):
+                lake.remove_lost_attempts(chunk)
+            else:
+                log.warning("chunk %s/%s is no longer leased to %s; removing its object", chunk.batch_id,
+                            chunk.index, self.owner)
+                chunk.object.fs.rm(chunk.object.path)
+        self.stats["chunks"] += 1
+        with self._changed:
+            self._held.pop(chunk.key, None)
+        lake.settle(chunk.batch_id)
+
+    def _write(self, chunk: lake.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + WRITE_RETRY_SECONDS
+        wait = 0.5
+        while True:
+            try:
+                write_table(chunk.object, table, chunk.options.output_format)
+                return True
+            except Exception as exc:  # noqa: BLE001  (the store unreachable: try again)
+                if time.monotonic() > deadline or self._stop.is_set():
+                    log.warning("writing %s failed: %s", chunk.object.uri, exc)
+                    return False
+                time.sleep(wait)
+                wait = min(wait * 2, 5.0)
+
+    def _release(self, chunk: lake.ClaimedChunk, error: str | None) -> None:
+        with self._changed:
+            self._held.pop(chunk.key, None)
+        try:
+            lake.release_chunk(self.owner, self.settings, chunk, error)
+        except Exception:  # noqa: BLE001  (its lease expires)
+            log.exception("handing chunk %s/%s back failed", chunk.batch_id, chunk.index)
+
+    # ---- leases, sweeping, settling ---------------------------------------------------------------------
+
+    def _keep_loop(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval_seconds):
+            try:
+                with self._changed:
+                    held = set(self._held)
+                lake.extend_leases(self.owner, self.settings, held)
+                for batch_id in lake.sweep_chunks(self.settings):
+                    lake.settle(batch_id)
+                # A chunk read and not taken (the pass loop had ended), or one ready again (retried, or its worker
+                # died): a pass loop takes it.
+                if self._ready or (not self.busy() and not held and lake.live_chunks()):
+                    kick_drain()
+            except Exception:  # noqa: BLE001  (the database is down: keep trying)
+                log.exception("the chunk keeper failed")
+
+    def close(self) -> None:
+        """Hands back the chunks read but not taken; the rest end with the pass loop."""
+        with self._changed:
+            ready, self._ready = list(self._ready), deque()
+        for work in ready:
+            work.abandon(None)
+        self._stop.set()
+        self._commits.put(None)
+
+
+_feeds: dict[str, ChunkFeed] = {}
+_feeds_lock = threading.Lock()
+
+
+def feed_for(scorer: Scorer, owner: str, settings: Settings) -> ChunkFeed:
+    """The worker process's feed (one per lease owner), started on first use."""
+    with _feeds_lock:
+        if owner not in _feeds:
+            _feeds[owner] = ChunkFeed(scorer, owner, settings)
+        return _feeds[owner]
+
+
+def finish(claimed: ClaimedJob, logprobs: np.ndarray) -> bool:
+    """For the pass loop: a finished request that is a chunk's goes back to its chunk (True)."""
+    if isinstance(claimed, ChunkRequest):
+        claimed.work.done(claimed.k, logprobs)
+        return True
+    return False
+
+
+def abandon(claimed: ClaimedJob, error: str | None) -> bool:
+    if isinstance(claimed, ChunkRequest):
+        claimed.work.abandon(error)
+        return True
+    return False
+
+
+def handles(claimed: ClaimedJob) -> bool:
+    """Whether the pass loop's request is a chunk's (no job row behind it)."""
+    return isinstance(claimed, ChunkRequest)
+
+
+def request_of(claimed: ClaimedJob) -> TokenizedRequest | None:
+    return claimed.tokenized if isinstance(claimed, ChunkRequest) else None
