@@ -8,7 +8,8 @@ in a folder of its own (--home keeps its compile cache between runs), and prints
 - README's 2-item `/v1/score`, called --calls times one after another on the warm service: p50, p95, max;
 - a backfill alone (--lines lines of a 30-word query and 20 items of 12 words, one upload): items/s from its
   first claim to its end;
-- the same 2-item call --calls times while such a backfill runs (one call every 0.5 s): p50, p95, max;
+- the same 2-item call --calls times while such a backfill runs (after each answer a pause of 0.2-3 s, so
+  that calls come at any point of a batch pass): p50, p95, max;
 - SIGINT to `packscore serve` during a backfill: seconds until every process exited, whether the worker had
   to be killed, and the jobs left `running` in the database.
 
@@ -154,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         batch_id = service.upload(backfill_lines(args.lines, "beside", seed=1))
         _wait(lambda: service.batch(batch_id)["counts"]["succeeded"] > 0, 600, "the backfill to start")
         busy = []
-        for _ in range(args.calls):
+        pauses = np.random.default_rng(2).uniform(0.2, 3.0, args.calls)  # calls land anywhere in a batch pass
+        for pause in pauses:
             busy.append(service.score())
-            time.sleep(0.5)
+            time.sleep(pause)
         figures["beside_backfill"] = percentiles(busy)
         figures["beside_backfill"]["backfill_still_running"] = service.batch(batch_id)["status"] == "in_progress"
         print(f"2-item /v1/score beside a backfill: {figures['beside_backfill']}", flush=True)
