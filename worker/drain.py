@@ -37,11 +37,10 @@ CLAIM_AHEAD_PASSES = 4
 # How long the loop waits, before it plans a pass, for a wake-up's claim still on its way (in the writer's
 # queue behind a boundary write, or reading the queue): far less than the pass its job would otherwise miss.
 URGENT_CLAIM_WAIT_SECONDS = 1.0
-# Batch passes on CPU, in tokens, unless BATCH_ROUND_TOKENS says otherwise. On the bundled model a 4,096-token
-# pass took seconds on a 2-core host, and an interactive job waits for the batch pass on the engine; passes of
-# this length keep that wait within the latency goal for a fraction of the backfill's throughput (README,
-# Capacity; measured by `python -m worker.latency`).
-CPU_BATCH_PASS_TOKENS = 1024
+# Batch passes on CPU, in tokens, unless BATCH_ROUND_TOKENS says otherwise. An interactive job waits for the
+# batch pass on the engine: on a 2-core AVX2 host a pass of the bundled model took 10 s at 4,096 tokens, 2.3 s
+# at 1,024 and 1 s at 512, with no loss per token (`python -m worker.latency`: README, Performance).
+CPU_BATCH_PASS_TOKENS = 512
 
 
 class ActiveJobs:
