@@ -45,19 +45,20 @@ def migrate(args: argparse.Namespace | None = None) -> None:
     upgrade(get_settings().database_url)
 
 
-def _new_key(name: str) -> tuple[str, str]:
+def _new_key(name: str, storage_prefixes: list[str] | None = None) -> tuple[str, str]:
     from api.auth import create_api_key
     from store.db import session_scope
 
     with session_scope() as session:
         row, key = create_api_key(session, name)
+        row.storage_prefixes = storage_prefixes or None
         return key, row.webhook_secret
 
 
 def create_key(args: argparse.Namespace) -> None:
     if args.embedded:
         _embedded_environment()
-    key, secret = _new_key(args.name)
+    key, secret = _new_key(args.name, args.storage_prefix)
     print(f"api_key={key}")
     print(f"webhook_secret={secret}")
 
@@ -351,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("create-key", help="create an API key and print it with its webhook secret")
     p.add_argument("--name", required=True)
+    p.add_argument("--storage-prefix", action="append",
+                   help="a URI prefix (s3://bucket/team/) the key's reference batches may read and write (repeat)")
     p.add_argument("--embedded", action="store_true", help="in the embedded SQLite database under ./.packscore")
     p.set_defaults(func=create_key)
 

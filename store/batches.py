@@ -29,8 +29,9 @@ from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STAT
                           WebhookDelivery, new_id, utcnow)
 from store.outbox import enqueue_webhook, vet_webhook_url
 from store.rerank import RerankPrompt
-from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchSource, BatchOut, ErrorInfo, OpenAIBatchLine, Progress,
-                           RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results, route_body)
+from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, ErrorInfo, OpenAIBatchLine,
+                           Progress, RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results,
+                           route_body)
 from store.settings import Settings
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

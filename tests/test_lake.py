@@ -400,3 +400,28 @@ def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key
     folder = f"lake/out/{created['id']}"
     parts = [p for p in fs.ls(folder, refresh=True) if "/part-" in p]
     assert len(parts) == created["chunks"]["total"]
+
+
+def test_jsonl_lines_in_both_formats_as_a_reference_batch(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    lines = [json.dumps({"custom_id": f"own-{i}", "query": f"question {i}?", "items": ["a", "b c"],
+                         "label_token_ids": LABELS, "return_logprobs": i == 0}) for i in range(30)]
+    lines += [json.dumps({"custom_id": f"oai-{i}", "method": "POST", "url": "/v1/score",
+                          "body": {"text_1": f"query {i}", "text_2": "one item", "label_token_ids": LABELS}})
+              for i in range(30)]
+    lines.insert(7, "{not json")
+    (root / "lines.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    created = client.post("/batches", json={"input": "lines.jsonl.gz", "output": "out", "output_format": "jsonl"},
+                          headers=auth(key))
+    assert created.status_code == 201, created.text
+    done = wait_batch(client, key, created.json()["id"])
+    assert done["status"] == "completed" and done["rows"] == {"done": 61, "failed": 1, "total": None}
+    rows = results(client, key, done["id"])
+    assert len(rows) == 61 and rows[7]["error"]["code"] == "invalid_json"
+    by_id = {r["custom_id"]: r for r in rows if r["custom_id"]}
+    assert np.asarray(by_id["own-0"]["scores"]).shape == (2, 3) and len(by_id["own-0"]["logprobs"]) == 2
+    assert by_id["own-1"].get("logprobs") is None
+    assert np.asarray(by_id["oai-3"]["scores"]).shape == (1, 3)
+    openai = results(client, key, done["id"], format="openai")
+    assert sum(line["response"]["status_code"] == 200 for line in openai) == 60

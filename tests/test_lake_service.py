@@ -148,3 +148,22 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     manifest = json.loads((folder / "_manifest.json").read_text())
     ids = [i for entry in manifest["objects"] for i in pq.read_table(folder / entry["name"]).column("pair_id").to_pylist()]
     assert ids == table.column("pair_id").to_pylist()
+
+
+def test_create_key_with_storage_prefixes(service: Service) -> None:
+    import subprocess
+    import sys
+
+    from sqlalchemy import create_engine, text
+
+    from tests.service_harness import REPO
+
+    out = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "lake-team", "--storage-prefix",
+                          "s3://lake/team-a/", "--storage-prefix", "gs://other/x/"], env=service.env, cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert "api_key=" in out
+    engine = create_engine(service.env["DATABASE_URL"])
+    with engine.connect() as connection:
+        prefixes = connection.execute(text("SELECT storage_prefixes FROM api_keys WHERE name = 'lake-team'")).scalar()
+    engine.dispose()
+    assert (json.loads(prefixes) if isinstance(prefixes, str) else prefixes) == ["s3://lake/team-a/", "gs://other/x/"]

@@ -253,8 +253,8 @@ class ChunkFeed:
                 # died): a pass loop takes it.
                 if self._ready or (not self.busy() and not held and lake.live_chunks()):
                     kick_drain()
-            except Exception:  # noqa: BLE001  (the database is down: keep trying)
-                log.exception("the chunk keeper failed")
+            except Exception as exc:  # noqa: BLE001  (the database is down: keep trying)
+                log.warning("the chunk keeper failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
 
     def close(self) -> None:
         """Hands back the chunks read but not taken; the rest end with the pass loop."""

@@ -11,12 +11,14 @@ from starlette.requests import ClientDisconnect
 
 from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
 from api.schemas import BatchList
+from core import RequestTokenizer
 from store import batches
 from store.broker import kick_drain
 from store.errors import ServiceError
 from store.lake import chunks as lake
-from store.models import Batch
+from store.models import ApiKey, Batch
 from store.schemas import BatchCreate, BatchOut, BatchSource
+from store.settings import Settings
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/batches", tags=["batches"])
@@ -105,7 +107,8 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     return await run_in_threadpool(batches.read_batch, session, batch)
 
 
-def _create_reference(session: Session, key, body: BatchSource, request_tokenizer, settings) -> Batch:  # type: ignore[no-untyped-def]
+def _create_reference(session: Session, key: ApiKey, body: BatchSource, request_tokenizer: RequestTokenizer,
+                      settings: Settings) -> Batch:
     try:
         return lake.create_reference_batch(session, key, body, request_tokenizer, settings)
     except Exception:

@@ -15,7 +15,7 @@ import logging
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
@@ -81,8 +81,8 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     page: list[dict] = []
     for chunk in plan(objects, options, settings):
         if n >= settings.batch_max_chunks:
-            raise ServiceError(413, "batch_too_large", f"the input is over BATCH_MAX_CHUNKS ({settings.batch_max_chunks}) "
-                                                       "chunks: split it into several batches")
+            raise ServiceError(413, "batch_too_large", f"the input is over BATCH_MAX_CHUNKS "
+                                                       f"({settings.batch_max_chunks}) chunks: split it into batches")
         page.append(_chunk_row(batch.id, n, chunk))
         n += 1
         rows += chunk.rows or 0
@@ -208,7 +208,8 @@ def release_chunk(owner: str, settings: Settings, chunk: ClaimedChunk, error: st
         _requeue_or_fail(session, row, settings, "input_unavailable", error or "", now)
 
 
-def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str, message: str, now) -> None:  # type: ignore[no-untyped-def]
+def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str, message: str,
+                     now: datetime) -> None:
     row.lease_owner = row.lease_expires_at = None
     if row.attempts >= settings.max_attempts:
         row.status, row.error_code, row.error_message, row.finished_at = "failed", code, message[:2000], now
