@@ -260,6 +260,24 @@ class Bench:
         return subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=REPO,
                                 stdout=open(self.logs / log, "ab"), stderr=subprocess.STDOUT)
 
+    def _start_api(self, env: dict, tag: str) -> tuple[str, str, subprocess.Popen]:
+        """A key for the benchmark, then one API process: (key, base URL, the process) once it answers."""
+        import httpx
+
+        created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
+                                 env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
+        key = created.split("api_key=", 1)[1].split()[0]
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
+                          f"{tag}-api.log")
+        try:
+            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
+        except TimeoutError:
+            stop_processes([api])
+            raise
+        return key, base, api
+
     def run(self, name: str, workers: int, device_seconds: float) -> dict:
         import httpx
         from sqlalchemy import create_engine, func, make_url, select, text
@@ -278,15 +296,8 @@ class Bench:
         try:
             upgrade(url)
             env = self._env(url, tag)
-            created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
-                                     env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
-            key = created.split("api_key=", 1)[1].split()[0]
-            port = _free_port()
-            base = f"http://127.0.0.1:{port}"
-            api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
-                              f"{tag}-api.log")
+            key, base, api = self._start_api(env, tag)
             procs.append(api)
-            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
             run = Run(name, workers, n_jobs)
             rng = np.random.default_rng(0)
             bodies = [request_body(shape, i, rng) for i in range(n_jobs)]
@@ -385,15 +396,8 @@ class Bench:
             print(f"wrote {pairs} pairs in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             upgrade(url)
             env = {**self._env(url, tag), **store.env, "BATCH_STORAGE_PREFIXES": "s3://lake/"}
-            created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
-                                     env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
-            key = created.split("api_key=", 1)[1].split()[0]
-            port = _free_port()
-            base = f"http://127.0.0.1:{port}"
-            api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
-                              f"{tag}-api.log")
+            key, base, api = self._start_api(env, tag)
             procs.append(api)
-            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
             api_cpu, pg_cpu = cpu_seconds([api.pid]), postgres_cpu()
             response = httpx.post(f"{base}/batches", headers={"Authorization": f"Bearer {key}"}, timeout=600, json={
                 "input": "s3://lake/pairs/", "output": "s3://lake/scores/", "format": "parquet",
