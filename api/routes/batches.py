@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -23,11 +24,27 @@ from store.settings import Settings
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/batches", tags=["batches"])
 
+def _inline_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with its definitions inlined: a request body documented by hand cannot point
+    into the model's own `$defs` (OpenAPI clients resolve `#/$defs/...` against the whole document, and
+    schemathesis could then generate no JSON body at all)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):  # type: ignore[no-untyped-def]
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: resolve(v) for k, v in node.items()}
+        return [resolve(v) for v in node] if isinstance(node, list) else node
+
+    return resolve(schema)
+
+
 _UPLOAD_DOC = {
     "requestBody": {"content": {
         "application/jsonl": {"schema": {"type": "string", "format": "binary"}},
-        "application/json": {"schema": {"oneOf": [BatchCreate.model_json_schema(),
-                                                  BatchSource.model_json_schema()]}},
+        "application/json": {"schema": {"oneOf": [_inline_schema(BatchCreate), _inline_schema(BatchSource)]}},
     }},
 }
 
