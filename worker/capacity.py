@@ -260,6 +260,32 @@ class Bench:
         return subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=REPO,
                                 stdout=open(self.logs / log, "ab"), stderr=subprocess.STDOUT)
 
+    def _create_database(self, tag: str) -> str:
+        """A new database named `tag`, migrated to head; its URL."""
+        from sqlalchemy import create_engine, make_url, text
+
+        from migrations import upgrade
+
+        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{tag}"'))
+        admin.dispose()
+        url = make_url(self.admin_url).set(database=tag).render_as_string(hide_password=False)
+        try:
+            upgrade(url)
+        except Exception:
+            self._drop_database(tag)
+            raise
+        return url
+
+    def _drop_database(self, tag: str) -> None:
+        from sqlalchemy import create_engine, text
+
+        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
+        admin.dispose()
+
     def _start_api(self, env: dict, tag: str) -> tuple[str, str, subprocess.Popen]:
         """A key for the benchmark, then one API process: (key, base URL, the process) once it answers."""
         import httpx
@@ -279,22 +305,16 @@ class Bench:
         return key, base, api
 
     def run(self, name: str, workers: int, device_seconds: float) -> dict:
-        import httpx
-        from sqlalchemy import create_engine, func, make_url, select, text
+        from sqlalchemy import create_engine, func, select, text
 
-        from migrations import upgrade
         from store.models import Job, Pass
 
         shape = SHAPES[name]
         n_jobs = jobs_for(shape, self.rate, device_seconds * workers)
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{tag}"'))
-        url = make_url(self.admin_url).set(database=tag).render_as_string(hide_password=False)
+        url = self._create_database(tag)
         procs: list[subprocess.Popen] = []
         try:
-            upgrade(url)
             env = self._env(url, tag)
             key, base, api = self._start_api(env, tag)
             procs.append(api)
@@ -352,9 +372,7 @@ class Bench:
             return run.figures()
         finally:
             stop_processes(procs)
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
-            admin.dispose()
+            self._drop_database(tag)
 
     def run_datalake(self, workers: int, pairs: int, docs: int = 20) -> dict:
         """The `datalake` shape: a Parquet pair table on a local S3 store (SeaweedFS), `pairs` rows of a
@@ -364,19 +382,15 @@ class Bench:
         import pyarrow as pa
         import pyarrow.parquet as pq
         import s3fs
-        from sqlalchemy import create_engine, func, make_url, select, text
+        from sqlalchemy import create_engine, func, select, text
 
-        from migrations import upgrade
         from store.models import Batch, Chunk, Pass
         from tests.object_store import CREDENTIALS, SeaweedS3  # the tests' store, started here too
 
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         store = SeaweedS3(self.logs / f"{tag}-s3")
         store.start()
-        admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{tag}"'))
-        url = make_url(self.admin_url).set(database=tag).render_as_string(hide_password=False)
+        url = self._create_database(tag)
         procs: list[subprocess.Popen] = []
         try:
             fs = s3fs.S3FileSystem(key=CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
@@ -394,7 +408,6 @@ class Bench:
                 with fs.open(f"lake/pairs/part-{part:04d}.parquet", "wb") as f:
                     pq.write_table(table, f, row_group_size=5000)
             print(f"wrote {pairs} pairs in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-            upgrade(url)
             env = {**self._env(url, tag), **store.env, "BATCH_STORAGE_PREFIXES": "s3://lake/"}
             key, base, api = self._start_api(env, tag)
             procs.append(api)
@@ -445,9 +458,7 @@ class Bench:
         finally:
             stop_processes(procs)
             store.stop()
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{tag}" WITH (FORCE)'))
-            admin.dispose()
+            self._drop_database(tag)
 
 
 def _rss_mib(pid: int) -> float:
