@@ -357,6 +357,32 @@ def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settin
     assert not (root / "out" / created["id"] / "_SUCCESS").exists()
 
 
+def test_a_stopping_worker_hands_back_the_chunk_it_read_ahead(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                             lake_settings) -> None:
+    from worker.lake import ChunkFeed
+
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(8, 10), root / "p.parquet", row_group_size=40)
+    created = client.post("/batches", json={"input": "p.parquet", "output": "out", "columns": {
+        "query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}, headers=auth(key)).json()
+    assert created["chunks"]["total"] == 2
+    feed = ChunkFeed(get_scorer(), "stopping-worker", get_settings())
+    taken = feed.take()  # the pass loop's chunk; the reader reads the next one ahead
+    assert taken
+    deadline = time.monotonic() + 30
+    while not feed._ready:
+        assert time.monotonic() < deadline, "the reader did not read ahead"
+        time.sleep(0.05)
+    taken[0].work.abandon(None)  # the pass loop stopped and handed its requests back
+    feed.close()
+    assert not any(thread.is_alive() for thread in feed._threads)
+    with session_scope() as session:
+        rows = session.scalars(select(Chunk).where(Chunk.batch_id == created["id"])).all()
+    # Both back in the queue at once, their attempts not counted: no waiting for a lease to expire.
+    assert [(r.status, r.lease_owner, r.attempts) for r in rows] == [("queued", None, 0)] * 2
+
+
 def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key, empty_queue, s3_store,  # type: ignore[no-untyped-def]
                                                                lake_settings) -> None:
     import fsspec

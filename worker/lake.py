@@ -8,7 +8,9 @@ Off the device's path, in threads of its own:
   request's log-probabilities back;
 - the committer writes a finished chunk's results as one object and commits it under the lease
   (store.lake.chunks.commit_chunk); an object whose commit finds the lease lost is removed;
-- the keeper extends the leases of the chunks held, sweeps expired ones and settles batches that are over.
+- the keeper extends the leases of the chunks held (no statement while none is).
+The worker's maintenance round (worker/tasks.py) calls `sweep`: chunks of dead workers are queued again and
+batches that are over are settled. A stopping worker calls `close_feeds`: chunks read and not taken go back.
 """
 
 import logging
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 WRITE_RETRY_SECONDS = 60.0
 # How long the pass loop's claim waits for a chunk being read (it has nothing else to take).
 TAKE_WAIT_SECONDS = 0.2
+# A stopping worker waits this long at most for the chunk being read and the commits queued (`serve` gives
+# the whole worker 8 s); a chunk still held after that runs again once its lease expires.
+STOP_SECONDS = 4.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,9 +93,10 @@ class ChunkFeed:
         self._stop = threading.Event()
         self._commits: queue.Queue[ChunkWork | None] = queue.Queue()
         self.stats = {"read_seconds": 0.0, "write_seconds": 0.0, "chunks": 0}
-        for target, name in ((self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"),
-                             (self._keep_loop, "chunk-keeper")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+        self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in (
+            (self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"), (self._keep_loop, "chunk-keeper"))]
+        for thread in self._threads:
+            thread.start()
 
     # ---- the pass loop's side ---------------------------------------------------------------------------
 
@@ -120,7 +126,7 @@ class ChunkFeed:
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
-            if not self._want.wait(1.0):
+            if not self._want.wait(1.0) or self._stop.is_set():
                 continue
             with self._changed:
                 if self._ready:  # one chunk ahead is enough
@@ -239,7 +245,7 @@ class ChunkFeed:
         except Exception:  # noqa: BLE001  (its lease expires)
             log.exception("handing chunk %s/%s back failed", chunk.batch_id, chunk.index)
 
-    # ---- leases, sweeping, settling ---------------------------------------------------------------------
+    # ---- leases ------------------------------------------------------------------------------------------
 
     def _keep_loop(self) -> None:
         while not self._stop.wait(self.settings.sweep_interval_seconds):
@@ -247,23 +253,24 @@ class ChunkFeed:
                 with self._changed:
                     held = set(self._held)
                 lake.extend_leases(self.owner, self.settings, held)
-                for batch_id in lake.sweep_chunks(self.settings):
-                    lake.settle(batch_id)
-                # A chunk read and not taken (the pass loop had ended), or one ready again (retried, or its worker
-                # died): a pass loop takes it.
-                if self._ready or (not self.busy() and not held and lake.live_chunks()):
+                if self._ready:  # a chunk read and not taken (the pass loop had ended): a pass loop takes it
                     kick_drain()
             except Exception as exc:  # noqa: BLE001  (the database is down: keep trying)
                 log.warning("the chunk keeper failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
 
-    def close(self) -> None:
-        """Hands back the chunks read but not taken; the rest end with the pass loop."""
+    def close(self, timeout: float = STOP_SECONDS) -> None:
+        """Stops the threads; the chunks read but not taken (or being read) are handed back, and the
+        committer ends after the commits queued. Chunks the pass loop took end with it (it stops first)."""
+        self._stop.set()
+        self._want.set()  # the reader is not left waiting for a request
+        reader, committer, _ = self._threads
+        reader.join(timeout / 2)
         with self._changed:
             ready, self._ready = list(self._ready), deque()
         for work in ready:
             work.abandon(None)
-        self._stop.set()
         self._commits.put(None)
+        committer.join(timeout / 2)
 
 
 _feeds: dict[str, ChunkFeed] = {}
@@ -276,6 +283,26 @@ def feed_for(scorer: Scorer, owner: str, settings: Settings) -> ChunkFeed:
         if owner not in _feeds:
             _feeds[owner] = ChunkFeed(scorer, owner, settings)
         return _feeds[owner]
+
+
+def sweep(settings: Settings) -> bool:
+    """The worker's maintenance round: re-queues chunks whose worker died and settles the batches that are
+    over. Whether a chunk waits to be claimed that this process's feeds are not reading (then a pass loop
+    should claim it: the caller wakes one)."""
+    for batch_id in lake.sweep_chunks(settings):
+        lake.settle(batch_id)
+    with _feeds_lock:
+        feeds = list(_feeds.values())
+    return not any(feed.busy() for feed in feeds) and lake.live_chunks()
+
+
+def close_feeds() -> None:
+    """For a stopping worker, after its pass loop ended."""
+    with _feeds_lock:
+        feeds = list(_feeds.values())
+        _feeds.clear()
+    for feed in feeds:
+        feed.close()
 
 
 def finish(claimed: ClaimedJob, logprobs: np.ndarray) -> bool:

@@ -1,5 +1,5 @@
 """Celery glue: the `drain` task, the pass loop's thread and the worker's background loops (heartbeat +
-sweeper, webhook delivery, retention).
+sweeper of jobs and chunks, webhook delivery, retention).
 
 Run with `packscore worker` (`celery worker --pool solo`): one process per accelerator, no fork after JAX
 has started; the model is loaded once per process, before the worker consumes.
@@ -25,6 +25,7 @@ from store.db import session_factory
 from store.retention import prune
 from store.settings import get_settings
 from worker import drain as drain_module
+from worker import lake
 from worker.celery_app import app
 from worker.scorer import get_scorer
 from worker.webhooks import dispatch_due, stop_delivery
@@ -91,7 +92,7 @@ def _maintain() -> None:
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
     # for good while /readyz said ready); the jobs table, not the broker, is the queue of record.
-    if jobqueue.sweep(settings):
+    if jobqueue.sweep(settings) | lake.sweep(settings):  # both run: each also re-queues what dead workers held
         kick_drain()
         _drain()
 
@@ -143,6 +144,7 @@ def _stop_loops(**_: object) -> None:
     loop = _loop
     if loop is not None:
         loop.join(timeout=30)  # it finishes the pass in flight and hands its other jobs back
+    lake.close_feeds()
     try:
         jobqueue.deregister(WORKER_ID)
     except Exception:
