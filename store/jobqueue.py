@@ -181,8 +181,12 @@ def _enqueue_webhooks(session: Session, job_ids: list[str], results: dict[str, n
 
 def record_pass(session: Session, owner: str, n_jobs: int, n_items: int, tokens: int, padded_tokens: int,
                 seconds: float) -> None:
-    session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=n_items, tokens=tokens, padded_tokens=padded_tokens,
-                     seconds=seconds))
+    """The pass's running totals (/metrics); a Pass row too where it ran jobs. A pass of reference-batch
+    chunks only leaves no row: a billion-row backfill would leave hundreds of thousands of them, where its
+    chunk rows are the record (at most chunks + 100 rows per batch)."""
+    if n_jobs:
+        session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=n_items, tokens=tokens, padded_tokens=padded_tokens,
+                         seconds=seconds))
     count_pass(session, n_items, tokens, seconds)
 
 

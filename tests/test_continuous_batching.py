@@ -1,7 +1,7 @@
 """Continuous batching across claims (PostgreSQL, Redis, the real worker with the bundled model on CPU): a
 1-item /v1/score sent while a 3,000-item job runs joins the worker's next pass instead of waiting for the
-long job's remaining passes, and is answered within 10 s (about two passes of 2,048 tokens of the bundled
-model on this machine type's CPU)."""
+long job's remaining passes: it waits at most for the pass on the engine (a 2,048-token pass of the bundled
+model: 4-10 s on this machine type's CPU, which varies from host to host), then runs in the next one."""
 
 import time
 from pathlib import Path
@@ -40,6 +40,9 @@ def test_a_small_score_is_answered_while_a_long_job_runs(redis_url: str, run_id:
                 passes = db.execute(text("SELECT created_at, n_jobs, n_items, tokens, padded_tokens, seconds "
                                          "FROM passes ORDER BY id")).all()
             engine.dispose()
-            assert took < 10, f"the 1-item score took {took:.1f} s beside the long job; passes:\n" + \
+            # The pass in flight when it came, then its own (short: 64 tokens), and the API's and the claim's
+            # work: measured against this host's own long passes, not a fixed time.
+            long_pass = max(seconds for _, _, n_items, _, _, seconds in passes if n_items > 100)
+            assert took < long_pass + 3, f"the 1-item score took {took:.1f} s beside the long job; passes:\n" + \
                 "\n".join(map(str, passes))
             client.cancel_job(long_job["id"])

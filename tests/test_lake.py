@@ -21,7 +21,7 @@ from store.db import session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, Location
 from store.lake.tables import Columns, Options, plan, read_chunk
-from store.models import ApiKey, Chunk, WebhookDelivery
+from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery
 from store.settings import get_settings
 from tests.object_store import SeaweedS3
 from worker import drain as drain_module
@@ -451,3 +451,6 @@ def test_jsonl_lines_in_both_formats_as_a_reference_batch(client, make_key, empt
     assert np.asarray(by_id["oai-3"]["scores"]).shape == (1, 3)
     openai = results(client, key, done["id"], format="openai")
     assert sum(line["response"]["status_code"] == 200 for line in openai) == 60
+    with session_scope() as session:  # the chunk rows are the record: no row per line, nor per pass
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+        assert session.scalar(select(func.count()).select_from(Pass)) == 0
