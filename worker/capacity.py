@@ -109,7 +109,9 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
             return 0
 
     # The real weights load but never run: the device is simulated.
-    scorer = SimulatedScorer.from_pretrained(settings.model, settings.model_cache_dir, attention="xla",
+    name = settings.worker_model
+    scorer = SimulatedScorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
+                                             attention="xla",
                                              pass_tokens=settings.pass_tokens or 16384,
                                              prefix_cache_bytes=settings.prefix_cache_bytes, **settings.request_limits)
     # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.

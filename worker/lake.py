@@ -251,8 +251,8 @@ class ChunkFeed:
                     lake.settle(batch_id)
                 # A chunk read and not taken (the pass loop had ended), or one ready again (retried, or its worker
                 # died): a pass loop takes it.
-                if self._ready or (not self.busy() and not held and lake.live_chunks()):
-                    kick_drain()
+                if self._ready or (not self.busy() and not held and lake.live_chunks(self.settings)):
+                    kick_drain(self.settings.worker_model)
             except Exception as exc:  # noqa: BLE001  (the database is down: keep trying)
                 log.warning("the chunk keeper failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
 
