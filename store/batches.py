@@ -128,7 +128,8 @@ class Ingest:
         now = utcnow()
         # Every row has every key: the chunk is one multi-row INSERT.
         row = {"id": new_id("job"), "api_key_id": self.batch.api_key_id, "batch_id": self.batch.id,
-               "priority": PRIORITY_BATCH, "model": self.batch.model, "request": {}, "tokens": None,
+               "priority": PRIORITY_BATCH, "model": self.model.name if self.model else self.batch.model,
+               "request": {}, "tokens": None,
                "return_logprobs": False,
                "request_hash": "", "items_total": 0, "items_done": 0, "prompt_tokens": 0, "attempts": 0,
                "cancel_requested": False, "created_at": now, "custom_id": None, "query_key": None,
@@ -200,10 +201,13 @@ class Ingest:
         if self.objects == 0:
             raise ServiceError(400, "invalid_jsonl", "no line of the upload is a JSON object")
         now = utcnow()
+        model = self.model.name if self.model else self.batch.model
         if not self.session.execute(update(Batch).where(Batch.id == self.batch.id, Batch.status == "validating")
                                     .values(status="in_progress", total=self.total, in_progress_at=now,
-                                            model=self.model.name if self.model else self.batch.model)).rowcount:
+                                            model=model)).rowcount:
             raise upload_timeout()  # the sweeper gave up on this upload already
+        if model != self.batch.model:  # lines that failed before the first request set the batch's model
+            self.session.execute(update(Job).where(Job.batch_id == self.batch.id, Job.model != model).values(model=model))
         settle_batch(self.session, self.batch.id)
         self.session.commit()
         self.session.refresh(self.batch)
