@@ -26,10 +26,11 @@ otherwise weigh twice as much on two workers' duty as on one's):
 - each worker's first and last pass and its device time (JSON only);
 - an estimate (labelled so): how many such workers one Postgres core could feed at 90% duty.
 
-The `two-models` shape runs two models in one deployment (MODELS=a=smollm2-135m,b=tiny-random; the same
-tokenizer, so the same tokens): `small` jobs alternating between the two, one simulated worker per model
-(MODEL=a, MODEL=b). Each worker's duty is its own: its device seconds / the wall of its model's jobs (first
-claim to last finish).
+The `two-models` shape runs two models in one deployment, MODELS=a=smollm2-135m,b=smollm2-135m: two names,
+two queues and two workers, of one checkpoint so that both workers load in the same time and claim together
+(the device is simulated: what the weights are does not matter). `small` jobs alternate between the two; one
+simulated worker per model (MODEL=a, MODEL=b). Each worker's duty is its own: its device seconds / the wall of
+its model's jobs (first claim to last finish).
 
 The simulated workers are started by this module only (`python -m worker.capacity simulated-worker`), never by
 a setting of a serving deployment; their heartbeat and /metrics say attention="simulated".
@@ -67,7 +68,7 @@ SHAPES = {
     "contract": Shape(2000, 500, 20, batch=False),  # the seeds' accelerator contract request
     "small": Shape(50, 10, 10, batch=False),
     "backfill": Shape(200, 20, 15, batch=True),
-    "two-models": Shape(50, 10, 10, batch=False, models=("a=smollm2-135m", "b=tiny-random")),
+    "two-models": Shape(50, 10, 10, batch=False, models=("a=smollm2-135m", "b=smollm2-135m")),
 }
 # Words the bundled tokenizer reads as one token each after a space: a text of n words is about n tokens.
 WORDS = ("the cat dog house tree river city water light stone paper music table window garden bread "
