@@ -1,4 +1,4 @@
-"""FastAPI dependencies: database session, current API key, engine (for validation)."""
+"""FastAPI dependencies: database session, current API key, the served models (for validation)."""
 
 import logging
 from collections.abc import AsyncIterator
@@ -13,11 +13,10 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import cached_api_key, find_api_key
 from api.waiter import JobWaiter
-from core import RequestTokenizer
+from store.catalog import ModelCatalog
 from store.db import session_factory
 from store.errors import ServiceError
 from store.models import ApiKey
-from store.rerank import RerankPrompt, rerank_prompt, template_for
 from store.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -62,35 +61,20 @@ SettingsDep = Annotated[Settings, Depends(get_api_settings)]
 
 
 @lru_cache(maxsize=1)
-def get_request_tokenizer() -> RequestTokenizer:
-    """The engine's validation and tokenization without its weights: the API never loads the model."""
-    settings = get_settings()
-    return RequestTokenizer.from_pretrained(settings.model, settings.model_cache_dir, **settings.request_limits)
+def get_models() -> ModelCatalog:
+    """The deployment's models (MODELS, or MODEL alone), each one's tokenizer, limits and rerank prompt, without
+    their weights: the API never loads a model. It validates and tokenizes every request with the engine's own
+    rules and error codes."""
+    return ModelCatalog.load(get_settings())
 
 
-async def _loaded_request_tokenizer() -> RequestTokenizer:
+async def _loaded_models() -> ModelCatalog:
     # On the event loop, not in a thread (a thread hop per request cost more than the call): the app loads it
     # before it takes traffic (main.lifespan), so this never blocks.
-    return get_request_tokenizer()
+    return get_models()
 
 
-# The API tokenizes every request to validate it with the engine's own rules and error codes.
-RequestTokenizerDep = Annotated[RequestTokenizer, Depends(_loaded_request_tokenizer)]
-
-
-@lru_cache(maxsize=1)
-def get_rerank_prompt() -> RerankPrompt:
-    """RERANK_TEMPLATE for the served model, with its labels' token ids from the tokenizer."""
-    settings = get_settings()
-    template = template_for(settings.rerank_template, settings.model, settings.model_cache_dir)
-    return rerank_prompt(template, get_request_tokenizer())
-
-
-async def _loaded_rerank_prompt() -> RerankPrompt:
-    return get_rerank_prompt()  # loaded at start too, like the tokenizer
-
-
-RerankPromptDep = Annotated[RerankPrompt, Depends(_loaded_rerank_prompt)]
+ModelsDep = Annotated[ModelCatalog, Depends(_loaded_models)]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer psk_...`")
 _key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key: `X-API-Key: psk_...`")

@@ -9,11 +9,11 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import get_request_tokenizer, get_rerank_prompt
+from api.deps import get_models
 from api.errors import ERROR_RESPONSES, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
 from api.metrics import Metrics, MetricsMiddleware
-from api.routes import batches, health, jobs, score
+from api.routes import batches, health, jobs, models, score
 from api.waiter import JobWaiter
 from store.settings import get_settings
 
@@ -23,10 +23,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Threads for the routes' blocking work. More than a few only fight over the GIL (the work is Python and
     # short database calls), which starves the event loop: /healthz and waiting calls answer late.
     anyio.to_thread.current_default_thread_limiter().total_tokens = get_settings().api_threads
-    # Load the tokenizer before taking traffic, so the first request is not slow; and the rerank template, so
-    # a RERANK_TEMPLATE that does not fit the model stops the start instead of failing requests.
-    await run_in_threadpool(get_request_tokenizer)
-    await run_in_threadpool(get_rerank_prompt)
+    # Load the models' tokenizers before taking traffic, so the first request is not slow; and their rerank
+    # templates, so a RERANK_TEMPLATE that does not fit a model stops the start instead of failing requests.
+    await run_in_threadpool(get_models)
     yield
     await app.state.job_waiter.stop()
 
@@ -45,7 +44,7 @@ def create_app() -> FastAPI:
     app.state.job_waiter = JobWaiter(settings.database_url, settings.score_poll_seconds)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, exempt_paths=("/batches",))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for router in (jobs.router, batches.router, score.router):
+    for router in (jobs.router, batches.router, score.router, models.router):
         app.include_router(router, responses=ERROR_RESPONSES)
     app.include_router(health.router)
     return app

@@ -40,6 +40,29 @@ class JobList(BaseModel):
     next_cursor: str | None
 
 
+class ModelWorkers(BaseModel):
+    """A model's workers seen within WORKER_STALE_SECONDS: ready, and still compiling their programs."""
+
+    ready: int
+    warming: int
+
+
+class ModelCard(BaseModel):
+    """One model of GET /v1/models, as OpenAI's, with its live workers (none: its jobs wait in the queue)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "packscore"
+    default: bool  # the model of a request that names none
+    workers: ModelWorkers
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 class BatchList(BaseModel):
     object: Literal["list"] = "list"
     data: list[BatchOut]

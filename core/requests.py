@@ -210,11 +210,12 @@ class RequestTokenizer:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2-135m", cache_dir: str | None = None,
-                        **limits) -> "RequestTokenizer":
+                        name: str | None = None, **limits) -> "RequestTokenizer":
+        """`name`: what the service calls the model (an alias of MODELS); the source itself by default."""
         source = ModelSource.resolve(name_or_path, cache_dir)
         config = source.config()
         limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
-        return cls(source.tokenizer(), config.vocab_size, model_name=source.name, **limits)
+        return cls(source.tokenizer(), config.vocab_size, model_name=name or source.name, **limits)
 
     def _check_ids(self, ids, what: str) -> tuple[int, ...]:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):

@@ -318,9 +318,10 @@ class Scorer:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2-135m", cache_dir: str | None = None,
-                        **kwargs) -> "Scorer":
+                        name: str | None = None, **kwargs) -> "Scorer":
         """A bundled model name ("smollm2-135m", "tiny-random"), a .gguf file or a Hugging Face directory.
-        `cache_dir`: where a GGUF's converted tokenizer and weights are kept across restarts."""
+        `cache_dir`: where a GGUF's converted tokenizer and weights are kept across restarts. `name`: what the
+        service calls the model (an alias of MODELS); the source itself by default."""
         choose_xla_flags(kwargs.get("dtype", "float32"))
         source = ModelSource.resolve(name_or_path, cache_dir)
         if source.kind == "tiny-random":
@@ -329,7 +330,7 @@ class Scorer:
             config, weights = load_gguf(source.path, source.cached("weights"))
         else:
             config, weights = load_hf_dir(source.path)
-        return cls(config, weights, source.tokenizer(), name=source.name, **kwargs)
+        return cls(config, weights, source.tokenizer(), name=name or source.name, **kwargs)
 
     @property
     def pass_lengths(self) -> list[int]:

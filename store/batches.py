@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Row, case, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from core import RequestTokenizer, ScoringError, scores_from_logprobs
+from core import ScoringError, scores_from_logprobs
+from store.catalog import ModelCatalog, ServedModel
 from store.counters import count
 from store.db import session_factory
 from store.errors import ServiceError, error_status
@@ -28,7 +29,6 @@ from store.jobs import job_request
 from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult,
                           WebhookDelivery, new_id, utcnow)
 from store.outbox import enqueue_webhook, vet_webhook_url
-from store.rerank import RerankPrompt
 from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, ErrorInfo, OpenAIBatchLine,
                            Progress, RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results,
                            route_body)
@@ -58,11 +58,11 @@ def _storable(text: str) -> str:
     return text.replace("\x00", "\\u0000").encode("utf-8", "backslashreplace").decode()
 
 
-def start_batch(session: Session, key: ApiKey, request_tokenizer: RequestTokenizer, settings: Settings, webhook_url: str | None,
+def start_batch(session: Session, key: ApiKey, model: str, settings: Settings, webhook_url: str | None,
                 metadata: dict | None) -> Batch:
     """Commits the batch row (status validating), so it is visible while its upload streams in."""
     vet_webhook_url(webhook_url, settings.webhook_allowlist)
-    batch = Batch(api_key_id=key.id, model=request_tokenizer.model_name, webhook_url=webhook_url, metadata_=metadata)
+    batch = Batch(api_key_id=key.id, model=model, webhook_url=webhook_url, metadata_=metadata)
     session.add(batch)
     session.commit()
     return batch
@@ -70,14 +70,18 @@ def start_batch(session: Session, key: ApiKey, request_tokenizer: RequestTokeniz
 
 class Ingest:
     """Turns the lines of one upload into job rows, inserted a chunk at a time in one transaction (committed
-    by `finish`), so the API holds one chunk, never the batch."""
+    by `finish`), so the API holds one chunk, never the batch.
 
-    def __init__(self, session: Session, batch: Batch, request_tokenizer: RequestTokenizer, settings: Settings,
-                 rerank_prompt: RerankPrompt) -> None:
+    A batch runs one model (its workers claim it whole, and tenants take turns within each model's queue):
+    the `model` of POST /batches (`fixed`), else the model of its first request (the default if that names
+    none). A request naming another model fails with `unknown_model`."""
+
+    def __init__(self, session: Session, batch: Batch, models: ModelCatalog, settings: Settings,
+                 fixed: bool = False) -> None:
         self.session = session
         self.batch = batch
-        self.request_tokenizer = request_tokenizer
-        self.rerank_prompt = rerank_prompt
+        self.models = models
+        self.model: ServedModel | None = models.get(batch.model) if fixed else None
         self.settings = settings
         self.lines = 0  # every line, blank ones included (line numbers in error messages)
         self.total = 0  # requests: non-blank lines
@@ -124,7 +128,8 @@ class Ingest:
         now = utcnow()
         # Every row has every key: the chunk is one multi-row INSERT.
         row = {"id": new_id("job"), "api_key_id": self.batch.api_key_id, "batch_id": self.batch.id,
-               "priority": PRIORITY_BATCH, "model": self.batch.model, "request": {}, "tokens": None,
+               "priority": PRIORITY_BATCH, "model": self.model.name if self.model else self.batch.model,
+               "request": {}, "tokens": None,
                "return_logprobs": False,
                "request_hash": "", "items_total": 0, "items_done": 0, "prompt_tokens": 0, "attempts": 0,
                "cancel_requested": False, "created_at": now, "custom_id": None, "query_key": None,
@@ -146,26 +151,37 @@ class Ingest:
 
     def _validate(self, value: Any) -> dict:
         body, custom_id, return_logprobs = parse_line(value)
+        model = self._model_of(body.model)
         rerank = None
         if isinstance(body, RerankRequest):
-            body, rerank = self.rerank_prompt.score_input(body)
+            body, rerank = model.rerank.score_input(body)
         digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         if digest in self._seen:
             raise LineError("duplicate_custom_id",
                              f"custom_id {custom_id!r} was already used on line {self._seen[digest]}")
         self._seen[digest] = self.lines
-        return self._request(body, custom_id, return_logprobs, rerank)
+        return self._request(body, model, custom_id, return_logprobs, rerank)
 
-    def _request(self, body: ScoreInput, custom_id: str, return_logprobs: bool, rerank: dict | None) -> dict:
-        if body.model is not None and body.model != self.request_tokenizer.model_name:
-            raise LineError("unknown_model", f"model {body.model!r} is not served here")
+    def _model_of(self, name: str | None) -> ServedModel:
+        if self.model is None:  # the first request decides the batch's model
+            try:
+                self.model = self.models.get(name)
+            except ScoringError as exc:
+                raise LineError(exc.code, exc.message) from None
+        elif name is not None and name != self.model.name:
+            raise LineError("unknown_model", f"model {name!r}: this batch runs {self.model.name!r} (a batch runs one "
+                                             "model: the `model` of POST /batches, else its first request's)")
+        return self.model
+
+    def _request(self, body: ScoreInput, model: ServedModel, custom_id: str, return_logprobs: bool,
+                 rerank: dict | None) -> dict:
         try:
-            tokenized = self.request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
+            tokenized = model.tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
         except ScoringError as exc:
             raise LineError(exc.code, exc.message) from None
         self.queued += 1
         query_key = hashlib.blake2b(json.dumps(body.query).encode(), digest_size=16).hexdigest()
-        return {"status": "queued", "custom_id": custom_id, "request": job_request(body, rerank),
+        return {"status": "queued", "model": model.name, "custom_id": custom_id, "request": job_request(body, rerank),
                 "tokens": tokenized.to_bytes(),
                 "return_logprobs": return_logprobs, "items_total": tokenized.n_items,
                 "prompt_tokens": tokenized.prompt_tokens, "query_key": query_key}
@@ -185,9 +201,13 @@ class Ingest:
         if self.objects == 0:
             raise ServiceError(400, "invalid_jsonl", "no line of the upload is a JSON object")
         now = utcnow()
+        model = self.model.name if self.model else self.batch.model
         if not self.session.execute(update(Batch).where(Batch.id == self.batch.id, Batch.status == "validating")
-                                    .values(status="in_progress", total=self.total, in_progress_at=now)).rowcount:
+                                    .values(status="in_progress", total=self.total, in_progress_at=now,
+                                            model=model)).rowcount:
             raise upload_timeout()  # the sweeper gave up on this upload already
+        if model != self.batch.model:  # lines that failed before the first request set the batch's model
+            self.session.execute(update(Job).where(Job.batch_id == self.batch.id, Job.model != model).values(model=model))
         settle_batch(self.session, self.batch.id)
         self.session.commit()
         self.session.refresh(self.batch)

@@ -1,10 +1,12 @@
 """The broker: the Celery app's configuration, and the "kick" that the API and the workers send to wake a worker.
 The broker only wakes workers up: the jobs table is the queue of record, so a lost or
-duplicated `drain` message costs nothing (the sweeper re-kicks, an extra drain finds nothing to do)."""
+duplicated `drain` message costs nothing (the sweeper re-kicks, an extra drain finds nothing to do). Each
+model has a queue of its own (`drain_queue`): a kick for a job wakes a worker of that job's model."""
 
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -84,6 +86,15 @@ def make_celery(settings: Settings, include: tuple[str, ...] = ()) -> Celery:
     return app
 
 
+def drain_queue(settings: Settings, model: str) -> str:
+    """The broker queue whose messages wake `model`'s workers: QUEUE_NAME with MODEL alone; with MODELS, one
+    queue per model (its name kept to characters every transport takes: the filesystem broker's file names
+    end with the queue's)."""
+    if not settings.models:
+        return settings.queue_name
+    return f"{settings.queue_name}-{re.sub(r'[^A-Za-z0-9_-]', '_', model)}"
+
+
 @lru_cache
 def _sender() -> Celery:
     return make_celery(get_settings())
@@ -99,34 +110,35 @@ KICK_PENDING_SECONDS = 1.0
 
 
 @lru_cache
-def _kick_flag() -> tuple[Any, str] | None:
-    """(a Redis client, the flag's key), or None where the broker is not Redis."""
+def _redis() -> Any | None:
+    """A Redis client for the pending-kick flags, or None where the broker is not Redis."""
     settings = get_settings()
     if not settings.celery_broker_url.startswith(("redis://", "rediss://", "unix://")):
         return None
     import redis
 
-    client = redis.Redis.from_url(settings.celery_broker_url, socket_timeout=2, socket_connect_timeout=2)
-    return client, f"{settings.broker_key_prefix}{settings.queue_name}:kick-pending"
+    return redis.Redis.from_url(settings.celery_broker_url, socket_timeout=2, socket_connect_timeout=2)
 
 
-def _send_kick() -> None:
+def _flag_key(queue: str) -> str:
+    return f"{get_settings().broker_key_prefix}{queue}:kick-pending"
+
+
+def _send_kick(queue: str) -> None:
     try:
-        if (flag := _kick_flag()) is not None:
-            client, key = flag
-            if not client.set(key, 1, nx=True, px=int(KICK_PENDING_SECONDS * 1000)):
+        if (client := _redis()) is not None:
+            if not client.set(_flag_key(queue), 1, nx=True, px=int(KICK_PENDING_SECONDS * 1000)):
                 return  # a kick is pending: the claim it starts sees this job too
-        _sender().send_task(DRAIN_TASK)
+        _sender().send_task(DRAIN_TASK, queue=queue)
     except Exception as exc:  # a broker outage must not fail a request whose job is safely stored
         log.warning("could not send a drain message (the sweeper will pick the job up): %s", exc)
 
 
-def clear_pending_kick() -> None:
-    """Called by a worker just before it claims: a job committed from now on sends a kick of its own."""
-    if (flag := _kick_flag()) is not None:
-        client, key = flag
+def clear_pending_kick(model: str) -> None:
+    """Called by a worker of `model` just before it claims: a job committed from now on sends a kick of its own."""
+    if (client := _redis()) is not None:
         try:
-            client.delete(key)
+            client.delete(_flag_key(drain_queue(get_settings(), model)))
         except Exception as exc:  # the flag expires by itself
             log.debug("could not clear the pending kick: %s", exc)
 
@@ -177,13 +189,18 @@ class KickCoalescer:
 
 
 KICK_WINDOW_SECONDS = 0.01
-_kicks = KickCoalescer(_send_kick, KICK_WINDOW_SECONDS)
+_kicks: dict[str, KickCoalescer] = {}  # by queue
+_kicks_lock = threading.Lock()
 
 
-def kick_drain() -> None:
-    """Asks some worker to drain the ready jobs (coalesced: KickCoalescer). Best effort: the sweeper covers a
-    lost message."""
-    _kicks.kick()
+def kick_drain(model: str) -> None:
+    """Asks some worker of `model` to drain the ready jobs (coalesced per model: KickCoalescer). Best effort:
+    the sweeper covers a lost message."""
+    queue = drain_queue(get_settings(), model)
+    with _kicks_lock:
+        if (kicks := _kicks.get(queue)) is None:
+            kicks = _kicks[queue] = KickCoalescer(lambda: _send_kick(queue), KICK_WINDOW_SECONDS)
+    kicks.kick()
 
 
 def broker_reachable() -> bool:

@@ -83,16 +83,22 @@ class DatabaseCollector(Collector):
             totals = {(name, label): value for name, label, value in session.execute(
                 select(CounterRow.name, CounterRow.label, func.sum(CounterRow.value))
                 .group_by(CounterRow.name, CounterRow.label))}
-            # By priority too (the index's second column): it tells the lanes apart.
-            live_rows = session.execute(select(Job.status, Job.priority, func.count())
-                                        .where(Job.status.in_(LIVE_JOB_STATUSES)).group_by(Job.status, Job.priority)).all()
+            # By model and priority too (the index's columns): per model, and the lanes apart.
+            live_rows = session.execute(select(Job.model, Job.status, Job.priority, func.count())
+                                        .where(Job.status.in_(LIVE_JOB_STATUSES))
+                                        .group_by(Job.model, Job.status, Job.priority)).all()
             pending_deliveries = session.scalar(select(func.count()).select_from(WebhookDelivery)
                                                 .where(WebhookDelivery.status == "pending"))
-            cutoff = utcnow() - timedelta(seconds=get_settings().worker_stale_seconds)
-            workers = dict(session.execute(select(Worker.attention, func.count()).where(Worker.last_seen_at >= cutoff)
-                                           .group_by(Worker.attention)).all())
+            settings = get_settings()
+            cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+            worker_rows = session.execute(select(Worker.model, Worker.attention, func.count())
+                                          .where(Worker.last_seen_at >= cutoff)
+                                          .group_by(Worker.model, Worker.attention)).all()
+        workers: dict[str | None, int] = {}
+        for _, path, n in worker_rows:
+            workers[path] = workers.get(path, 0) + n
 
-        live = {status: sum(n for s, _, n in live_rows if s == status) for status in LIVE_JOB_STATUSES}
+        live = {status: sum(n for _, s, _, n in live_rows if s == status) for status in LIVE_JOB_STATUSES}
         jobs = GaugeMetricFamily("packscore_jobs", "Jobs queued or running now", labels=["status"])
         for status in LIVE_JOB_STATUSES:
             jobs.add_metric([status], live.get(status, 0))
@@ -100,7 +106,7 @@ class DatabaseCollector(Collector):
         yield GaugeMetricFamily("packscore_queue_depth", "Jobs waiting for a worker", value=live.get("queued", 0))
         lanes = GaugeMetricFamily("packscore_queue_depth_by_lane", "Jobs waiting for a worker, by lane: interactive "
                                   "(/v1/score, /v1/rerank, POST /jobs) or batch", labels=["lane"])
-        queued = [(priority, n) for status, priority, n in live_rows if status == "queued"]
+        queued = [(priority, n) for _, status, priority, n in live_rows if status == "queued"]
         lanes.add_metric(["interactive"], sum(n for priority, n in queued if priority > PRIORITY_BATCH))
         lanes.add_metric(["batch"], sum(n for priority, n in queued if priority <= PRIORITY_BATCH))
         yield lanes
@@ -132,3 +138,24 @@ class DatabaseCollector(Collector):
         for path, total in sorted(workers.items(), key=lambda kv: kv[0] or ""):
             paths.add_metric([path or "unknown"], total)
         yield paths
+        yield from _per_model(list(settings.served_models), live_rows, worker_rows)
+
+
+def _per_model(models: list[str], live_rows: list, worker_rows: list) -> Iterator:
+    """The figures of each configured model (and of any other a live job or worker names): a model's queue
+    waits for its own workers only."""
+    names = list(dict.fromkeys([*models, *(row[0] for row in live_rows), *(row[0] for row in worker_rows)]))
+    depth = GaugeMetricFamily("packscore_model_queue_depth", "Jobs waiting for a worker of their model, by lane",
+                              labels=["model", "lane"])
+    running = GaugeMetricFamily("packscore_model_jobs_running", "Jobs running, by model", labels=["model"])
+    workers = GaugeMetricFamily("packscore_model_workers", "Workers seen recently, by the model they serve",
+                                labels=["model"])
+    for name in names:
+        queued = [(priority, n) for model, status, priority, n in live_rows if model == name and status == "queued"]
+        depth.add_metric([name, "interactive"], sum(n for priority, n in queued if priority > PRIORITY_BATCH))
+        depth.add_metric([name, "batch"], sum(n for priority, n in queued if priority <= PRIORITY_BATCH))
+        running.add_metric([name], sum(n for model, status, _, n in live_rows if model == name and status == "running"))
+        workers.add_metric([name], sum(n for model, _, n in worker_rows if model == name))
+    yield depth
+    yield running
+    yield workers

@@ -1,6 +1,9 @@
 """The job queue's operations on the jobs table: claim under a lease, progress, finish, release, heartbeat and
 the sweeper.
 
+Each model of the deployment has a queue of its own: a worker serves one model (`Settings.worker_model`) and
+claims only that model's jobs and batches, interactive before batch and tenants taking turns within it.
+
 Exactly-once effects on at-least-once delivery: every state change of a claimed job is conditional on
 `lease_owner` still being this worker and the job still running, so a worker that lost its lease (killed,
 paused past the lease, or swept) cannot write a result that another worker also writes.
@@ -58,18 +61,21 @@ def _among(session: Session, column: ColumnElement, values: list[str]) -> Column
 
 
 def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[ClaimedJob]:
-    """Both lanes in turn: the ready interactive jobs if any, else one batch round (see the two below)."""
+    """Both lanes of the worker's model in turn: the ready interactive jobs if any, else one batch round (see
+    the two below)."""
     return claim_interactive(owner, settings) or claim_batch_round(owner, settings, batch_round_tokens)
 
 
 def claim_interactive(owner: str, settings: Settings) -> list[ClaimedJob]:
-    """Leases the next ready interactive jobs (highest priority, oldest first) up to the drain bounds."""
+    """Leases the next ready interactive jobs of the worker's model (highest priority, oldest first) up to the
+    drain bounds."""
     with session_scope() as session:
         # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
         # runs a single worker, and the status condition on the UPDATE keeps the claim atomic there too).
         # The priority bound keeps a backfill's queued requests out of this index scan.
         candidates = session.execute(
-            select(Job.id, Job.items_total).where(Job.status == "queued", Job.priority > PRIORITY_BATCH)
+            select(Job.id, Job.items_total).where(Job.model == settings.worker_model, Job.status == "queued",
+                                                  Job.priority > PRIORITY_BATCH)
             .order_by(Job.priority.desc(), Job.id).limit(settings.drain_max_jobs)
             .with_for_update(skip_locked=True)).all()
         ids, items = [], 0
@@ -82,8 +88,8 @@ def claim_interactive(owner: str, settings: Settings) -> list[ClaimedJob]:
 
 
 def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None) -> list[ClaimedJob]:
-    """Leases one round of batch requests of at most `tokens` prompt tokens (None: BATCH_ROUND_TOKENS, else
-    one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
+    """Leases one round of the worker's model's batch requests of at most `tokens` prompt tokens (None:
+    BATCH_ROUND_TOKENS, else one request). Rounds are small so that an interactive job submitted during a backfill waits little."""
     with session_scope() as session:
         for round_ in _batch_rounds(session, settings, tokens or settings.batch_round_tokens or 0):
             if claimed := _lease(session, owner, settings, round_):
@@ -111,12 +117,13 @@ def _lease(session: Session, owner: str, settings: Settings, ids: list[str] | Se
 
 
 def _batch_rounds(session: Session, settings: Settings, tokens: int) -> Iterator[Select]:
-    """Queries of the queued batch requests of one round, a batch at a time, for the lease's UPDATE (so that it
-    locks and takes them in one statement). Tenants take turns (the one whose batches were claimed from least
+    """Queries of the queued batch requests of one round, a batch of the worker's model at a time (a batch runs
+    one model), for the lease's UPDATE (so that it locks and takes them in one statement). Tenants take turns (the one whose batches were claimed from least
     recently goes first, however many batches it has); a tenant's batches run oldest first; within a batch,
     requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
     batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
-                              .where(Batch.status == "in_progress").order_by(Batch.id)).all()
+                              .where(Batch.status == "in_progress", Batch.model == settings.worker_model)
+                              .order_by(Batch.id)).all()
     served: dict[str, datetime] = {}
     for _, tenant, claimed_at in batches:
         if claimed_at is not None and claimed_at > served.get(tenant, datetime.min):
@@ -448,6 +455,22 @@ def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], att
                                state=state))
 
 
+def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, int]]:
+    """Workers seen within WORKER_STALE_SECONDS: model -> state ("ready", "warming") -> how many."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    found: dict[str, dict[str, int]] = {}
+    for model, state, n in session.execute(select(Worker.model, Worker.state, func.count())
+                                           .where(Worker.last_seen_at >= cutoff).group_by(Worker.model, Worker.state)):
+        found.setdefault(model, {})[state] = n
+    return found
+
+
+def waiting_models(session: Session, models: list[str]) -> set[str]:
+    """Those of these models with a job queued (one index probe each, however long the queue)."""
+    return {model for model in models
+            if session.scalar(select(Job.id).where(Job.model == model, Job.status == "queued").limit(1))}
+
+
 def deregister(owner: str) -> None:
     """A worker stopping cleanly leaves /readyz's count at once (not a stale-heartbeat interval later)."""
     with session_scope() as session:
@@ -455,8 +478,9 @@ def deregister(owner: str) -> None:
 
 
 def sweep(settings: Settings) -> bool:
-    """Re-queues jobs whose lease expired (their worker died); returns whether queued jobs wait for a kick
-    (re-queued now, or older than one sweep interval: their broker message may have been lost)."""
+    """Re-queues jobs whose lease expired (their worker died); returns whether queued jobs of the worker's model
+    wait for a kick (re-queued now, or older than one sweep interval: their broker message may have been lost).
+    Another model's jobs are its own workers' to kick: one with no live worker waits in the queue."""
     now = utcnow()
     with session_scope() as session:
         expired = session.scalars(select(Job).where(Job.status == "running", Job.lease_expires_at < now)
@@ -465,8 +489,10 @@ def sweep(settings: Settings) -> bool:
             log.warning("lease of job %s held by %s expired; re-queueing", job.id, job.lease_owner)
             _requeue_or_fail(session, job, settings, "worker_lost", "the worker running this job stopped")
         batch_ids = {job.batch_id for job in expired if job.batch_id}
+        requeued_here = any(job.model == settings.worker_model for job in expired)
         stale = now - timedelta(seconds=settings.sweep_interval_seconds)
-        waiting = session.scalar(select(Job.id).where(Job.status == "queued", Job.created_at < stale).limit(1))
+        waiting = session.scalar(select(Job.id).where(Job.model == settings.worker_model, Job.status == "queued",
+                                                      Job.created_at < stale).limit(1))
         session.execute(delete(Worker).where(Worker.last_seen_at < now - timedelta(days=1)))
         for batch_id in expire_uploads(session, settings):
             log.warning("batch %s was still uploading after %s s; failed", batch_id,
@@ -474,4 +500,4 @@ def sweep(settings: Settings) -> bool:
     # A batch whose last request failed just now ends; in a transaction of its own, so that no job row lock
     # is held while the batch row is taken (cancel takes them the other way round).
     settle_batches(batch_ids)
-    return bool(expired) or waiting is not None
+    return requeued_here or waiting is not None

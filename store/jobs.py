@@ -48,7 +48,8 @@ _JOB_COLUMNS = [(attribute.key, attribute.columns[0].name) for attribute in insp
 def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenizer: RequestTokenizer, settings: Settings, *,
                priority: int = PRIORITY_JOB, idempotency_key: str | None = None,
                rerank: dict | None = None) -> tuple[Job, bool]:
-    """Validates and stores a queued job; returns (job, created). An Idempotency-Key replay returns the
+    """Validates and stores a queued job of `request_tokenizer`'s model (the one the request names, resolved by
+    the caller: store.catalog); returns (job, created). An Idempotency-Key replay returns the
     earlier job with created=False. `rerank` (store/rerank.py) makes it a rerank job: kept with the request,
     it says how to present the scores. A created job is not in the session (read it with session.get)."""
     request_hash = _request_hash(body, rerank)
@@ -58,9 +59,6 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
         existing = _find_idempotent(session, key, idempotency_key, request_hash)
         if existing is not None:
             return existing, False
-    if body.model is not None and body.model != request_tokenizer.model_name:
-        raise ServiceError(400, "unknown_model", f"model {body.model!r} is not served here; this service runs "
-                                             f"{request_tokenizer.model_name!r}")
     tokenized = request_tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
     webhook_url = getattr(body, "webhook_url", None)
     vet_webhook_url(webhook_url, settings.webhook_allowlist)

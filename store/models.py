@@ -75,7 +75,8 @@ class Job(Base):
               postgresql_where=text("idempotency_key IS NOT NULL")),
         # Partial (migration 0010): a row is written three times, each version into every index it qualifies
         # for, so each index holds only the rows its queries read.
-        _partial_index("ix_jobs_ready", ("status", "priority", "created_at"), _LIVE),
+        # By model first (migration 0012): a worker claims its own model's queue only.
+        _partial_index("ix_jobs_ready", ("model", "status", "priority", "created_at"), _LIVE),
         _partial_index("ix_jobs_tenant_list", ("api_key_id", "id"), "batch_id IS NULL"),
         # The batch lane claims a batch's queued requests grouped by query (prefix reuse in the engine).
         _partial_index("ix_jobs_batch_claim", ("batch_id", "status", "query_key", "id"),
@@ -91,6 +92,7 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     # Higher runs first (issue 4's batch lane uses a lower priority than interactive jobs).
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # The name of the model it runs on (a name of MODELS, or MODEL): only that model's workers claim it.
     model: Mapped[str] = mapped_column(String(100))
     request: Mapped[dict] = mapped_column(JSON)
     # The request in token space (core's TokenizedRequest.to_bytes), written at submission; NULL for jobs queued

@@ -263,6 +263,8 @@ class BatchCreate(BaseModel):
     requests: list[Any]
     webhook_url: str | None = Field(default=None, max_length=2048)
     metadata: dict[str, Any] | None = None
+    # The batch's one model (default: its first request's).
+    model: str | None = Field(default=None, max_length=100)
 
 
 class ColumnsSpec(BaseModel):
@@ -297,6 +299,8 @@ class BatchSource(BaseModel):
     return_logprobs: StrictBool = False
     webhook_url: str | None = Field(default=None, max_length=2048)
     metadata: dict[str, Any] | None = None
+    # The model every row is scored with (default: the deployment's first).
+    model: str | None = Field(default=None, max_length=100)
 
 
 class RowCounts(BaseModel):

@@ -28,7 +28,13 @@ class Settings(BaseSettings):
     broker_key_prefix: str = ""
     queue_name: str = "packscore"
 
-    model: str = "smollm2-135m"
+    # The models this deployment serves, name to source (a source is what MODEL takes: a bundled name, a .gguf
+    # file or a Hugging Face directory): `small=smollm2-135m,judge=/models/qwen3-reranker`, or a JSON object. A
+    # bare source names itself. The first is the model of a request that names none. Unset: MODEL alone.
+    models: Annotated[dict[str, str], NoDecode] = {}
+    # Without MODELS: the one model, named as its source. With MODELS: the one a worker serves (a name of
+    # MODELS; unset, the first); the API reads MODELS only.
+    model: str | None = None
     max_items: int = 100_000
     max_tokens: int = 4_000_000
     # Tokens per packed pass (None: the engine's default for the backend).
@@ -117,6 +123,53 @@ class Settings(BaseSettings):
     webhook_per_host: int = 4
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("{"):
+            return json.loads(value)
+        models: dict[str, str] = {}
+        for entry in (part.strip() for part in value.split(",")):
+            if entry:
+                name, _, source = entry.partition("=") if "=" in entry else (entry, "", entry)
+                if name.strip() in models:
+                    raise ValueError(f"MODELS names {name.strip()!r} twice")
+                models[name.strip()] = source.strip()
+        return models
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, models: dict[str, str]) -> dict[str, str]:
+        for name, source in models.items():
+            # A job row keeps the name (jobs.model is 100 characters).
+            if not name or not source or len(name) > 100:
+                raise ValueError(f"MODELS entry {name!r}={source!r}: a name of 1 to 100 characters and a source")
+        return models
+
+    @property
+    def served_models(self) -> dict[str, str]:
+        """The deployment's models, name to source, the default first."""
+        if self.models:
+            return dict(self.models)
+        model = self.model or "smollm2-135m"
+        return {model: model}
+
+    @property
+    def default_model(self) -> str:
+        """The model of a request that names none."""
+        return next(iter(self.served_models))
+
+    @property
+    def worker_model(self) -> str:
+        """The name of the one model a worker serves (MODEL, a name of MODELS; unset, the default)."""
+        if self.model is None or not self.models:
+            return self.default_model
+        if self.model not in self.models:
+            raise ValueError(f"MODEL={self.model!r} is not a name of MODELS ({', '.join(self.models)})")
+        return self.model
 
     @field_validator("webhook_allowlist", "webhook_retry_schedule", "batch_storage_prefixes", mode="before")
     @classmethod

@@ -337,8 +337,8 @@ def test_the_api_reads_the_bundled_model_without_importing_jax() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from api.deps import get_request_tokenizer, get_rerank_prompt; "
-            "get_request_tokenizer(); get_rerank_prompt(); print(sorted({'jax', 'flax'} & set(sys.modules)))")
+    code = ("import sys; from api.deps import get_models; "
+            "get_models(); print(sorted({'jax', 'flax'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MODEL": "smollm2-135m"},
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
@@ -396,20 +396,21 @@ def test_kick_drain_reaches_the_broker(redis_url, monkeypatch) -> None:  # type:
     from store import broker
 
     # A wide window, so that a slow machine between two calls does not make them two windows.
-    monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.5))
+    queue_name = os.environ["QUEUE_NAME"]  # the one model's queue (no MODELS)
+    monkeypatch.setattr(broker, "_kicks", {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.5)})
     queue = redis.Redis.from_url(redis_url)
-    name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
-    broker.clear_pending_kick()
+    name = os.environ["BROKER_KEY_PREFIX"] + queue_name
+    broker.clear_pending_kick("tiny-random")
     before = queue.llen(name)
     for _ in range(3):
-        broker.kick_drain()
+        broker.kick_drain("tiny-random")
     assert queue.llen(name) == before + 1
     # The window's coalesced kick finds the first one pending (no worker claimed since): no second message.
     time.sleep(0.7)
     assert queue.llen(name) == before + 1
     # A worker beginning a claim clears the flag: the next kick is a message again.
-    broker.clear_pending_kick()
-    broker.kick_drain()
+    broker.clear_pending_kick("tiny-random")
+    broker.kick_drain("tiny-random")
     time.sleep(0.7)
     assert queue.llen(name) == before + 2
 
@@ -421,16 +422,17 @@ def test_a_lost_kick_holds_later_ones_back_only_briefly(redis_url, monkeypatch) 
 
     from store import broker
 
-    monkeypatch.setattr(broker, "_kicks", broker.KickCoalescer(broker._send_kick, 0.0))
+    queue_name = os.environ["QUEUE_NAME"]
+    monkeypatch.setattr(broker, "_kicks", {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.0)})
     monkeypatch.setattr(broker, "KICK_PENDING_SECONDS", 0.3)
     queue = redis.Redis.from_url(redis_url)
-    name = os.environ["BROKER_KEY_PREFIX"] + os.environ["QUEUE_NAME"]
-    broker.clear_pending_kick()
+    name = os.environ["BROKER_KEY_PREFIX"] + queue_name
+    broker.clear_pending_kick("tiny-random")
     before = queue.llen(name)
-    broker.kick_drain()
+    broker.kick_drain("tiny-random")
     queue.rpop(name)  # the message is lost (say, taken by a worker killed before it claimed)
-    broker.kick_drain()
+    broker.kick_drain("tiny-random")
     assert queue.llen(name) == before  # the flag still says a kick is pending
     time.sleep(0.4)
-    broker.kick_drain()
+    broker.kick_drain("tiny-random")
     assert queue.llen(name) == before + 1

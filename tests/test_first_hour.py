@@ -134,8 +134,8 @@ def test_the_api_process_never_imports_torch(tmp_path) -> None:  # type: ignore[
     import subprocess
     import sys
 
-    code = ("import sys; from api.deps import get_request_tokenizer, get_rerank_prompt; "
-            "t = get_request_tokenizer(); get_rerank_prompt(); "
+    code = ("import sys; from api.deps import get_models; "
+            "t = get_models().get(None).tokenizer; "
             "r = t.tokenize('Is the city in France?', [' Lyon'], [9805, 787], False); assert r.n_items == 1; "
             "print('torch' in sys.modules)")
     env = {**os.environ, "MODEL": "smollm2-135m", "MODEL_CACHE_DIR": str(tmp_path)}

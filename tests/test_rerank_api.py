@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from api.deps import get_request_tokenizer, get_rerank_prompt
+from api.deps import get_models
 from store.rerank import TEMPLATES, RerankTemplate, rerank_prompt, template_for
 from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
@@ -28,7 +28,7 @@ def expected_relevance(query: str, texts: list[str], instruction: str | None = N
     template = TEMPLATES["smollm2"]  # tiny-random is not a Qwen3 model
     assert template.prefix == "Question: {query}\nDocument:" and template.separator == " "
     suffix = f"\n{instruction or 'Does the document answer the question?'} Answer:"
-    tokenizer = get_request_tokenizer().tokenizer
+    tokenizer = get_models().get(None).tokenizer.tokenizer
     labels = [tokenizer(label, add_special_tokens=False).input_ids[0] for label in (" yes", " no")]
     assert labels == [9805, 787]  # README's ids of " yes" and " no" in SmolLM2's tokenizer
     logprobs = get_scorer().logprobs(f"Question: {query}\nDocument:", [" " + t + suffix for t in texts], labels)
@@ -140,7 +140,7 @@ def test_rerank_job_body_errors(client, make_key, body: dict) -> None:  # type: 
 
 
 def test_templates(tmp_path: Path) -> None:
-    tokenizer = get_request_tokenizer()
+    tokenizer = get_models().get(None).tokenizer
     assert template_for("auto", "tiny-random") == TEMPLATES["smollm2"]
     # A Qwen3 model (a Hugging Face folder with a Qwen3 config) gets Qwen3-Reranker's template.
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 64,
@@ -159,7 +159,7 @@ def test_templates(tmp_path: Path) -> None:
     assert template_for('{"prefix": "Q: {query}\\nD:\\n", "separator": ""}', "tiny-random").separator == ""
     # The label ids come from the tokenizer ("yes" without a space is another token than " yes").
     assert rerank_prompt(custom, tokenizer).label_token_ids == (10407, 4607)
-    assert get_rerank_prompt().label_token_ids == (9805, 787)
+    assert get_models().get(None).rerank.label_token_ids == (9805, 787)
     with pytest.raises(ValueError, match="must be one"):
         rerank_prompt(RerankTemplate("{query}", "", "", ("yes please", "no")), tokenizer)
     with pytest.raises(ValueError, match="RERANK_TEMPLATE"):
@@ -174,8 +174,8 @@ def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
     whole prompt: no lone space token at the end of the prefix, none missing at the start of the document."""
     from store.schemas import RerankInput
 
-    tokenizer = get_request_tokenizer().tokenizer
-    prompt = rerank_prompt(TEMPLATES["smollm2"], get_request_tokenizer())
+    tokenizer = get_models().get(None).tokenizer.tokenizer
+    prompt = rerank_prompt(TEMPLATES["smollm2"], get_models().get(None).tokenizer)
     score, spec = prompt.score_input(RerankInput(query="What is the capital of France?", documents=[document]))
     assert isinstance(score.query, str) and isinstance(score.items[0], str)
     joined = tokenizer(score.query).input_ids + tokenizer(score.items[0], add_special_tokens=False).input_ids
@@ -188,7 +188,7 @@ def test_template_substitution_is_one_pass() -> None:
     from store.schemas import RerankInput
 
     template = RerankTemplate("I: {instruction}\nQ: {query}\nD:", "\n{instruction}?", "default")
-    prompt = rerank_prompt(template, get_request_tokenizer())
+    prompt = rerank_prompt(template, get_models().get(None).tokenizer)
     score, spec = prompt.score_input(RerankInput(query="about {instruction}", documents=["d"],
                                                  instruction="say {query} literally"))
     assert score.query == "I: say {query} literally\nQ: about {instruction}\nD:"
@@ -199,15 +199,15 @@ def test_json_template_without_query_is_refused(monkeypatch: pytest.MonkeyPatch)
     setting = '{"prefix": "Instruction: {instruction}\\nDocument:", "suffix": "\\nAnswer:"}'
     with pytest.raises(ValueError, match=r"must hold \{query\}"):
         template_for(setting, "tiny-random")
-    # At start: the API's lifespan loads the template (get_rerank_prompt) before taking traffic.
+    # At start: the API's lifespan loads the template (get_models) before taking traffic.
     monkeypatch.setenv("RERANK_TEMPLATE", setting)
     get_settings.cache_clear()
-    get_rerank_prompt.cache_clear()
+    get_models.cache_clear()
     try:
         with pytest.raises(ValueError, match=r"must hold \{query\}"):
-            get_rerank_prompt()
+            get_models().get(None).rerank
     finally:
         monkeypatch.delenv("RERANK_TEMPLATE")
         get_settings.cache_clear()
-        get_rerank_prompt.cache_clear()
-    assert get_rerank_prompt().template == TEMPLATES["smollm2"]
+        get_models.cache_clear()
+    assert get_models().get(None).rerank.template == TEMPLATES["smollm2"]

@@ -3,6 +3,7 @@
     python -m worker.capacity [--target tpu-v6e|tpu-v5e|cuda-h100 | --device-tokens-per-s R]
                               [--shapes contract,small,backfill] [--workers 1,2] [--device-seconds 10]
     python -m worker.capacity --runs datalake:1,datalake:2 [--pairs 1000000]
+    python -m worker.capacity --runs two-models:2
 
 It starts the real service on a fresh Postgres database (with Redis): one API process and N workers whose
 device step is simulated. A simulated pass takes (real tokens of the pass) / R seconds of a device timeline
@@ -24,6 +25,12 @@ otherwise weigh twice as much on two workers' duty as on one's):
   the benchmark's own polling connection left out), from /proc;
 - each worker's first and last pass and its device time (JSON only);
 - an estimate (labelled so): how many such workers one Postgres core could feed at 90% duty.
+
+The `two-models` shape runs two models in one deployment, MODELS=a=smollm2-135m,b=smollm2-135m: two names,
+two queues and two workers, of one checkpoint so that both workers load in the same time and claim together
+(the device is simulated: what the weights are does not matter). `small` jobs alternate between the two; one
+simulated worker per model (MODEL=a, MODEL=b). Each worker's duty is its own: its device seconds / the wall of
+its model's jobs (first claim to last finish).
 
 The simulated workers are started by this module only (`python -m worker.capacity simulated-worker`), never by
 a setting of a serving deployment; their heartbeat and /metrics say attention="simulated".
@@ -54,12 +61,14 @@ class Shape:
     items: int
     item_tokens: int
     batch: bool  # one batch upload of JSONL lines instead of POST /jobs
+    models: tuple[str, ...] = ()  # MODELS entries (name=source) the jobs alternate between; () for MODEL alone
 
 
 SHAPES = {
     "contract": Shape(2000, 500, 20, batch=False),  # the seeds' accelerator contract request
     "small": Shape(50, 10, 10, batch=False),
     "backfill": Shape(200, 20, 15, batch=True),
+    "two-models": Shape(50, 10, 10, batch=False, models=("a=smollm2-135m", "b=smollm2-135m")),
 }
 # Words the bundled tokenizer reads as one token each after a space: a text of n words is about n tokens.
 WORDS = ("the cat dog house tree river city water light stone paper music table window garden bread "
@@ -109,7 +118,9 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
             return 0
 
     # The real weights load but never run: the device is simulated.
-    scorer = SimulatedScorer.from_pretrained(settings.model, settings.model_cache_dir, attention="xla",
+    name = settings.worker_model
+    scorer = SimulatedScorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
+                                             attention="xla",
                                              pass_tokens=settings.pass_tokens or 16384,
                                              prefix_cache_bytes=settings.prefix_cache_bytes, **settings.request_limits)
     # As on an accelerator: only passes that keep a prefix return keys/values, and the cache is the device's.
@@ -307,20 +318,22 @@ class Bench:
     def run(self, name: str, workers: int, device_seconds: float) -> dict:
         from sqlalchemy import create_engine, func, select, text
 
-        from store.models import Job, Pass
+        from store.models import Job, Pass, Worker
 
         shape = SHAPES[name]
         n_jobs = jobs_for(shape, self.rate, device_seconds * workers)
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         url = self._create_database(tag)
         procs: list[subprocess.Popen] = []
+        names = [entry.split("=", 1)[0] for entry in shape.models]
         try:
-            env = self._env(url, tag)
+            env = self._env(url, tag) | ({"MODELS": ",".join(shape.models)} if shape.models else {})
             key, base, api = self._start_api(env, tag)
             procs.append(api)
             run = Run(name, workers, n_jobs)
             rng = np.random.default_rng(0)
-            bodies = [request_body(shape, i, rng) for i in range(n_jobs)]
+            bodies = [request_body(shape, i, rng) | ({"model": names[i % len(names)]} if names else {})
+                      for i in range(n_jobs)]
             run.items = n_jobs * shape.items
             api_cpu, pg_cpu, start = cpu_seconds([api.pid]), postgres_cpu(), time.perf_counter()
             batch_id = (_upload_batch if shape.batch else _submit_jobs)(base, key, bodies)
@@ -330,8 +343,10 @@ class Bench:
             with engine.connect() as conn:
                 queued = conn.scalar(select(func.count()).select_from(Job).where(Job.status == "queued"))
             assert queued == n_jobs, f"{queued} of {n_jobs} jobs queued; see {self.logs}"
+            # With several models, worker i serves model i (modulo their number).
             worker_procs = [self._spawn(["worker.capacity", "simulated-worker", "--device-tokens-per-s",
-                                         str(self.rate)], env, f"{tag}-worker{i}.log") for i in range(workers)]
+                                         str(self.rate)], env | ({"MODEL": names[i % len(names)]} if names else {}),
+                                        f"{tag}-worker{i}.log") for i in range(workers)]
             procs += worker_procs
             # Their CPU counts from the first claim: loading the model is not the pass loop's work.
             with engine.connect() as conn:
@@ -362,10 +377,18 @@ class Bench:
                 # or ran out of work early shows here.
                 run.per_worker = [
                     {"first_pass_s": round((lo - first).total_seconds(), 2),
-                     "last_pass_s": round((hi - first).total_seconds(), 2), "device_s": round(n / self.rate, 2)}
-                    for lo, hi, n in conn.execute(select(func.min(Pass.created_at), func.max(Pass.created_at),
-                                                         func.sum(Pass.tokens)).group_by(Pass.worker)
-                                                  .order_by(func.min(Pass.created_at)))]
+                     "last_pass_s": round((hi - first).total_seconds(), 2), "device_s": round(n / self.rate, 2),
+                     "model": model}
+                    for lo, hi, n, model in conn.execute(
+                        select(func.min(Pass.created_at), func.max(Pass.created_at), func.sum(Pass.tokens),
+                               func.min(Worker.model)).outerjoin(Worker, Worker.id == Pass.worker)
+                        .group_by(Pass.worker).order_by(func.min(Pass.created_at)))]
+                # Each worker's duty over its own model's wall (first claim to last finish of that model's jobs).
+                walls = {model: (hi - lo).total_seconds() for model, lo, hi in conn.execute(
+                    select(Job.model, func.min(Job.started_at), func.max(Job.finished_at)).group_by(Job.model))}
+                for figures in run.per_worker:
+                    if figures["model"] in walls:
+                        figures["duty"] = round(figures["device_s"] / walls[figures["model"]], 3)
             engine.dispose()
             run.wall = (last - first).total_seconds()
             run.device_seconds = tokens / self.rate
@@ -598,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
         figures = bench.run(shape, int(workers), args.device_seconds)
         results.append(figures)
         print(json.dumps(figures), flush=True)
+        if SHAPES[shape].models:
+            print("  per worker (model: duty, device s): " + ", ".join(
+                f"{w['model']}: {w.get('duty')}, {w['device_s']}" for w in figures["per_worker"]), flush=True)
     print("\n| shape | workers | jobs | duty | items/s | ideal items/s | API jobs/s | CPU ms/job: API, workers, "
           "Postgres (submit+drain+results read) | workers per Postgres core at 90% (estimate) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -2,7 +2,7 @@
 
 import os
 
-from store.broker import make_celery
+from store.broker import drain_queue, make_celery
 from store.settings import get_settings
 
 app = make_celery(get_settings(), include=("worker.tasks",))
@@ -10,7 +10,7 @@ app = make_celery(get_settings(), include=("worker.tasks",))
 
 def worker_argv(loglevel: str = "INFO") -> list[str]:
     """`celery worker`'s arguments: the solo pool (the task runs in the worker's own process, which loaded the
-    model; nothing forks after JAX), on this deployment's queue."""
+    model; nothing forks after JAX), on the queue of the worker's model."""
     return ["worker", "--pool", "solo", "--concurrency", "1", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-Q", get_settings().queue_name, "--loglevel", loglevel,
+            "--without-heartbeat", "-Q", drain_queue(get_settings(), get_settings().worker_model), "--loglevel", loglevel,
             "--hostname", f"packscore-{os.getpid()}@%h"]

@@ -437,7 +437,7 @@ def batch_pass_tokens(scorer: Scorer, settings: Settings) -> int:
 def _claimer(owner: str, settings: Settings, round_tokens: int,
              feed: lake.ChunkFeed | None = None) -> Callable[[bool], list[ClaimedJob]]:
     def claim(interactive_only: bool) -> list[ClaimedJob]:
-        clear_pending_kick()  # jobs committed from now on send a kick; those before are seen by this claim
+        clear_pending_kick(settings.worker_model)  # jobs committed from now on send a kick; those before are seen by this claim
         if interactive_only:
             return jobqueue.claim_interactive(owner, settings)
         # Reference batches' chunks after uploaded batches' rounds.

@@ -254,7 +254,7 @@ class ChunkFeed:
                     held = set(self._held)
                 lake.extend_leases(self.owner, self.settings, held)
                 if self._ready:  # a chunk read and not taken (the pass loop had ended): a pass loop takes it
-                    kick_drain()
+                    kick_drain(self.settings.worker_model)
             except Exception as exc:  # noqa: BLE001  (the database is down: keep trying)
                 log.warning("the chunk keeper failed: %s: %s", type(exc).__name__, str(exc).splitlines()[0])
 
@@ -293,7 +293,7 @@ def sweep(settings: Settings) -> bool:
         lake.settle(batch_id)
     with _feeds_lock:
         feeds = list(_feeds.values())
-    return not any(feed.busy() for feed in feeds) and lake.live_chunks()
+    return not any(feed.busy() for feed in feeds) and lake.live_chunks(settings)
 
 
 def close_feeds() -> None:

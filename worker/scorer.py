@@ -26,7 +26,10 @@ def _load() -> Scorer:
     if settings.compile_cache_dir:
         jax.config.update("jax_compilation_cache_dir", settings.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
-    return Scorer.from_pretrained(settings.model, settings.model_cache_dir, pass_tokens=settings.pass_tokens, dtype=settings.dtype,
+    # The worker's one model (MODEL), named as the API names it: jobs are claimed by that name.
+    name = settings.worker_model
+    return Scorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
+                                  pass_tokens=settings.pass_tokens, dtype=settings.dtype,
                                   attention=settings.attention, max_programs=settings.max_programs,
                                   prefix_cache_bytes=settings.prefix_cache_bytes,
                                   **settings.request_limits)

@@ -84,7 +84,7 @@ def _every(seconds: float, step: Callable[[], None]) -> None:
 
 def _maintain() -> None:
     settings = get_settings()
-    drain_module.heartbeat(WORKER_ID, settings.model, settings, get_scorer().attention_path,
+    drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, get_scorer().attention_path,
                            "ready" if _ready.is_set() else "warming")
     if not _ready.is_set():
         return
@@ -93,7 +93,7 @@ def _maintain() -> None:
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
     # for good while /readyz said ready); the jobs table, not the broker, is the queue of record.
     if jobqueue.sweep(settings) | lake.sweep(settings):  # both run: each also re-queues what dead workers held
-        kick_drain()
+        kick_drain(settings.worker_model)
         _drain()
 
 
@@ -112,7 +112,7 @@ def _deliver() -> None:
 def _start(**_: object) -> None:
     settings = get_settings()
     scorer = get_scorer()  # load before consuming: the first drain should not pay for it
-    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "warming")
+    drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "warming")
     for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
                           (_prune, settings.retention_interval_seconds)):
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
@@ -124,9 +124,9 @@ def _start(**_: object) -> None:
         except Exception:  # e.g. out of memory: serve anyway, programs compile when first needed
             log.exception("worker %s: warm-up failed; programs compile when first needed", WORKER_ID)
     _ready.set()
-    drain_module.heartbeat(WORKER_ID, settings.model, settings, scorer.attention_path, "ready")
+    drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "ready")
     _drain()  # jobs may have queued while no worker ran (their kick may have gone to another worker)
-    log.info("worker %s ready (model %s)", WORKER_ID, settings.model)
+    log.info("worker %s ready (model %s)", WORKER_ID, settings.worker_model)
 
 
 @worker_shutting_down.connect

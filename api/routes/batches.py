@@ -10,11 +10,11 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, ModelsDep, SessionDep, SettingsDep
 from api.schemas import BatchList
-from core import RequestTokenizer
 from store import batches
 from store.broker import kick_drain
+from store.catalog import ModelCatalog
 from store.errors import ServiceError
 from store.lake import chunks as lake
 from store.models import ApiKey, Batch
@@ -59,16 +59,19 @@ async def _json_body(request: Request, limit: int) -> BatchCreate | BatchSource:
 
 
 @router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC)
-async def create_batch(request: Request, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
-                       settings: SettingsDep, prompt: RerankPromptDep, response: Response,
+async def create_batch(request: Request, key: CurrentKey, session: SessionDep, models: ModelsDep,
+                       settings: SettingsDep, response: Response,
                        webhook_url: Annotated[str | None, Query(max_length=2048)] = None,
                        metadata: Annotated[str | None, Query(description="a JSON object, echoed back")] = None,
+                       model: Annotated[str | None, Query(max_length=100, description="the batch's model (default: "
+                                                          "its first request's)")] = None,
                        ) -> BatchOut:
     """Create a batch from a JSONL file sent as the raw body (one request per line, each with a `custom_id`;
     `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
     "webhook_url", "metadata"}`. A line is a job's fields, or an OpenAI Batch API line (`method`, `url`:
     /v1/score or /v1/rerank, `body`). The upload is validated line by line as it streams in: a bad line
-    becomes an error result of its own. An upload with no JSON object line is a 400.
+    becomes an error result of its own. An upload with no JSON object line is a 400. A batch runs one model:
+    `model` (a query parameter, or a field of the JSON body), else its first request's.
 
     A JSON body naming `input` and `output` instead is a reference batch: the data stays in storage (s3://,
     gs://, az://, or a local path under BATCH_LOCAL_ROOT) and is run in chunks; see README "Backfills from
@@ -83,11 +86,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
     if content_type == "application/json":
         body = await _json_body(request, settings.max_body_bytes)
         if isinstance(body, BatchSource):
-            batch = await run_in_threadpool(_create_reference, session, key, body, request_tokenizer, settings)
-            kick_drain()
+            batch = await run_in_threadpool(_create_reference, session, key, body, models, settings)
+            kick_drain(batch.model)
             response.headers["Location"] = f"/batches/{batch.id}"
             return await run_in_threadpool(read, session, batch)
-        webhook_url, meta = body.webhook_url, body.metadata
+        webhook_url, meta, model = body.webhook_url, body.metadata, body.model
     else:
         try:
             meta = json.loads(metadata) if metadata is not None else None
@@ -95,8 +98,9 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
             meta = None
         if metadata is not None and not isinstance(meta, dict):
             raise ServiceError(422, "invalid_input", "metadata must be a JSON object")
-    batch = await run_in_threadpool(batches.start_batch, session, key, request_tokenizer, settings, webhook_url, meta)
-    ingest = batches.Ingest(session, batch, request_tokenizer, settings, prompt)
+    chosen = models.get(model).name  # an unknown model is refused before anything is stored
+    batch = await run_in_threadpool(batches.start_batch, session, key, chosen, settings, webhook_url, meta)
+    ingest = batches.Ingest(session, batch, models, settings, fixed=model is not None)
     deadline = time.monotonic() + settings.batch_upload_timeout_seconds
     try:
         if body is not None:
@@ -119,15 +123,15 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, r
                            f"the upload failed on the server ({type(exc).__name__}); send it again")
         raise
     if ingest.queued:
-        kick_drain()
+        kick_drain(batch.model)
     response.headers["Location"] = f"/batches/{batch.id}"
     return await run_in_threadpool(batches.read_batch, session, batch)
 
 
-def _create_reference(session: Session, key: ApiKey, body: BatchSource, request_tokenizer: RequestTokenizer,
+def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: ModelCatalog,
                       settings: Settings) -> Batch:
     try:
-        return lake.create_reference_batch(session, key, body, request_tokenizer, settings)
+        return lake.create_reference_batch(session, key, body, models.get(body.model).tokenizer, settings)
     except Exception:
         session.rollback()  # nothing of a refused batch is kept
         raise

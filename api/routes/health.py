@@ -1,13 +1,11 @@
-from datetime import timedelta
-
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 
 from api.deps import SessionDep, SettingsDep
 from store.broker import broker_reachable
-from store.models import Worker, utcnow
+from store.jobqueue import live_workers, waiting_models
 
 router = APIRouter(tags=["health"])
 
@@ -22,24 +20,29 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", responses={503: {"description": "Not ready: the body says which check failed"}})
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     """Ready to serve: the database and the broker answer and at least one ready worker was seen recently.
-    "warming" (503) while the only live workers still compile their programs (WARMUP=ladder)."""
+    "warming" (503) while the only live workers still compile their programs (WARMUP=ladder). `models`: each
+    configured model's ready and warming workers, and whether jobs of it wait; a model with no live worker
+    keeps its jobs queued until one starts."""
     checks: dict[str, bool | int] = {}
+    models = list(settings.served_models)
     try:
         session.execute(text("SELECT 1"))
-        cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
-        states = dict(session.execute(select(Worker.state, func.count()).where(Worker.last_seen_at >= cutoff)
-                                      .group_by(Worker.state)).all())
+        workers = live_workers(session, settings)
+        waiting = waiting_models(session, models)
         checks["database"] = True
     except Exception:  # readiness reports, it does not fail
-        states = {}
+        workers, waiting = {}, set()
         checks["database"] = False
     checks["broker"] = broker_reachable()
-    checks["workers"] = states.get("ready", 0)
-    checks["warming"] = states.get("warming", 0)
+    checks["workers"] = sum(states.get("ready", 0) for states in workers.values())
+    checks["warming"] = sum(states.get("warming", 0) for states in workers.values())
     ready = bool(checks["database"] and checks["broker"] and checks["workers"] > 0)
     status = "ready" if ready else "warming" if checks["warming"] and checks["database"] and checks["broker"] \
         else "not_ready"
-    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
+    per_model = {model: {"workers": workers.get(model, {}).get("ready", 0),
+                         "warming": workers.get(model, {}).get("warming", 0), "jobs_waiting": model in waiting}
+                 for model in models}
+    return JSONResponse({"status": status, "checks": checks, "models": per_model}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=Response)

@@ -4,13 +4,12 @@ from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentKey, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, ModelsDep, SessionDep, SettingsDep
 from api.schemas import JobBody, JobList
-from core import RequestTokenizer
 from store import jobs as job_store
 from store.broker import kick_drain
 from store.models import ApiKey
-from store.rerank import RerankPrompt
+from store.catalog import ModelCatalog
 from store.schemas import JobCreate, JobOut, JobStatus, job_out
 from store.settings import Settings
 
@@ -18,29 +17,29 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
 @router.post("", status_code=202, response_model=JobOut)
-async def create_job(body: JobBody, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
-                     settings: SettingsDep, prompt: RerankPromptDep, response: Response,
+async def create_job(body: JobBody, key: CurrentKey, session: SessionDep, models: ModelsDep,
+                     settings: SettingsDep, response: Response,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobOut:
     """Queue a scoring job, or with `"kind": "rerank"` a rerank job (the body of /v1/rerank; its `results` are
     what /v1/rerank answers). The same Idempotency-Key with the same body returns the same job; with another
     body, 409."""
     # One trip to a thread for the blocking work; the answer is then serialized on the event loop (a sync route
     # costs a second trip for that).
-    return await run_in_threadpool(_create_job, body, key, session, request_tokenizer, settings, prompt, response,
-                                   idempotency_key)
+    return await run_in_threadpool(_create_job, body, key, session, models, settings, response, idempotency_key)
 
 
-def _create_job(body: JobBody, key: ApiKey, session: Session, request_tokenizer: RequestTokenizer,
-                settings: Settings, prompt: RerankPrompt, response: Response, idempotency_key: str | None) -> JobOut:
+def _create_job(body: JobBody, key: ApiKey, session: Session, models: ModelCatalog, settings: Settings,
+                response: Response, idempotency_key: str | None) -> JobOut:
     rerank = None
+    model = models.get(body.model)
     if body.kind == "rerank":
-        score_input, rerank = prompt.score_input(body)
+        score_input, rerank = model.rerank.score_input(body)
         body = JobCreate(**score_input.model_dump(), webhook_url=body.webhook_url, metadata=body.metadata)
-    job, created = job_store.create_job(session, key, body, request_tokenizer, settings, idempotency_key=idempotency_key,
-                                   rerank=rerank)
+    job, created = job_store.create_job(session, key, body, model.tokenizer, settings,
+                                        idempotency_key=idempotency_key, rerank=rerank)
     response.headers["Location"] = f"/jobs/{job.id}"
     if created:
-        kick_drain()
+        kick_drain(job.model)
         # Just inserted: no result and no webhook delivery yet, so the row as written is the whole answer.
         return job_out(job)
     response.headers["Idempotent-Replayed"] = "true"

@@ -2,7 +2,7 @@ from fastapi import APIRouter
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentKey, JobWaiterDep, RequestTokenizerDep, RerankPromptDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, JobWaiterDep, ModelsDep, SessionDep, SettingsDep
 from api.schemas import ErrorBody
 from api.waiter import JobWaiter
 from core import RequestTokenizer
@@ -20,23 +20,24 @@ _TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=_TIMEOUT)
 @router.post("/score", response_model=ScoreResponse, responses=_TIMEOUT, include_in_schema=False)
-async def score(body: ScoreRequest, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
+async def score(body: ScoreRequest, key: CurrentKey, session: SessionDep, models: ModelsDep,
                 settings: SettingsDep, waiter: JobWaiterDep) -> ScoreResponse:
     """Synchronous scoring with the request and response of vLLM's and SGLang's /v1/score. It runs as a
     high-priority job through the same queue and workers; past SCORE_TIMEOUT_SECONDS it answers 504 with the
     job id (poll GET /jobs/{id}). While it waits it holds neither a thread nor a database connection."""
-    return await _run(body, None, key, session, request_tokenizer, settings, waiter)
+    return await _run(body, None, key, session, models.get(body.model).tokenizer, settings, waiter)
 
 
 @router.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=_TIMEOUT)
 @router.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=_TIMEOUT,
              include_in_schema=False)
-async def rerank(body: RerankRequest, key: CurrentKey, session: SessionDep, request_tokenizer: RequestTokenizerDep,
-                 settings: SettingsDep, waiter: JobWaiterDep, prompt: RerankPromptDep) -> RerankResponse:
+async def rerank(body: RerankRequest, key: CurrentKey, session: SessionDep, models: ModelsDep,
+                 settings: SettingsDep, waiter: JobWaiterDep) -> RerankResponse:
     """Rerank as Cohere, Jina and vLLM define it: documents sorted by relevance to the query, P(yes) of the
     RERANK_TEMPLATE prompt against P(no). Runs like /v1/score (same queue, same timeout)."""
-    score_input, rerank_spec = prompt.score_input(body)
-    return await _run(score_input, rerank_spec, key, session, request_tokenizer, settings, waiter)
+    model = models.get(body.model)
+    score_input, rerank_spec = model.rerank.score_input(body)
+    return await _run(score_input, rerank_spec, key, session, model.tokenizer, settings, waiter)
 
 
 async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session,
@@ -53,7 +54,7 @@ def _submit(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session
     # The insert and the kick in one trip to a thread, not two.
     job, _ = job_store.create_job(session, key, body, request_tokenizer, settings, priority=PRIORITY_SYNC,
                                   rerank=rerank)
-    kick_drain()
+    kick_drain(job.model)
     return job
 
 

@@ -132,13 +132,13 @@ class ClaimedChunk:
 
 
 def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
-    """Leases the next ready chunk (the batch claimed from least recently first, then oldest batch, then
-    chunk order), or None."""
+    """Leases the next ready chunk of a batch of the worker's model (the batch claimed from least recently
+    first, then oldest batch, then chunk order), or None."""
     now = utcnow()
     with session_scope() as session:
         candidate = session.execute(
             select(_CHUNKS.batch_id, _CHUNKS.index).select_from(Chunk.__table__.join(Batch, Batch.id == _CHUNKS.batch_id))
-            .where(_CHUNKS.status == "queued", Batch.status == "in_progress",
+            .where(_CHUNKS.status == "queued", Batch.status == "in_progress", Batch.model == settings.worker_model,
                    (_CHUNKS.not_before.is_(None)) | (_CHUNKS.not_before <= now))
             .order_by(Batch.last_claimed_at.asc().nulls_first(), _CHUNKS.batch_id, _CHUNKS.index).limit(1)
             .with_for_update(of=Chunk.__table__, skip_locked=True)).first()
@@ -236,11 +236,11 @@ def sweep_chunks(settings: Settings) -> set[str]:
     return over
 
 
-def live_chunks() -> bool:
-    """Whether any chunk waits to be claimed now (the sweeper's wake-up)."""
+def live_chunks(settings: Settings) -> bool:
+    """Whether any chunk of the worker's model waits to be claimed now (the sweeper's wake-up)."""
     with session_scope() as session:
         return session.scalar(select(Chunk.index).join(Batch, Batch.id == Chunk.batch_id).where(
-            Chunk.status == "queued", Batch.status == "in_progress",
+            Chunk.status == "queued", Batch.status == "in_progress", Batch.model == settings.worker_model,
             (Chunk.not_before.is_(None)) | (Chunk.not_before <= utcnow())).limit(1)) is not None
 
 

@@ -330,7 +330,7 @@ def _lines(lines: list[bytes], options: Options, tokenizer: RequestTokenizer) ->
             if isinstance(body, RerankRequest):
                 raise LineError("unknown_url", "rerank lines are served by uploaded batches, not reference batches")
             if body.model is not None and body.model != tokenizer.model_name:
-                raise LineError("unknown_model", f"model {body.model!r} is not served here")
+                raise LineError("unknown_model", f"model {body.model!r}: this batch runs {tokenizer.model_name!r}")
             request = tokenizer.tokenize(body.query, body.items, body.label_token_ids, body.item_first)
         except LineError as exc:
             rows.errors[i] = (exc.code, exc.message)
