@@ -5,6 +5,7 @@ bundled tokenizer, `judge` a tiny Llama checkpoint with a word-level tokenizer o
 (so the same text is other ids, and a label id valid for `small` is out of range for `judge`)."""
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -247,3 +248,43 @@ def test_two_workers_each_claim_only_their_models_jobs_and_batches(two_models, m
             job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
             expected = scorer.score(body["query"], body["items"], body["label_token_ids"])
             np.testing.assert_allclose(job["scores"], expected, rtol=SCORE_RTOL, atol=0)
+
+
+# ---- two live worker processes ---------------------------------------------------------------------------------
+
+def test_two_worker_processes_serve_two_models(redis_url: str, run_id: str, database_factory,  # type: ignore[no-untyped-def]
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`packscore serve` with MODELS=small,judge and real Celery workers (MODEL=small, later MODEL=judge), each on
+    its model's broker queue: a judge job waits while only small's worker runs, and runs once judge's starts."""
+    from tests.service_harness import running_service, wait_terminal, wait_until
+
+    path = tmp_path_factory.mktemp("judge-live")
+    build_judge(path)
+    references = {"small": Scorer.from_pretrained("tiny-random", name="small"),
+                  "judge": Scorer.from_pretrained(str(path), name="judge")}
+    bodies = {model: [{"query": f"the {w} is good ?", "items": [" yes", " a dog", ""], "label_token_ids": [1, 2],
+                       "model": model} for w in ("cat", "dog")] for model in references}
+    with database_factory(f"packscore_models_{run_id}") as url:
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:models:",
+               "MODELS": f"small=tiny-random,judge={path}"}
+        with running_service(env, tmp_path_factory.mktemp("models-logs")) as service, service.http() as http:
+            service.start_worker(env={"MODEL": "small"})
+            wait_until(lambda: http.get("/v1/models").json()["data"][0]["workers"]["ready"] == 1, 300,
+                       "small's worker")
+            ids = {model: [http.post("/jobs", json=body).json()["id"] for body in bodies[model]] for model in bodies}
+            done = wait_terminal(http, ids["small"])
+            time.sleep(3)  # several of small's idle rounds: judge's jobs must still be waiting
+            assert {http.get(f"/jobs/{i}").json()["status"] for i in ids["judge"]} == {"queued"}
+            assert {m["id"]: m["workers"]["ready"] for m in http.get("/v1/models").json()["data"]} == \
+                {"small": 1, "judge": 0}
+
+            service.start_worker(env={"MODEL": "judge"})
+            done.update(wait_terminal(http, ids["judge"], seconds=300))
+            assert {m["id"]: m["workers"]["ready"] for m in http.get("/v1/models").json()["data"]} == \
+                {"small": 1, "judge": 1}
+            for model, reference in references.items():
+                for job_id, body in zip(ids[model], bodies[model]):
+                    job = done[job_id]
+                    assert job["status"] == "succeeded" and job["model"] == model, job
+                    expected = reference.score(body["query"], body["items"], body["label_token_ids"])
+                    np.testing.assert_allclose(job["scores"], expected, rtol=SCORE_RTOL, atol=0)
