@@ -23,7 +23,7 @@ from store.lake.access import Access, Location
 from store.lake.tables import Columns, Options, plan, read_chunk
 from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery
 from store.settings import get_settings
-from tests.object_store import SeaweedS3
+from worker.local_s3 import SeaweedS3
 from worker import drain as drain_module
 from worker.scorer import get_scorer
 

@@ -485,3 +485,29 @@ def test_a_job_claimed_while_a_pass_runs_goes_into_the_next_pass(client, make_ke
     drain_module.drain(scorer, "worker-a", get_settings(), wake=wake)
     late = scorer.tokenize("A late small question", ["yes"], [5]).query
     assert late in passes[1], [len(p) for p in passes]
+
+
+def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
+    """On CPU a backfill alone runs 1,024-token passes; for INTERACTIVE_RECENT_SECONDS after an interactive
+    job they are 512 long (an interactive job waits for the batch pass on the engine)."""
+    from core import Scorer
+    from store.jobqueue import ClaimedJob
+    from store.models import PRIORITY_BATCH, PRIORITY_SYNC
+
+    scorer = Scorer.from_pretrained("tiny-random", pass_tokens=4096)
+    assert not scorer.launches_ahead
+    settings = get_settings().model_copy(update={"batch_round_tokens": None})
+    loop = drain_module.PassLoop(scorer, "budget-test", settings, None, lambda _: [])
+    request = scorer.tokenize("a query", [" one", " two"], [5])
+    batch_job = drain_module.RunningJob(ClaimedJob("b", PRIORITY_BATCH, scorer.model_name, None, None, "x", None),
+                                        request, 0)
+    assert loop._pass_budget([batch_job]) == 2 * drain_module.CPU_BATCH_PASS_TOKENS == 1024
+    loop._admit([(ClaimedJob("i", PRIORITY_SYNC, scorer.model_name, None, None, None, None), request)])
+    drain_module.active_jobs.discard(["i"])
+    assert loop._pass_budget([batch_job]) == drain_module.CPU_BATCH_PASS_TOKENS
+    loop._interactive_at -= drain_module.INTERACTIVE_RECENT_SECONDS
+    assert loop._pass_budget([batch_job]) == 1024
+    # BATCH_ROUND_TOKENS wins; accelerators (passes launched ahead) keep whole passes.
+    assert drain_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}), True) == 256
+    scorer.launches_ahead = True
+    assert drain_module.batch_pass_tokens(scorer, settings, True) == 4096

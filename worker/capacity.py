@@ -408,7 +408,7 @@ class Bench:
         from sqlalchemy import create_engine, func, select, text
 
         from store.models import Batch, Chunk, CounterRow
-        from tests.object_store import CREDENTIALS, SeaweedS3  # the tests' store, started here too
+        from worker.local_s3 import CREDENTIALS, SeaweedS3
 
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         store = SeaweedS3(self.logs / f"{tag}-s3")
@@ -420,13 +420,12 @@ class Bench:
                                    endpoint_url=store.endpoint)
             rng = np.random.default_rng(0)
             queries = pairs // docs
-            query_text = [_text(rng, 200, f"query {i}:") for i in range(queries)]
-            doc_words = rng.choice(WORDS, size=(pairs, 15))
             started = time.perf_counter()
             for part, lo in enumerate(range(0, queries, 5000)):  # files of 5,000 queries, row groups of 5,000 rows
-                hi = min(queries, lo + 5000)
-                table = pa.table({"q": np.repeat(query_text[lo:hi], docs),
-                                  "doc": [" ".join(w) for w in doc_words[lo * docs:hi * docs]],
+                hi = min(queries, lo + 5000)  # made a file at a time: 10M pairs' words at once take gigabytes
+                query_text = [_text(rng, 200, f"query {i}:") for i in range(lo, hi)]
+                doc_words = rng.choice(WORDS, size=((hi - lo) * docs, 15))
+                table = pa.table({"q": np.repeat(query_text, docs), "doc": [" ".join(w) for w in doc_words],
                                   "pair_id": pa.array(np.arange(lo * docs, hi * docs), pa.int64())})
                 with fs.open(f"lake/pairs/part-{part:04d}.parquet", "wb") as f:
                     pq.write_table(table, f, row_group_size=5000)

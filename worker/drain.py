@@ -16,6 +16,7 @@ lease was lost (or by a worker killed with writes still queued, whose jobs run a
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -39,8 +40,11 @@ CLAIM_AHEAD_PASSES = 4
 URGENT_CLAIM_WAIT_SECONDS = 1.0
 # Batch passes on CPU, in tokens, unless BATCH_ROUND_TOKENS says otherwise. An interactive job waits for the
 # batch pass on the engine: on a 2-core AVX2 host a pass of the bundled model took 10 s at 4,096 tokens, 2.3 s
-# at 1,024 and 1 s at 512, with no loss per token (`python -m worker.latency`: README, Performance).
+# at 1,024 and 1 s at 512. So batch passes are CPU_BATCH_PASS_TOKENS long while interactive jobs came in the
+# last INTERACTIVE_RECENT_SECONDS, twice that otherwise: on an AVX-512 host a backfill alone ran 7-12% faster
+# in 1,024-token passes than in 512 (`python -m worker.latency`: README, Performance).
 CPU_BATCH_PASS_TOKENS = 512
+INTERACTIVE_RECENT_SECONDS = 30.0
 
 
 class ActiveJobs:
@@ -143,6 +147,7 @@ class PassLoop:
         self._urgent_lock = threading.Lock()
         self._urgent_busy = False  # a wake-up's claim is queued or running in the writer
         self._claim_again = False  # a wake-up came while it ran: it may have read the queue before that job
+        self._interactive_at = float("-inf")  # when an interactive job was last admitted (monotonic)
 
     def _claim_now(self) -> None:
         with self._urgent_lock:
@@ -203,6 +208,8 @@ class PassLoop:
                 self.writer.fail(self.owner, job, (request.code, request.message))
                 continue
             run = RunningJob(job, request, self._order)
+            if job.priority > PRIORITY_BATCH:
+                self._interactive_at = time.monotonic()
             self._order += 1
             if request.n_items == 0:
                 self.writer.finish(self.owner, job, run.logprobs)
@@ -277,7 +284,8 @@ class PassLoop:
         connection open for its job), the shortest pass length that holds them, older jobs filling the rest:
         they are answered after a short pass instead of a full one. A backlog still fills whole passes."""
         if waiting and waiting[0].claimed.priority <= PRIORITY_BATCH:
-            return batch_pass_tokens(self.scorer, self.settings)
+            recently = time.monotonic() - self._interactive_at < INTERACTIVE_RECENT_SECONDS
+            return batch_pass_tokens(self.scorer, self.settings, recently)
         fresh = sum(r.pending_tokens for r in waiting
                     if r.claimed.priority > PRIORITY_BATCH and len(r.pending) == r.request.n_items)
         lengths = self.scorer.pass_lengths
@@ -426,11 +434,13 @@ class PassLoop:
                 pass  # their leases expire
 
 
-def batch_pass_tokens(scorer: Scorer, settings: Settings) -> int:
+def batch_pass_tokens(scorer: Scorer, settings: Settings, interactive_recently: bool = False) -> int:
     """Tokens of a batch pass, and of a batch claim's round: BATCH_ROUND_TOKENS; unset, a full pass on an
-    accelerator, CPU_BATCH_PASS_TOKENS on CPU (at most a pass either way). A shorter batch pass is a shorter
-    wait for an interactive job arriving during a backfill, which waits for the batch pass on the engine."""
-    default = scorer.pass_tokens if scorer.launches_ahead else CPU_BATCH_PASS_TOKENS
+    accelerator, on CPU CPU_BATCH_PASS_TOKENS after recent interactive jobs and twice that otherwise (at most a
+    pass either way). A shorter batch pass is a shorter wait for an interactive job arriving during a
+    backfill, which waits for the batch pass on the engine."""
+    default = scorer.pass_tokens if scorer.launches_ahead else CPU_BATCH_PASS_TOKENS * (
+        1 if interactive_recently else 2)
     return min(settings.batch_round_tokens or default, scorer.pass_tokens)
 
 
