@@ -182,50 +182,98 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_reader(cls, reader) -> "ModelConfig":  # type: ignore[no-untyped-def]
-        """From a GGUF file's metadata (a `gguf.GGUFReader`; no tensor is read): llama, qwen2, qwen3, gemma
-        or gemma2 (llama.cpp's names; its converter stores Gemma's norms as 1 + w already)."""
+        """From a GGUF file's metadata (a `gguf.GGUFReader`; of its tensors only the small RoPE factors are
+        read), by llama.cpp's architecture names (see _GGUF_FAMILIES). llama.cpp's converter stores Gemma's norms
+        as 1 + w already, and some settings only in llama.cpp's code: those are taken from there (noted below)."""
         def field(key: str):  # type: ignore[no-untyped-def]
             return reader.fields[key].contents() if key in reader.fields else None
 
         arch = field("general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3", "gemma", "gemma2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+        if arch not in _GGUF_FAMILIES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_FAMILIES)})")
         arch_field = lambda key: field(f"{arch}.{key}")
-        if arch_field("rope.scaling.type") not in (None, "none"):
-            raise ValueError(f"GGUF field {arch}.rope.scaling.type={arch_field('rope.scaling.type')!r} is not supported")
+        scaling = arch_field("rope.scaling.type")
+        if scaling not in (None, "none", "linear"):
+            raise ValueError(f"GGUF field {arch}.rope.scaling.type={scaling!r} is not supported (none, linear)")
         heads, hidden = arch_field("attention.head_count"), arch_field("embedding_length")
         layers = arch_field("block_count")
         head_dim = arch_field("attention.key_length") or hidden // heads
-        embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        gemma = arch in ("gemma", "gemma2")
-        window = arch_field("attention.sliding_window") if arch == "gemma2" else None
+        if arch_field("rope.dimension_count") not in (None, head_dim):
+            raise ValueError(f"GGUF field {arch}.rope.dimension_count={arch_field('rope.dimension_count')} is not "
+                             f"supported (partial RoPE; {head_dim}, the head size, only)")
+        tensors = {t.name: t for t in reader.tensors}
+        gemma = arch in ("gemma", "gemma2", "gemma3")
+        window = arch_field("attention.sliding_window") if arch in _GGUF_SLIDING else None
+        if arch == "gemma3" and arch_field("attention.sliding_window_pattern") not in (None, 6):
+            raise ValueError(f"GGUF field gemma3.attention.sliding_window_pattern="
+                             f"{arch_field('attention.sliding_window_pattern')!r} is not supported (llama.cpp: 6)")
+        windows = tuple(int(window) if window and _GGUF_SLIDING[arch](i) else 0 for i in range(layers))
+        # Global layers: freq_base, linear scaling, frequency factors (tensors: Phi-3's LongRoPE short factors or
+        # Llama 3's rope_freqs; ggml divides each frequency by its factor), LongRoPE's attention factor.
+        # Gemma 3's local layers: freq_base_swa, 10000 where absent (llama.cpp's default), no scaling.
+        theta = float(arch_field("rope.freq_base") or 10000.0)
+        base = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+        factors = next((_gguf_tensor(tensors[n]) for n in _GGUF_ROPE_FACTORS if n in tensors), 1)
+        inv = (1.0 / (factors * base)).astype(np.float32)  # as _rope computes LongRoPE's
+        if scaling == "linear":
+            inv = (inv / np.float32(arch_field("rope.scaling.factor"))).astype(np.float32)
+        rope = Rope(tuple(inv.tolist()), float(arch_field("rope.scaling.attn_factor") or 1.0))
+        local = Rope.plain(float(arch_field("rope.freq_base_swa") or 10000.0), head_dim)
+        per_layer = [local if arch == "gemma3" and w else rope for w in windows]
+        ropes = tuple(dict.fromkeys(per_layer))
+        max_positions = int(arch_field("context_length") or 8192)
+        if "rope_factors_long.weight" in tensors:  # the short factors hold up to the original context (see _rope)
+            max_positions = min(max_positions, int(arch_field("rope.scaling.original_context_length")))
         # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, or hidden / heads for Gemma 2 27B (46
-        # layers), which is what the published configs hold.
-        scalar = (hidden / heads if layers == 46 else head_dim) if arch == "gemma2" else None
+        # layers) and Gemma 3 27B (62), which is what the published configs hold.
+        scalar = (hidden / heads if layers in (46, 62) else head_dim) if arch in ("gemma2", "gemma3") else None
+        attn_scale = float(scalar) ** -0.5 if scalar else None
+        if arch == "granite" and arch_field("attention.scale"):
+            attn_scale = float(arch_field("attention.scale"))
+        granite = lambda key: float(arch_field(key) or 1.0) if arch == "granite" else 1.0  # its multipliers
         return cls(
-            vocab_size=int(embed.shape[-1]),
+            vocab_size=int(tensors["token_embd.weight"].shape[-1]),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=arch_field("attention.head_count_kv") or heads,
             head_dim=head_dim,
             intermediate_size=arch_field("feed_forward_length"),
-            rope_theta=float(arch_field("rope.freq_base") or 10000.0),
+            rope_theta=theta,
             rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
-            qk_norm=arch == "qwen3",
-            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-            max_position_embeddings=int(arch_field("context_length") or 8192),
-            family=arch,
+            qk_norm=arch in ("qwen3", "gemma3"),
+            tie_word_embeddings="output.weight" not in tensors,
+            max_position_embeddings=max_positions,
+            family=_GGUF_FAMILIES[arch],
             qkv_bias=arch == "qwen2",
             activation="gelu_tanh" if gemma else "silu",
-            embed_scale=math.sqrt(hidden) if gemma else 1.0,
-            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            embed_scale=math.sqrt(hidden) if gemma else granite("embedding_scale"),
+            residual_scale=granite("residual_scale"),
+            attn_scale=attn_scale,
             attn_softcap=_cap(arch_field("attn_logit_softcapping")),
             final_softcap=_cap(arch_field("final_logit_softcapping")),
-            sandwich_norms=arch == "gemma2",
-            # llama.cpp's Gemma 2: even layers slide, odd ones are global (as transformers' layer_types).
-            windows=tuple(0 if i % 2 else int(window) for i in range(layers)) if window else (),
+            logits_scaling=granite("logit_scale"),
+            sandwich_norms=arch in ("gemma2", "gemma3"),
+            windows=windows if any(windows) else (),
+            ropes=() if ropes == (Rope.plain(theta, head_dim),) else ropes,
+            layer_rope=tuple(ropes.index(r) for r in per_layer) if len(ropes) > 1 else (),
         )
+
+
+# llama.cpp's architecture -> our family (Hugging Face's model_type).
+_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                  "gemma3": "gemma3_text", "phi3": "phi3", "granite": "granite"}
+# Which layers slide where the GGUF has a window: llama.cpp fixes the pattern in its code, not the file (Gemma 2:
+# even layers; Gemma 3: five local, then one global, as transformers' default; Phi-3: all, as transformers runs
+# it, though llama.cpp itself turns Phi-3's window off).
+_GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_freqs.weight")
+_GGUF_SLIDING = {"gemma2": lambda i: i % 2 == 0, "gemma3": lambda i: (i + 1) % 6 != 0, "phi3": lambda i: True}
+
+
+def _gguf_tensor(tensor) -> np.ndarray:  # type: ignore[no-untyped-def]
+    import gguf
+
+    return np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), np.float32)
 
 
 def _cap(value) -> float | None:  # type: ignore[no-untyped-def]

@@ -134,21 +134,35 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
     reader = gguf.GGUFReader(str(path))
     config = ModelConfig.from_gguf_reader(reader)
     tensors = {t.name: t for t in reader.tensors}
+    # The config read the RoPE factors (Phi-3's long ones are for sequences the engine does not take).
+    used = {"rope_factors_short.weight", "rope_factors_long.weight", "rope_freqs.weight"}
 
     def read(name: str) -> np.ndarray:
         t = tensors[name]
+        used.add(name)
         return np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape.tolist())))
 
     names = _layer_names(config, gguf=True)
+    # Phi-3 keeps its fused tensors: attn_qkv (q, k, v rows) and ffn_up (gate rows, then up rows).
+    fused = ("q", "k", "v", "gate", "up") if config.family == "phi3" else ()
     layers = []
     for i in range(config.num_layers):
-        layer = {key: read(f"blk.{i}.{name}") for key, name in names.items()}
-        if config.family == "llama":  # llama.cpp's converter permuted Q and K for its interleaved RoPE
+        layer = {key: read(f"blk.{i}.{name}") for key, name in names.items() if key not in fused}
+        if fused:
+            q, kv = config.q_size, config.kv_size
+            layer.update(zip(("q", "k", "v"), np.split(read(f"blk.{i}.attn_qkv.weight"), [q, q + kv])))
+            layer.update(zip(("gate", "up"), np.split(read(f"blk.{i}.ffn_up.weight"), 2)))
+        if config.family in ("llama", "granite"):  # llama.cpp's converter permuted Q and K for its interleaved RoPE
             layer["q"] = _unpermute_qk(layer["q"], config.num_heads)
             layer["k"] = _unpermute_qk(layer["k"], config.num_kv_heads)
         layers.append(layer)
     lm_head = read("output.weight") if "output.weight" in tensors else None
-    return config, stack_weights(config, read("token_embd.weight"), read("output_norm.weight"), layers, lm_head)
+    embed, final_norm = read("token_embd.weight"), read("output_norm.weight")
+    # As load_hf_dir: a tensor the model would not use (a bias, say) is refused, not ignored.
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ValueError(f"GGUF tensors the {config.family} model does not use: {unused[:4]}")
+    return config, stack_weights(config, embed, final_norm, layers, lm_head)
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict]:

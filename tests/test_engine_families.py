@@ -6,6 +6,8 @@ would fail here."""
 
 import dataclasses
 import json
+import math
+import re
 
 import numpy as np
 import pytest
@@ -187,64 +189,124 @@ def test_a_tensor_the_family_does_not_use_is_refused(tmp_path):
         load_hf_dir(tmp_path)
 
 
-def write_gguf(family: str, model, path) -> None:
-    """The checkpoint as llama.cpp's converter writes it (its names and metadata; Gemma's norms as 1 + w),
-    in float32."""
+def write_gguf(family: str, model, path, change=None) -> None:
+    """The checkpoint as llama.cpp's convert_hf_to_gguf.py writes it, in float32: its metadata keys for the
+    architecture, the tensor names of gguf's own name map, and the converter's changes to tensors (Gemma's norms
+    as 1 + w; Llama's and Granite's q/k rows permuted for llama.cpp's interleaved RoPE; Phi-3's LongRoPE
+    factors as tensors, its fused qkv and gate_up kept). `change(writer)` adds to it."""
     import gguf
 
     c = model.config
+    arch = {"gemma3_text": "gemma3", "llama3-rope": "llama"}.get(family, family)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer = gguf.GGUFWriter(str(path), family)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [("block_count", c.num_hidden_layers), ("embedding_length", c.hidden_size),
                        ("feed_forward_length", c.intermediate_size), ("head_count", c.num_attention_heads),
-                       ("head_count_kv", c.num_key_value_heads), ("key_length", head_dim),
-                       ("value_length", head_dim), ("layer_norm_rms_eps", c.rms_norm_eps),
-                       ("rope_freq_base", c.rope_parameters["rope_theta"]),
-                       ("context_length", c.max_position_embeddings)]:
+                       ("head_count_kv", c.num_key_value_heads), ("layer_norm_rms_eps", c.rms_norm_eps),
+                       ("rope_freq_base", rope["rope_theta"]), ("context_length", c.max_position_embeddings)]:
         getattr(writer, f"add_{add}")(value)
+    if family not in ("phi3", "granite"):  # Phi-3's converter writes no head size, Granite's drops it
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch in ("llama", "phi3", "granite"):
+        writer.add_rope_dimension_count(head_dim)
+    if rope.get("rope_type") == "linear":  # the global layers' (Gemma 3)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if "sliding_attention" in c.rope_parameters:
+        writer.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    if family in ("gemma2", "gemma3_text", "phi3"):
+        writer.add_sliding_window(c.sliding_window or 0)
     if family == "gemma2":
-        writer.add_sliding_window(c.sliding_window)
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "pre_feedforward_layernorm": "ffn_norm",
-             "post_feedforward_layernorm": "post_ffw_norm",
-             "post_attention_layernorm": "post_attention_norm" if family == "gemma2" else "ffn_norm"}
+    if family == "granite":  # the multipliers, under llama.cpp's names
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
+    if rope.get("rope_type") == "llama3":  # as frequency factors (LlamaModel.generate_extra_tensors)
+        old, low, high, factor = (rope[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                                     "high_freq_factor", "factor"))
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+        smooth = (old / wavelen - low) / (high - low)
+        writer.add_tensor("rope_freqs.weight", np.where(wavelen < old / high, 1.0, np.where(
+            wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))).astype(np.float32))
+    if family == "phi3":  # LongRoPE: the attention factor from max / original context, the factors as tensors
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    arch_enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(arch_enum, c.num_hidden_layers)
     for key, tensor in model.state_dict().items():
-        key = key.removeprefix("model.")
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        layer = key.split(".")[1] if key.startswith("layers.") else None
-        stem, kind = key.removeprefix(f"layers.{layer}.").rsplit(".", 1)
-        name = f"blk.{layer}.{names[stem]}.{kind}" if layer is not None else f"{names[stem]}.{kind}"
-        value = tensor.float().numpy()
-        writer.add_tensor(name, value + 1 if family.startswith("gemma") and "norm" in stem else value)
+        value = tensor.float()
+        if family.startswith("gemma") and key.endswith("norm.weight"):
+            value = value + 1
+        if arch in ("llama", "granite") and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in key else c.num_key_value_heads
+            value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
+        writer.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), value.numpy())
+    if change:
+        change(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma", "gemma2"])
+# GGUF has no query_pre_attn_scalar (llama.cpp takes head_dim, as the published 2B/9B, 1B-12B configs hold), and
+# llama.cpp fixes Gemma 3's pattern of five local layers, then a global one.
+GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 16},
+                  "gemma3_text": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6,
+                                  "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "llama3-rope"])
 def test_gguf_families_match_transformers(tmp_path, family):
-    """llama.cpp's names for the families whose GGUF layout is plain (no reordered q/k): qwen2 (biases),
-    gemma (norms stored as 1 + w), gemma2 (sandwich norms, window and soft-caps in the metadata)."""
+    """A checkpoint converted as llama.cpp converts it reads as the safetensors do and scores as transformers:
+    qwen2 (biases), gemma (norms stored as 1 + w), gemma2 (sandwich norms, window and soft-caps in the
+    metadata), gemma3 (q/k norms, local and global layers' RoPE), phi3 (fused tensors, LongRoPE), granite
+    (permuted q/k, multipliers), llama with Llama 3's RoPE (its factors as a tensor)."""
     from core.weights import load_gguf
 
-    # GGUF has no query_pre_attn_scalar (llama.cpp takes head_dim, as Gemma 2 2B/9B's configs hold).
-    model = build_checkpoint(family, tmp_path, **({"query_pre_attn_scalar": 16} if family == "gemma2" else {}))
+    model = build_checkpoint(family, tmp_path, **GGUF_OVERRIDES.get(family, {}))
     write_gguf(family, model, tmp_path / "model.gguf")
     config, weights = load_gguf(tmp_path / "model.gguf")
     expected = ModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    assert (config.windows, config.attn_softcap, config.final_softcap) == (
-        expected.windows, expected.attn_softcap, expected.final_softcap)
+    same = ("family", "windows", "layer_rope", "max_position_embeddings", "attn_softcap", "final_softcap", "qk_norm",
+            "sandwich_norms", "tie_word_embeddings")
+    assert [getattr(config, f) for f in same] == [getattr(expected, f) for f in same]
+    close = ("embed_scale", "residual_scale", "scale", "logits_scaling")
+    assert [getattr(config, f) for f in close] == pytest.approx([getattr(expected, f) for f in close], rel=1e-6)
+    assert len(config.rope_list) == len(expected.rope_list)
+    for ours, theirs in zip(config.rope_list, expected.rope_list):
+        assert np.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-5) and ours.scale == pytest.approx(theirs.scale)
     tokenizer = ModelSource.resolve("tiny-random").tokenizer()
     scorer = Scorer(config, weights, tokenizer, name="gguf", pass_tokens=512)
     query, items, labels = inputs(5)
     reference = hf_logprobs(model, [query + item for item in items], labels)
     assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
+
+
+@pytest.mark.parametrize("family,change,field", [
+    ("qwen2", lambda w: w.add_rope_dimension_count(8), "qwen2.rope.dimension_count=8"),
+    ("qwen2", lambda w: w.add_string("qwen2.rope.scaling.type", "yarn"), "rope.scaling.type='yarn'"),
+    ("qwen2", lambda w: w.add_tensor("blk.0.attn_output.bias", np.ones(64, np.float32)), "blk.0.attn_output.bias"),
+    ("gemma3_text", lambda w: w.add_sliding_window_pattern(4), "gemma3.attention.sliding_window_pattern=4"),
+])
+def test_a_gguf_the_engine_cannot_score_exactly_is_refused_with_its_field(tmp_path, family, change, field):
+    from core.weights import load_gguf
+
+    write_gguf(family, build_checkpoint(family, tmp_path), tmp_path / "model.gguf", change)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        load_gguf(tmp_path / "model.gguf")
 
 
 def test_a_query_split_from_its_items_under_windows(tmp_path):
