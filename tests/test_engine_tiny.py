@@ -354,3 +354,27 @@ def test_prefix_cache_size_defaults_from_the_device(tiny):
     expected = int(((80 << 30) - (3 << 30) - big.pass_bytes()) * PREFIX_CACHE_SHARE)
     assert device_prefix_cache_bytes(stats, big.pass_bytes()) == expected > 30 << 30
     assert device_prefix_cache_bytes({"bytes_limit": 1 << 30, "bytes_in_use": 1 << 30}, 5) == 0  # no room
+
+
+def test_tokenize_many_gives_what_tokenize_gives_each_request() -> None:
+    from core.errors import ScoringError
+    from core.requests import RequestTokenizer
+
+    tokenizer = RequestTokenizer.from_pretrained("tiny-random", max_items=3, max_sequence_tokens=40)
+    requests = [("Is it good?", [" yes", " no", ""], [5, 17], False),
+                ("", [" a"], [5], False),  # empty_query
+                ("q", [" a"], [10**9], False),  # label_token_id_out_of_range
+                ("q", [" a", [1, 2]], [5], False),  # mixed_input_types
+                ([1, 2, 3], [[4], [5, 6]], [5], False),  # token ids
+                ("q", [" word" * 50], [5], False),  # too_many_tokens (the sequence limit)
+                ("q", [" a"] * 4, [5], False),  # too_many_items
+                ("A longer query, item first", [" one", " two"], [7], True),
+                ("q", [], [5], False)]
+    for request, got in zip(requests, tokenizer.tokenize_many(requests)):
+        try:
+            expected = tokenizer.tokenize(*request)
+        except ScoringError as exc:
+            assert isinstance(got, ScoringError) and (got.code, got.message) == (exc.code, exc.message), request
+        else:
+            assert got == expected, request
+    assert sum(isinstance(r, ScoringError) for r in tokenizer.tokenize_many(requests)) == 5

@@ -264,7 +264,7 @@ def _pairs(table: pa.Table, options: Options, tokenizer: RequestTokenizer) -> Ch
     queries = table.column(columns.query).to_pylist()
     items = table.column(columns.item).to_pylist()
     labels = table.column(columns.label).to_pylist() if columns.label else None
-    group: list[int] = []
+    groups: list[list[int]] = []
 
     def key(i: int) -> tuple:
         return (queries[i], tuple(labels[i]) if labels and labels[i] is not None else None)
@@ -277,20 +277,28 @@ def _pairs(table: pa.Table, options: Options, tokenizer: RequestTokenizer) -> Ch
         if labels is not None and not isinstance(labels[i], list):
             rows.errors[i] = ("invalid_row", f"{columns.label!r} must be a list of token ids")
             continue
-        if group and (key(group[0]) != key(i) or len(group) >= MAX_GROUP_ROWS):
-            _add_group(rows, group, queries, items, labels, options, tokenizer)
-            group = []
-        group.append(i)
-    if group:
-        _add_group(rows, group, queries, items, labels, options, tokenizer)
+        if not groups or key(groups[-1][0]) != key(i) or len(groups[-1]) >= MAX_GROUP_ROWS:
+            groups.append([])
+        groups[-1].append(i)
+    label_ids = lambda group: labels[group[0]] if labels is not None else list(options.label_token_ids or [])
+    tokenized = tokenizer.tokenize_many([(queries[g[0]], [items[i] for i in g], label_ids(g), options.item_first)
+                                         for g in groups])
+    for group, request in zip(groups, tokenized):
+        _add_group(rows, group, queries, items, labels, options, tokenizer, request)
     return rows
 
 
 def _add_group(rows: ChunkRows, group: list[int], queries: list, items: list, labels: list | None,
-               options: Options, tokenizer: RequestTokenizer) -> None:
+               options: Options, tokenizer: RequestTokenizer,
+               tokenized: TokenizedRequest | ScoringError | None = None) -> None:
+    """Adds a group's request (`tokenized`: the group tokenized already, or None); a group that fails as a whole
+    for what one row may cause is split to find the row."""
     label_ids = labels[group[0]] if labels is not None else list(options.label_token_ids or [])
     try:
-        request = tokenizer.tokenize(queries[group[0]], [items[i] for i in group], label_ids, options.item_first)
+        if isinstance(tokenized, ScoringError):
+            raise tokenized
+        request = tokenized or tokenizer.tokenize(queries[group[0]], [items[i] for i in group], label_ids,
+                                                  options.item_first)
     except ScoringError as exc:
         if exc.code not in ("too_many_tokens", "mixed_input_types", "token_id_out_of_range", "invalid_input") \
                 or len(group) == 1:
@@ -364,10 +372,9 @@ def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Op
                 codes[i], messages[i] = failure or ("internal_error", "the request was not scored")
             continue
         values = scores_from_logprobs(lp, softmax)
-        if rows.pair_table:
-            for k, i in enumerate(covered):
-                scores[i] = values[k].tolist()
-                raw[i] = np.asarray(lp[k], np.float64).tolist()
+        if rows.pair_table:  # whole arrays to lists at once: a row at a time was most of a commit's Python
+            for i, row_scores, row_raw in zip(covered, values.tolist(), np.asarray(lp, np.float64).tolist()):
+                scores[i], raw[i] = row_scores, row_raw
         else:
             scores[covered[0]] = values.tolist()
             raw[covered[0]] = np.asarray(lp, np.float64).tolist()
