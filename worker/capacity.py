@@ -138,7 +138,7 @@ def run_simulated_worker(tokens_per_second: float) -> None:
     worker_scorer.install_scorer(simulated_scorer(get_settings(), tokens_per_second))
     import worker.tasks  # noqa: F401  (registers the task)
 
-    app.worker_main(worker_argv("WARNING"))
+    app.worker_main(worker_argv("INFO"))  # as `packscore worker`; the chunk feeds log their CPU at INFO
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------
@@ -430,6 +430,7 @@ class Bench:
                 with fs.open(f"lake/pairs/part-{part:04d}.parquet", "wb") as f:
                     pq.write_table(table, f, row_group_size=5000)
             print(f"wrote {pairs} pairs in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            requests_before = store.request_counts()
             env = {**self._env(url, tag), **store.env, "BATCH_STORAGE_PREFIXES": "s3://lake/"}
             key, base, api = self._start_api(env, tag)
             procs.append(api)
@@ -455,6 +456,8 @@ class Bench:
                       "the batch", interval=0.5)
                 polling = cpu_seconds([poller]) - polling
             worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
+            requests = {kind: n - requests_before.get(kind, 0) for kind, n in store.request_counts().items()}
+            feeds = [_last_feed_stats(self.logs / f"{tag}-worker{i}.log") for i in range(workers)]
             pg_drain = postgres_cpu() - pg_cpu - polling
             rss = {f"worker{i}": _rss_mib(p.pid) for i, p in enumerate(worker_procs)} | {"api": _rss_mib(api.pid)}
             with engine.connect() as conn:
@@ -476,12 +479,22 @@ class Bench:
                     "postgres_cpu_ms_per_line": {"submit": round(pg_submit_cpu / pairs * 1e3, 5),
                                                  "drain": round(pg_drain / pairs * 1e3, 5)},
                     "rows_in_postgres": tables, "worker_cpu_ms_per_item": round(worker_cpu / pairs * 1e3, 4),
+                    # the chunk feeds' threads, as their last log line says (every 20 chunks: most of the run)
+                    "feed_cpu_ms_per_row": {part: round(sum(f.get(f"{part}_cpu_s", 0) for f in feeds) * 1e3 /
+                                                        max(1, sum(f.get("rows", 0) for f in feeds)), 4)
+                                            for part in ("read", "tokenize", "write")},
+                    "store_requests": requests,
                     "api_cpu_s_for_the_batch": round(api_submit_cpu + cpu_seconds([api.pid]) - api_cpu, 2),
                     "rss_mib": rss}
         finally:
             stop_processes(procs)
             store.stop()
             self._drop_database(tag)
+
+
+def _last_feed_stats(log: Path) -> dict:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "chunk feed: {" in line]
+    return json.loads(lines[-1].split("chunk feed: ", 1)[1]) if lines else {}
 
 
 def _rss_mib(pid: int) -> float:

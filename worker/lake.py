@@ -13,6 +13,7 @@ The worker's maintenance round (worker/tasks.py) calls `sweep`: chunks of dead w
 batches that are over are settled. A stopping worker calls `close_feeds`: chunks read and not taken go back.
 """
 
+import json
 import logging
 import queue
 import threading
@@ -26,7 +27,7 @@ from core import Scorer, TokenizedRequest
 from store.broker import kick_drain
 from store.jobqueue import ClaimedJob
 from store.lake import chunks as lake
-from store.lake.tables import ChunkRows, InputError, read_chunk, result_table, write_table
+from store.lake.tables import ChunkRows, InputError, chunk_requests, read_input, result_table, write_table
 from store.models import PRIORITY_BATCH
 from store.settings import Settings
 
@@ -39,6 +40,7 @@ TAKE_WAIT_SECONDS = 0.2
 # A stopping worker waits this long at most for the chunk being read and the commits queued (`serve` gives
 # the whole worker 8 s); a chunk still held after that runs again once its lease expires.
 STOP_SECONDS = 4.0
+LOG_EVERY_CHUNKS = 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,7 +94,8 @@ class ChunkFeed:
         self._reading = False
         self._stop = threading.Event()
         self._commits: queue.Queue[ChunkWork | None] = queue.Queue()
-        self.stats = {"read_seconds": 0.0, "write_seconds": 0.0, "chunks": 0}
+        # CPU seconds of this feed's threads, and what they did (logged every LOG_EVERY_CHUNKS chunks).
+        self.stats = {"chunks": 0, "rows": 0, "read_cpu_s": 0.0, "tokenize_cpu_s": 0.0, "write_cpu_s": 0.0}
         self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in (
             (self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"), (self._keep_loop, "chunk-keeper"))]
         for thread in self._threads:
@@ -154,9 +157,13 @@ class ChunkFeed:
             return None
         with self._changed:
             self._held[chunk.key] = chunk
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
-            rows = read_chunk(chunk.input, chunk.part, chunk.start, chunk.stop, chunk.options, self.scorer.requests)
+            data = read_input(chunk.input, chunk.part, chunk.start, chunk.stop, chunk.options)
+            read = time.thread_time()
+            self.stats["read_cpu_s"] += read - started
+            rows = chunk_requests(data, chunk.options, self.scorer.requests)
+            self.stats["tokenize_cpu_s"] += time.thread_time() - read
         except InputError as exc:
             self._commits.put(ChunkWork(chunk, None, self, over=True, input_error=exc))
             return None
@@ -164,8 +171,6 @@ class ChunkFeed:
             log.warning("reading chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
             self._release(chunk, f"{type(exc).__name__}: {exc}")
             return None
-        finally:
-            self.stats["read_seconds"] += time.perf_counter() - started
         work = ChunkWork(chunk, rows, self)
         for k, (_, request, _) in enumerate(rows.requests):  # an empty items list is done as it is
             if request.n_items == 0:
@@ -203,12 +208,13 @@ class ChunkFeed:
                 self._release(chunk, error.message if error is not None else None)
                 return
         else:
-            started = time.perf_counter()
+            started = time.thread_time()
             table = result_table(work.rows, work.logprobs, chunk.options)
             if not self._write(chunk, table):
                 self._release(chunk, "the result object could not be written")
                 return
-            self.stats["write_seconds"] += time.perf_counter() - started
+            self.stats["write_cpu_s"] += time.thread_time() - started
+            self.stats["rows"] += work.rows.n_rows
             rows = work.rows
             if lake.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
                     len(covered) for (covered, _, _), lp in zip(rows.requests, work.logprobs) if lp is None),
@@ -219,6 +225,8 @@ class ChunkFeed:
                             chunk.index, self.owner)
                 chunk.object.fs.rm(chunk.object.path)
         self.stats["chunks"] += 1
+        if self.stats["chunks"] % LOG_EVERY_CHUNKS == 0:
+            log.info("chunk feed: %s", json.dumps({k: round(v, 2) for k, v in self.stats.items()}))
         with self._changed:
             self._held.pop(chunk.key, None)
         lake.settle(chunk.batch_id)

@@ -40,7 +40,7 @@ class SeaweedS3:
         self.folder = folder
         self.bucket = bucket
         (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc, self.s3,
-         self.s3_grpc, self.webdav, self.admin, self.admin_grpc) = _free_ports(11)
+         self.s3_grpc, self.webdav, self.admin, self.admin_grpc, self.metrics) = _free_ports(12)
         self.endpoint = f"http://127.0.0.1:{self.s3}"
         self.proc: subprocess.Popen | None = None
 
@@ -56,7 +56,8 @@ class SeaweedS3:
                 f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer_grpc}",
                 f"-s3.port={self.s3}", f"-s3.port.grpc={self.s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", f"-webdav.port={self.webdav}", "-admin.ui=false", f"-admin.port={self.admin}",
-                f"-admin.port.grpc={self.admin_grpc}", f"-bucket={self.bucket}"]
+                f"-admin.port.grpc={self.admin_grpc}", f"-bucket={self.bucket}",
+                f"-metricsPort={self.metrics}"]
         self.folder.mkdir(parents=True, exist_ok=True)
         self.log = open(self.folder / "weed.log", "ab")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.folder,
@@ -70,6 +71,15 @@ class SeaweedS3:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"the S3 store did not become ready in {timeout} s: {self._log_tail()}")
+
+    def request_counts(self) -> dict[str, int]:
+        """S3 requests served so far, by type (GET, PUT, LIST, HEAD...), from the store's Prometheus metrics."""
+        counts: dict[str, int] = {}
+        for line in httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).text.splitlines():
+            if line.startswith("SeaweedFS_s3_request_total{"):
+                kind = line.split('type="', 1)[1].split('"', 1)[0]
+                counts[kind] = counts.get(kind, 0) + int(float(line.rsplit(" ", 1)[1]))
+        return counts
 
     def _bucket_ready(self) -> bool:
         import s3fs

@@ -207,13 +207,27 @@ def read_chunk(location: Location, part: int, start: int, stop: int, options: Op
                tokenizer: RequestTokenizer) -> ChunkRows:
     """Reads one chunk and tokenizes it (worker side). Raises InputError when the object is missing or
     corrupt; any other exception is transient."""
+    return chunk_requests(read_input(location, part, start, stop, options), options, tokenizer)
+
+
+def chunk_requests(data: pa.Table | list[bytes], options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
+    """A chunk's rows (`read_input`) tokenized into requests."""
+    try:
+        return _lines(data, options, tokenizer) if isinstance(data, list) else _pairs(data, options, tokenizer)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError) as exc:
+        raise InputError("input_corrupt", f"the chunk's rows could not be read: {exc}") from None
+
+
+def read_input(location: Location, part: int, start: int, stop: int, options: Options) -> pa.Table | list[bytes]:
+    """A chunk's rows from storage: a pair table's, or JSONL lines. Raises InputError when the object is
+    missing or corrupt; any other exception is transient."""
     fmt, compression = format_of(location, options.format)
     fs = location.fs
     try:
         if fmt == "parquet":
             with fs.open(location.path, "rb") as f:
                 table = pq.ParquetFile(f).read_row_group(part, columns=options.columns.names())
-            return _pairs(table.slice(start, stop - start), options, tokenizer)
+            return table.slice(start, stop - start)
         if compression:
             with fs.open(location.path, "rb", compression=compression) as f:
                 data = f.read()
@@ -224,11 +238,10 @@ def read_chunk(location: Location, part: int, start: int, stop: int, options: Op
             if start > 0:
                 with fs.open(location.path, "rb") as f:
                     header = f.readline(1 << 20)
-            table = pacsv.read_csv(io.BytesIO(header + data), convert_options=pacsv.ConvertOptions(
+            return pacsv.read_csv(io.BytesIO(header + data), convert_options=pacsv.ConvertOptions(
                 include_columns=options.columns.names(),
                 column_types={options.columns.query: pa.string(), options.columns.item: pa.string()}))
-            return _pairs(table, options, tokenizer)
-        return _lines(data.splitlines(), options, tokenizer)
+        return data.splitlines()
     except FileNotFoundError:
         raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError, EOFError) as exc:
