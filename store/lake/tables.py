@@ -245,7 +245,10 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
     except FileNotFoundError:
         raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError, EOFError) as exc:
-        raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}") from None
+        # A CSV is planned in byte ranges cut at line breaks, which a quoted value with a line break in it defeats.
+        hint = " (a CSV is read in parts cut at line breaks: a value holding a line break needs Parquet or JSONL)" \
+            if fmt == "csv" else ""
+        raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}{hint}") from None
     except OSError as exc:
         # pyarrow reports a corrupt Parquet file as an OSError ("Parquet magic bytes not found", "Couldn't
         # deserialize thrift"); the store's own failures are other OSErrors (connection errors) and retried.
