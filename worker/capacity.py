@@ -458,6 +458,7 @@ class Bench:
             worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
             requests = {kind: n - requests_before.get(kind, 0) for kind, n in store.request_counts().items()}
             feeds = [_last_feed_stats(self.logs / f"{tag}-worker{i}.log") for i in range(workers)]
+            feed_rows = sum(f.get("rows", 0) for f in feeds)
             pg_drain = postgres_cpu() - pg_cpu - polling
             rss = {f"worker{i}": _rss_mib(p.pid) for i, p in enumerate(worker_procs)} | {"api": _rss_mib(api.pid)}
             with engine.connect() as conn:
@@ -480,8 +481,9 @@ class Bench:
                                                  "drain": round(pg_drain / pairs * 1e3, 5)},
                     "rows_in_postgres": tables, "worker_cpu_ms_per_item": round(worker_cpu / pairs * 1e3, 4),
                     # the chunk feeds' threads, as their last log line says (every 20 chunks: most of the run)
+                    # (None: fewer than 20 chunks a worker, none logged)
                     "feed_cpu_ms_per_row": {part: round(sum(f.get(f"{part}_cpu_s", 0) for f in feeds) * 1e3 /
-                                                        max(1, sum(f.get("rows", 0) for f in feeds)), 4)
+                                                        feed_rows, 4) if feed_rows else None
                                             for part in ("read", "tokenize", "write")},
                     "store_requests": requests,
                     "api_cpu_s_for_the_batch": round(api_submit_cpu + cpu_seconds([api.pid]) - api_cpu, 2),
@@ -625,10 +627,11 @@ def main(argv: list[str] | None = None) -> int:
               f"core.aot roofline, Qwen3-0.6B bf16 on {args.target} (an estimate)", "logs": str(logs)}
     print(json.dumps(header), flush=True)
     bench = Bench(args.database_url, args.redis_url, rate, logs)
-    results = []
+    results, lake_results = [], []
     for shape, workers in runs:
-        if shape == "datalake":  # its own table of figures (per line, not per job)
-            print(json.dumps(bench.run_datalake(int(workers), args.pairs)), flush=True)
+        if shape == "datalake":  # figures of its own (per line, not per job)
+            lake_results.append(bench.run_datalake(int(workers), args.pairs))
+            print(json.dumps(lake_results[-1]), flush=True)
             continue
         figures = bench.run(shape, int(workers), args.device_seconds)
         results.append(figures)
@@ -636,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         if SHAPES[shape].models:
             print("  per worker (model: duty, device s): " + ", ".join(
                 f"{w['model']}: {w.get('duty')}, {w['device_s']}" for w in figures["per_worker"]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({**header, "runs": results, "datalake_runs": lake_results}, indent=1))
+    if not results:
+        return 0
     print("\n| shape | workers | jobs | duty | items/s | ideal items/s | API jobs/s | CPU ms/job: API, workers, "
           "Postgres (submit+drain+results read) | workers per Postgres core at 90% (estimate) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -645,8 +652,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['ideal_items_per_s']:,} | {f['api_jobs_per_s']} | {f['api_cpu_ms_per_job']:.2f}, "
               f"{f['worker_cpu_ms_per_job']:.2f}, {pg['submit']:.2f}+{pg['drain']:.2f}+{pg['results']:.2f} | "
               f"{f['estimate_workers_per_postgres_core_at_90pct_duty']} |")
-    if args.json:
-        args.json.write_text(json.dumps({**header, "runs": results}, indent=1))
     return 0
 
 

@@ -74,11 +74,15 @@ class SeaweedS3:
 
     def request_counts(self) -> dict[str, int]:
         """S3 requests served so far, by type (GET, PUT, LIST, HEAD...), from the store's Prometheus metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         counts: dict[str, int] = {}
-        for line in httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).text.splitlines():
-            if line.startswith("SeaweedFS_s3_request_total{"):
-                kind = line.split('type="', 1)[1].split('"', 1)[0]
-                counts[kind] = counts.get(kind, 0) + int(float(line.rsplit(" ", 1)[1]))
+        text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "SeaweedFS_s3_request_total":
+                    kind = sample.labels["type"]
+                    counts[kind] = counts.get(kind, 0) + int(sample.value)
         return counts
 
     def _bucket_ready(self) -> bool:

@@ -313,8 +313,8 @@ def _add_group(rows: ChunkRows, group: list[int], queries: list, items: list, la
     try:
         if isinstance(tokenized, ScoringError):
             raise tokenized
-        request = tokenized or tokenizer.tokenize(queries[group[0]], [items[i] for i in group], label_ids,
-                                                  options.item_first)
+        request = tokenized if tokenized is not None else tokenizer.tokenize(
+            queries[group[0]], [items[i] for i in group], label_ids, options.item_first)
     except ScoringError as exc:
         if exc.code not in ("too_many_tokens", "mixed_input_types", "token_id_out_of_range", "invalid_input") \
                 or len(group) == 1:
