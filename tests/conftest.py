@@ -3,14 +3,22 @@ Alembic, dropped afterwards) and a real Redis with a key prefix of its own. Noth
 that cannot be reached fails the test (CI=true or not)."""
 
 import os
+import shutil
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import make_url, text
 
-# Kept in the environment so subprocesses (and a second import of this file) see the same run.
-RUN_ID = os.environ.setdefault("PACKSCORE_TEST_RUN_ID", uuid.uuid4().hex[:10])
+from tests.durations import SUITE_BUDGET_SECONDS
+
+# Kept in the environment so subprocesses (and a second import of this file) see the same run. Each
+# pytest-xdist worker ("gw0", "gw1"...) has databases and Redis prefixes of its own.
+_RUN = os.environ.setdefault("PACKSCORE_TEST_RUN_ID", uuid.uuid4().hex[:10])
+RUN_ID = _RUN + os.environ.get("PYTEST_XDIST_WORKER", "")
 _ADMIN_URL = make_url(os.environ.setdefault(
     "PACKSCORE_TEST_ADMIN_URL", os.environ.get("DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")))
 _REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -39,6 +47,46 @@ TEST_ENV = {
     "JAX_PLATFORMS": "cpu",
 }
 os.environ.update(TEST_ENV)
+
+# One JAX compilation cache and one converted-model cache for the whole run, shared by this process, the
+# pytest-xdist workers and every API and worker process the tests start: a pass program is compiled once per
+# run, not once per process (a worker's warm-up then loads it), and the bundled GGUF is converted once. A test
+# that needs empty caches sets its own folders. `make test` names the folder (PACKSCORE_TEST_CACHE, kept across
+# its two phases and cleared when it starts); otherwise the run makes one and removes it at the end.
+_OWN_CACHE = "PACKSCORE_TEST_CACHE" not in os.environ
+RUN_CACHE = Path(os.environ.setdefault("PACKSCORE_TEST_CACHE",
+                                       str(Path(tempfile.gettempdir()) / f"packscore-test-{_RUN}"))).resolve()
+for name, value in {"JAX_COMPILATION_CACHE_DIR": RUN_CACHE / "compile-cache",
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # every program is worth keeping here
+                    "COMPILE_CACHE_DIR": RUN_CACHE / "compile-cache",
+                    "MODEL_CACHE_DIR": RUN_CACHE / "model-cache"}.items():
+    os.environ.setdefault(name, str(value))
+
+# Test files whose bounds are absolute wall times (a latency, /healthz's p99) run alone, after the parallel
+# phase of `make test` (`-m alone`): beside another pytest-xdist worker's tests they would measure the host's
+# load, not the code.
+RUN_ALONE = {"test_latency_bundled_model.py", "test_reliability_soak.py", "test_lake_service.py",
+             "test_api_hardening.py"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    for item in items:
+        if item.path.name in RUN_ALONE:
+            item.add_marker(pytest.mark.alone)
+
+
+_SUITE_START = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    took = time.monotonic() - _SUITE_START
+    terminalreporter.write_line(f"this pytest run: {took:.0f} s (the suite's budget, both phases of `make test`: "
+                                f"{SUITE_BUDGET_SECONDS} s, tests/durations.py)")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 def fresh_database(name: str):  # type: ignore[no-untyped-def]

@@ -172,14 +172,16 @@ def test_interactive_score_answered_within_its_bound_during_a_backfill(service: 
 
 
 def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, root: Path) -> None:
+    """Ctrl-C detaches the CLI while its batch is unfinished. No worker runs until the CLI has detached, so the
+    batch cannot complete before the signal comes, however fast the host is."""
     import signal
     import subprocess
     import sys
 
     from tests.service_harness import REPO
+    from worker.capacity import stop_processes
 
-    if not service.live_workers():
-        service.start_worker()
+    stop_processes(service.live_workers())
     table = pair_table(30, 10)
     pq.write_table(table, root / "cli.parquet")
     env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key,
@@ -188,13 +190,11 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
             "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
             "--poll", "0.2"]
     first = subprocess.Popen(args, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(0.5)
-    deadline = time.monotonic() + 60
-    while not list((root / "config" / "packscore" / "backfills").glob("*")) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: list((root / "config" / "packscore" / "backfills").glob("*")), 60, "the CLI's resume record")
     first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130 and "goes on" in err and "Traceback" not in err, err
+    service.start_worker()
     second = subprocess.run(args, env=env, cwd=REPO, text=True, capture_output=True, timeout=600)
     assert second.returncode == 0, second.stderr
     assert "re-attached to batch" in second.stderr and "\r" not in second.stderr  # no terminal: plain lines

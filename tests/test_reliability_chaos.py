@@ -60,10 +60,9 @@ def service(postgres: PrivatePostgres, redis_server: PrivateRedis,
     upgrade(url)
     # Retries long enough to outlast a receiver that is down for several seconds.
     env = {"DATABASE_URL": url, "REDIS_URL": redis_server.url, "BROKER_KEY_PREFIX": "",
-           "WEBHOOK_RETRY_SCHEDULE": "0.5,1,2,3,4,5,5,5,5", "RETRY_AFTER_SECONDS": "1",
-           # As docker-compose's volume does: a replacement worker loads the warm-up programs the first ones
-           # compiled instead of compiling them again before it takes work.
-           "COMPILE_CACHE_DIR": str(tmp_path_factory.mktemp("compile-cache"))}
+           "WEBHOOK_RETRY_SCHEDULE": "0.5,1,2,3,4,5,5,5,5", "RETRY_AFTER_SECONDS": "1"}
+    # COMPILE_CACHE_DIR is the run's (tests/conftest.py), as docker-compose's volume is a deployment's: a
+    # replacement worker loads the warm-up programs instead of compiling them again before it takes work.
     with running_service(env, tmp_path_factory.mktemp("chaos-logs"), workers=2) as service:
         yield service
 
