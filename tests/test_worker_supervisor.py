@@ -10,6 +10,7 @@ from the test environment); the TPU variables they were given are read from thei
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -90,6 +91,15 @@ def test_chips_are_found_from_device_files(tmp_path: Path) -> None:
     assert detect(root=tmp_path, environ={}) == Chips("cuda", ("0", "1"))
     assert detect("tpu", root=tmp_path, environ=tpu_env).ids == tuple(map(str, range(8)))
     assert detect("tpu", 2, root=tmp_path, environ=tpu_env).ids == ("0", "1")
+
+
+def test_chips_that_do_not_split_are_a_one_line_error() -> None:
+    result = subprocess.run([sys.executable, "-m", "packscore.cli", "worker", "--devices", "all", "--platform", "tpu",
+                             "--chips", "2"], env={**os.environ, "TENSOR_PARALLEL": "4", "TPU_ACCELERATOR_TYPE": "v5litepod-8"},
+                            capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stderr.strip()) == (
+        1, "packscore worker: TENSOR_PARALLEL=4 needs 4 tpu chips per worker; 2 are given")
 
 
 # ---- the supervisor and its workers ----------------------------------------------------------------------------
