@@ -4,9 +4,7 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -78,19 +76,31 @@ def _embedded_key() -> None:
     print(f"packscore: API key in {path.resolve()} (first line; the second is its webhook secret)", flush=True)
 
 
-def worker_command(loglevel: str = "INFO") -> list[str]:
+def worker_command(loglevel: str = "INFO", node: str | None = None) -> list[str]:
     from worker.celery_app import worker_argv
 
-    return [sys.executable, "-m", "celery", "-A", "worker.tasks", *worker_argv(loglevel)]
+    return [sys.executable, "-m", "celery", "-A", "worker.tasks", *worker_argv(loglevel, node)]
 
 
 def worker(args: argparse.Namespace) -> None:
-    command = worker_command(args.loglevel)
-    os.execv(command[0], command)
+    if args.devices is None:
+        if args.platform or args.chips:
+            args.parser.error("--platform and --chips go with --devices")
+        command = worker_command(args.loglevel)
+        os.execv(command[0], command)
+    from packscore.supervisor import DeviceError, WorkerSupervisor, detect, device_groups
+    from store.settings import get_settings
 
-
-# `serve --embedded` gives its worker this long to finish the pass in flight and hand its other jobs back.
-WORKER_STOP_SECONDS = 8.0
+    tensor_parallel = get_settings().tensor_parallel
+    try:
+        chips = detect(args.platform, args.chips)
+        groups, left = device_groups(chips, tensor_parallel, None if args.devices == "all" else int(args.devices))
+    except DeviceError as exc:
+        raise CommandError(str(exc)) from None
+    print(f"packscore: {len(chips.ids)} {chips.platform} chips, TENSOR_PARALLEL={tensor_parallel}: "
+          f"{len(groups)} workers ({', '.join(group.name for group in groups)})"
+          + (f"; chips {','.join(left)} left idle" if left else ""), file=sys.stderr, flush=True)
+    WorkerSupervisor(groups, lambda i: worker_command(args.loglevel, f"packscore-{os.getpid()}-{i}")).run()
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -104,46 +114,19 @@ def serve(args: argparse.Namespace) -> None:
     child = None
     try:
         if args.embedded:
+            from packscore.supervisor import DeviceGroup, WorkerSupervisor
+
             _embedded_environment()
             migrate()
             _embedded_key()
-            child = EmbeddedWorker()
+            # Started again if it fails: a crash must not leave the service accepting jobs that nothing runs.
+            child = WorkerSupervisor([DeviceGroup("embedded")], lambda i: worker_command())
+            child.start()
+            child.watch()
         uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
     finally:
         if child is not None:
             child.stop()
-
-
-class EmbeddedWorker:
-    """The worker child of `serve --embedded`, started again if it fails (a crash must not leave the service
-    accepting jobs that nothing runs; the jobs it held run again once their leases expire). A worker that
-    exits 0 was stopped (Ctrl-C reaches it too): that one is not started again."""
-
-    def __init__(self) -> None:
-        self._stopping = threading.Event()
-        self.process = subprocess.Popen(worker_command())
-        threading.Thread(target=self._watch, name="worker-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._stopping.wait(1.0):
-            code = self.process.poll()
-            if code is not None and code != 0 and not self._stopping.is_set():
-                print(f"packscore: the worker failed (exit code {code}); starting it again", file=sys.stderr,
-                      flush=True)
-                self.process = subprocess.Popen(worker_command())
-
-    def stop(self) -> None:
-        """Warm shutdown: the worker finishes the pass in flight, hands its other jobs back to the queue and exits."""
-        self._stopping.set()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=WORKER_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            print(f"packscore: the worker did not stop within {WORKER_STOP_SECONDS:.0f} s; killing it (its jobs "
-                  "run again once their leases expire)", file=sys.stderr, flush=True)
-            self.process.kill()
-            self.process.wait()
 
 
 def _key_files() -> list[Path]:
@@ -186,6 +169,12 @@ def _token_ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("no token ids given")
     return ids
+
+
+def _devices(text: str) -> str:
+    if text != "all" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'all' or a number of chips")
+    return text
 
 
 def _json_object(text: str) -> dict:
@@ -342,8 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=serve)
 
-    p = commands.add_parser("worker", help="run a scoring worker (one per accelerator)")
+    p = commands.add_parser("worker", help="run a scoring worker; with --devices, one per group of chips")
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--devices", type=_devices, help="'all' or a count: this host's chips (TPU, GPU) to use, one "
+                   "worker process per TENSOR_PARALLEL of them, each given its own chips; failed ones restarted")
+    p.add_argument("--platform", choices=("tpu", "cuda", "cpu"), help="with --devices: the chips' platform "
+                   "(default: found from the host's device files)")
+    p.add_argument("--chips", type=int, help="with --devices: how many chips the host has (default: found)")
     p.set_defaults(func=worker)
 
     p = commands.add_parser("migrate", help="apply database migrations")

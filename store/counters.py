@@ -94,6 +94,9 @@ class DatabaseCollector(Collector):
             worker_rows = session.execute(select(Worker.model, Worker.attention, func.count())
                                           .where(Worker.last_seen_at >= cutoff)
                                           .group_by(Worker.model, Worker.attention)).all()
+            group_rows = session.execute(select(Worker.host, Worker.device_group, Worker.model, Worker.state,
+                                                func.count()).where(Worker.last_seen_at >= cutoff)
+                                         .group_by(Worker.host, Worker.device_group, Worker.model, Worker.state)).all()
         workers: dict[str | None, int] = {}
         for _, path, n in worker_rows:
             workers[path] = workers.get(path, 0) + n
@@ -138,6 +141,12 @@ class DatabaseCollector(Collector):
         for path, total in sorted(workers.items(), key=lambda kv: kv[0] or ""):
             paths.add_metric([path or "unknown"], total)
         yield paths
+        groups = GaugeMetricFamily("packscore_device_group_workers", "Workers seen recently, by host and the chips "
+                                   "`packscore worker --devices` gave them (\"default\": a worker started alone)",
+                                   labels=["host", "device_group", "model", "state"])
+        for host, group, model, state, n in sorted(group_rows, key=lambda row: tuple(str(v) for v in row)):
+            groups.add_metric([host or "unknown", group or "default", model, state], n)
+        yield groups
         yield from _per_model(list(settings.served_models), live_rows, worker_rows)
 
 

@@ -10,6 +10,7 @@ paused past the lease, or swept) cannot write a result that another worker also 
 """
 
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -452,7 +453,7 @@ def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], att
         if not session.execute(update(Worker).where(Worker.id == owner)
                                .values(last_seen_at=now, attention=attention, state=state)).rowcount:
             session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
-                               state=state))
+                               state=state, host=socket.gethostname(), device_group=settings.device_group))
 
 
 def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, int]]:
@@ -463,6 +464,16 @@ def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, in
                                            .where(Worker.last_seen_at >= cutoff).group_by(Worker.model, Worker.state)):
         found.setdefault(model, {})[state] = n
     return found
+
+
+def live_device_groups(session: Session, settings: Settings) -> list[dict[str, str | None]]:
+    """Workers seen within WORKER_STALE_SECONDS, each with its host, the chips it was given (`packscore worker
+    --devices`; None for a worker started alone), its model and state; by host and device group."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    rows = session.execute(select(Worker.host, Worker.device_group, Worker.model, Worker.state)
+                           .where(Worker.last_seen_at >= cutoff)).all()
+    return [{"host": host, "device_group": group, "model": model, "state": state}
+            for host, group, model, state in sorted(rows, key=lambda row: (row[0] or "", row[1] or "", row[2]))]
 
 
 def waiting_models(session: Session, models: list[str]) -> set[str]:

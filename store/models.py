@@ -268,6 +268,10 @@ class Worker(Base):
     attention: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # "warming" while it compiles its programs (WARMUP=ladder), then "ready"; /readyz counts the ready ones.
     state: Mapped[str] = mapped_column(String(16), default="ready", server_default="ready")
+    # Where it runs: its host, and the chips `packscore worker --devices` gave it ("tpu:0,1"; None: a worker
+    # started alone, on its process's own devices).
+    host: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    device_group: Mapped[str | None] = mapped_column(String(100), nullable=True)
 
 
 class CounterRow(Base):

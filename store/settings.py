@@ -4,7 +4,7 @@ import json
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     # ladder: a starting worker compiles (or loads from COMPILE_CACHE_DIR) every program of the pass-shape
     # ladder before it takes work, and /readyz says "warming" meanwhile; none: programs compile when first met.
     warmup: Literal["ladder", "none"] = "ladder"
+    # Devices the engine shards the model over (tensor parallelism): a worker holds this many JAX devices (chips;
+    # on TPU v7x, two per chip), and `packscore worker --devices` starts one worker per group of them.
+    tensor_parallel: int = Field(1, ge=1)
+    # Set by `packscore worker --devices` for each worker it starts: the chips it was given ("tpu:0,1,2,3"),
+    # for /readyz and /metrics. Unset: the process's own devices.
+    device_group: str | None = None
     # A GGUF model's converted tokenizer and dequantized weights, kept so that restarts skip the conversion.
     model_cache_dir: str | None = None
     max_body_bytes: int = 32 * 1024 * 1024

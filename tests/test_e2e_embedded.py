@@ -92,7 +92,7 @@ def test_a_worker_that_dies_is_started_again(tmp_path: Path) -> None:
         body = {"query": "Is the sky blue?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
         response = service.http.post("/v1/score", json=body, timeout=120)
         assert response.status_code == 200, response.text + service.log_path.read_text(errors="replace")[-3000:]
-        assert "the worker failed" in service.log_path.read_text(errors="replace")
+        assert "worker embedded failed (exit code -9)" in service.log_path.read_text(errors="replace")
     finally:
         assert service.stop()["seconds"] < 10
 

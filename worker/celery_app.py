@@ -8,9 +8,10 @@ from store.settings import get_settings
 app = make_celery(get_settings(), include=("worker.tasks",))
 
 
-def worker_argv(loglevel: str = "INFO") -> list[str]:
+def worker_argv(loglevel: str = "INFO", node: str | None = None) -> list[str]:
     """`celery worker`'s arguments: the solo pool (the task runs in the worker's own process, which loaded the
-    model; nothing forks after JAX), on the queue of the worker's model."""
+    model; nothing forks after JAX), on the queue of the worker's model. `node`: the Celery node name, unique
+    on the host (default: from this process's id; `packscore worker --devices` names each of its workers)."""
     return ["worker", "--pool", "solo", "--concurrency", "1", "--without-gossip", "--without-mingle",
             "--without-heartbeat", "-Q", drain_queue(get_settings(), get_settings().worker_model), "--loglevel", loglevel,
-            "--hostname", f"packscore-{os.getpid()}@%h"]
+            "--hostname", f"{node or f'packscore-{os.getpid()}'}@%h"]

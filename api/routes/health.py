@@ -5,7 +5,7 @@ from sqlalchemy import text
 
 from api.deps import SessionDep, SettingsDep
 from store.broker import broker_reachable
-from store.jobqueue import live_workers, waiting_models
+from store.jobqueue import live_device_groups, live_workers, waiting_models
 
 router = APIRouter(tags=["health"])
 
@@ -22,16 +22,18 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     """Ready to serve: the database and the broker answer and at least one ready worker was seen recently.
     "warming" (503) while the only live workers still compile their programs (WARMUP=ladder). `models`: each
     configured model's ready and warming workers, and whether jobs of it wait; a model with no live worker
-    keeps its jobs queued until one starts."""
+    keeps its jobs queued until one starts. `device_groups`: each live worker's host, chips (`packscore worker
+    --devices`; null for a worker started alone), model and state."""
     checks: dict[str, bool | int] = {}
     models = list(settings.served_models)
     try:
         session.execute(text("SELECT 1"))
         workers = live_workers(session, settings)
         waiting = waiting_models(session, models)
+        groups = live_device_groups(session, settings)
         checks["database"] = True
     except Exception:  # readiness reports, it does not fail
-        workers, waiting = {}, set()
+        workers, waiting, groups = {}, set(), []
         checks["database"] = False
     checks["broker"] = broker_reachable()
     checks["workers"] = sum(states.get("ready", 0) for states in workers.values())
@@ -42,7 +44,8 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     per_model = {model: {"workers": workers.get(model, {}).get("ready", 0),
                          "warming": workers.get(model, {}).get("warming", 0), "jobs_waiting": model in waiting}
                  for model in models}
-    return JSONResponse({"status": status, "checks": checks, "models": per_model}, status_code=200 if ready else 503)
+    return JSONResponse({"status": status, "checks": checks, "models": per_model, "device_groups": groups},
+                        status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=Response)
