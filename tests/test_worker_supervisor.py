@@ -109,12 +109,10 @@ def supervised(redis_url: str, run_id: str, database_factory,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, subprocess.Popen, str]]:  # type: ignore[no-untyped-def]
     """An API, and `packscore worker --devices all` on a host of two TPU chips (as the test says), both ready."""
     name = f"packscore_supervisor_{run_id}"
-    # The API converts the GGUF tokenizer before it answers, into the cache every worker then reads; a restarted
-    # worker loads the programs its predecessor compiled.
-    caches = tmp_path_factory.mktemp("supervisor-caches")
+    # MODEL_CACHE_DIR and COMPILE_CACHE_DIR are the run's (tests/conftest.py): a restarted worker loads the
+    # programs its predecessor compiled.
     with database_factory(name) as url, running_service(
-            {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:", "WARMUP": "none",
-             "MODEL_CACHE_DIR": str(caches / "model"), "COMPILE_CACHE_DIR": str(caches / "compile")},
+            {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:", "WARMUP": "none"},
             tmp_path_factory.mktemp("supervisor")) as service:
         supervisor = service.cli("worker", "--devices", "all", "--platform", "tpu", "--chips", "2",
                                  log="supervisor.log", env={"TPU_ACCELERATOR_TYPE": "v6e-8"})
@@ -181,7 +179,7 @@ def test_a_killed_worker_is_started_again_and_its_job_runs_once(
     service, supervisor, url = supervised
     tag = uuid.uuid4().hex
     body = {"query": "Rank these candidates by relevance to the question asked.",
-            "items": [f"candidate {i} says {i % 13} things" for i in range(1500)], "label_token_ids": [5, 17],
+            "items": [f"candidate {i} says {i % 13} things" for i in range(4000)], "label_token_ids": [5, 17],
             "metadata": {"load_tag": tag}}
     with service.http() as client:
         response = client.post("/jobs", json=body)
