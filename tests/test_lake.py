@@ -461,7 +461,8 @@ def test_pair_table_from_s3_matches_jobs(client, make_key, empty_queue, s3_store
 # ---- every format on every store ---------------------------------------------------------------------------
 
 STORES = ("local", "s3", "gs", "az")
-FORMATS = {"parquet": "pairs.parquet", "csv": "pairs.csv", "jsonl pair table": "pairs.jsonl",
+# The Parquet input is a Hive-partitioned export (its folder named, a partition column among the ids).
+FORMATS = {"parquet": "dt=2026-11-01/part-00000.parquet", "csv": "pairs.csv", "jsonl pair table": "pairs.jsonl",
            "jsonl requests": "requests.jsonl"}
 
 
@@ -512,10 +513,15 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
     created = {}
     for store in STORES:
         for fmt, name in FORMATS.items():
-            uri = put(store, root, f"matrix/in/{fmt.replace(' ', '-')}/{name}", encoded(fmt, table))
+            folder = f"matrix/in/{fmt.replace(' ', '-')}"
+            uri = put(store, root, f"{folder}/{name}", encoded(fmt, table))
             body = {"input": uri, "output": "matrix/out" if store == "local" else f"{store}://lake/matrix/out/"}
             if fmt != "jsonl requests":
                 body |= {"columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}
+            if fmt == "parquet":
+                put(store, root, f"{folder}/_SUCCESS", b"")
+                body |= {"input": uri.rsplit("/", 2)[0] + "/", "columns": {"query": "q", "item": "doc",
+                                                                           "ids": ["dt", "pair_id"]}}
             response = client.post("/batches", json=body, headers=auth(key))
             assert response.status_code == 201, (store, fmt, response.text)
             created[store, fmt] = response.json()
@@ -539,6 +545,7 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
                 np.testing.assert_allclose(r["scores"], expected[r["custom_id"]], atol=1e-4)
         else:
             assert [r["pair_id"] for r in got] == [r["pair_id"] for r in rows], (store, fmt)
+            assert fmt != "parquet" or {r["dt"] for r in got} == {"2026-11-01"}
             for row, r in zip(rows, got):
                 j = [x["doc"] for x in rows if x["q"] == row["q"]].index(row["doc"])
                 np.testing.assert_allclose(r["scores"], expected[row["q"]][j], atol=1e-4)
