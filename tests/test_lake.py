@@ -763,7 +763,14 @@ def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key
         assert time.monotonic() < deadline
         time.sleep(0.1)
     s3_store.stop()
-    time.sleep(10)
+    started = time.monotonic()
+    # Meanwhile a batch cannot be planned: a 503 that names the object (try again), not a 500.
+    refused = client.post("/batches", json={"input": "s3://lake/in/outage/pairs.parquet", "output": "s3://lake/out/",
+                                            "columns": {"query": "q", "item": "doc"}, "label_token_ids": LABELS},
+                          headers=auth(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "storage_unreachable"), refused.text
+    assert "s3://lake/in/outage/pairs.parquet" in refused.json()["error"]["message"]
+    time.sleep(max(0.0, 10 - (time.monotonic() - started)))
     s3_store.start()
     try:
         done = wait_batch(client, key, created["id"], 240)
