@@ -24,12 +24,11 @@ A row that cannot be scored (a bad value, too many tokens, an unknown label id) 
 import gzip
 import io
 import json
-import logging
 import posixpath
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -44,8 +43,6 @@ from store.errors import ServiceError
 from store.lake.access import Location, store_error
 from store.schemas import RerankRequest
 from store.settings import Settings
-
-log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "parquet", "csv")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
