@@ -11,12 +11,13 @@ number in the file. Results are keyed by custom_id; a line without a usable one 
 its line number, so every result line has a custom_id of its own. Results are appended as they finish, not
 in the input's order: join on custom_id.
 
-`packscore backfill s3://bucket/pairs/ --out s3://bucket/scores/ --format parquet --query-column q
+`packscore backfill s3://bucket/pairs/ --out s3://bucket/scores/ --input-format parquet --query-column q
 --item-column doc --labels 9805,787` runs a reference batch instead: the data stays in storage (or in a local
 file the service may read: embedded mode), the service reads it in chunks and writes result objects under
 --out. Ctrl-C detaches (the batch goes on); the same command re-attaches. A local file that is not JSONL
-(Parquet, CSV, .gz/.zst) or is over the upload limit goes the same way; one the service cannot read is
-refused before anything is sent.
+(Parquet, CSV, .gz/.zst) goes the same way. A JSONL request file over the upload limit does too, saying so:
+its result objects go under `OUT.parts/`, and its result lines into --out when the batch ends. One the service
+cannot read is refused before anything is sent.
 """
 
 import hashlib

@@ -269,13 +269,17 @@ def wait_batch(args: argparse.Namespace) -> None:
 
 
 INPUT_FORMATS = ("jsonl", "parquet", "csv")
+RESULT_FORMATS = ("packscore", "openai")
 
 
 def backfill(args: argparse.Namespace) -> None:
     from packscore.backfill import BackfillError, UploadTooLarge, input_kind, run_backfill, run_reference_backfill
 
+    if args.format not in RESULT_FORMATS:
+        hint = f"; the input's format is --input-format {args.format}" if args.format in INPUT_FORMATS else ""
+        raise CommandError(f"--format is the result lines' format ({' or '.join(RESULT_FORMATS)}){hint}")
     try:
-        reference = args.format in INPUT_FORMATS or args.query_column is not None or \
+        reference = args.input_format is not None or args.query_column is not None or \
             input_kind(args.input) == "reference"
         with _client(args) as client:
             if not reference:
@@ -284,16 +288,22 @@ def backfill(args: argparse.Namespace) -> None:
                     return
                 except UploadTooLarge as exc:
                     # Nothing was sent: the service may read the file itself (embedded mode, BATCH_LOCAL_ROOT).
-                    print(f"{exc}: running it as a reference batch", file=sys.stderr)
+                    parts = f"{args.out}.parts"
+                    print(f"{exc}: running it as a reference batch instead (the service reads the file itself, in "
+                          f"chunks); result objects go under {parts}/, and the result lines into {args.out} when "
+                          "it ends", file=sys.stderr)
                     try:
-                        batch = run_reference_backfill(client, args.input, f"{args.out}.parts", poll=args.poll,
+                        batch = run_reference_backfill(client, args.input, parts, poll=args.poll,
                                                        format="jsonl", output_format="jsonl")
                     except BackfillError:
                         raise CommandError(f"{exc}, and the service cannot read it: split it, or put it where "
                                            "the service can read it (README: Backfills from object storage)") from None
+                    lines = 0
                     with open(args.out, "w") as out:  # the result lines, as an upload's would be
                         for line in client.iter_batch_results(batch["id"], format=args.format):
                             out.write(json.dumps(line, separators=(",", ":")) + "\n")
+                            lines += 1
+                    print(f"{lines} result lines in {args.out}", file=sys.stderr)
                     if batch["status"] != "completed":
                         sys.exit(1)
                     return
@@ -303,12 +313,11 @@ def backfill(args: argparse.Namespace) -> None:
                     raise CommandError("a pair table needs both --query-column and --item-column")
                 columns = {"query": args.query_column, "item": args.item_column, "ids": args.id_column or []}
             elif not args.input.lower().split("?")[0].endswith((".jsonl", ".json", ".ndjson", ".gz", ".zst")) \
-                    and args.format != "jsonl":
+                    and args.input_format != "jsonl":
                 raise CommandError(f"{args.input} is not a JSONL file: give --query-column and --item-column for a "
-                                   "Parquet or CSV pair table")
+                                   "pair table")
             batch = run_reference_backfill(
-                client, args.input, args.out, poll=args.poll,
-                format=args.format if args.format in INPUT_FORMATS else None, columns=columns,
+                client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
                 label_token_ids=args.labels, output_format=args.output_format)
             if batch["status"] != "completed":
                 sys.exit(1)
@@ -402,19 +411,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("backfill", parents=[connection],
                             help="run a JSONL file as a batch, resumably; results to --out, progress to stderr")
     p.add_argument("input", help="JSONL: one request per line, each with a unique custom_id; or data the service "
-                                 "reads itself: s3://, gs://, az:// URIs, globs, Parquet/CSV pair tables")
+                                 "reads itself: s3://, gs://, az:// URIs, folders, globs; pair tables (Parquet, CSV, "
+                                 "JSONL)")
     p.add_argument("--out", required=True, help="results JSONL (appended to, custom_ids in it are skipped); for "
                                                 "data in storage, the URI prefix for the result objects")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between progress checks")
-    p.add_argument("--format", choices=("packscore", "openai", *INPUT_FORMATS), default="packscore",
-                   help="an uploaded file's result lines: this service's own, or OpenAI Batch API output lines; "
-                        "or the input's format for data the service reads (default: from its extension)")
+    p.add_argument("--format", default="packscore", metavar="{packscore,openai}",
+                   help="the result lines written to --out: this service's own, or OpenAI Batch API output lines")
+    p.add_argument("--input-format", choices=INPUT_FORMATS,
+                   help="the input's format, for data the service reads (default: from its name; a pair table "
+                        "in any of them takes --query-column and --item-column)")
     p.add_argument("--query-column", help="a pair table's query column")
     p.add_argument("--item-column", help="a pair table's item (document) column")
     p.add_argument("--id-column", action="append", help="a column passed through to the output (repeat)")
     p.add_argument("--labels", type=_token_ids, help="label token ids for a pair table, comma-separated")
     p.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
-                   help="result objects of data in storage")
+                   help="the result objects written under --out for data the service reads")
     p.set_defaults(func=backfill)
     return parser
 

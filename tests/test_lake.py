@@ -1,6 +1,8 @@
-"""Reference batches (issue 29) in-process on PostgreSQL and a real S3 store (SeaweedFS): access control,
-planning and reading chunks, the chunk path through the pass loop to committed objects and the manifest,
-per-row and per-chunk errors, cancel, and a store outage."""
+"""Reference batches (issues 29, 36) in-process on PostgreSQL and real S3, GCS and Azure stores (SeaweedFS,
+fake-gcs-server, Azurite): access control, planning and reading chunks of every format (Parquet, CSV and JSONL
+pair tables, JSONL requests; compressed; partitioned exports), the chunk path through the pass loop to
+committed objects and the manifest on every store, per-row and per-chunk errors, broken objects refused with
+a 4xx, cancel, and a store outage."""
 
 import gzip
 import json
@@ -23,6 +25,7 @@ from store.lake.access import Access, Location
 from store.lake.tables import Columns, InputError, Options, plan, read_chunk
 from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery
 from store.settings import get_settings
+from tests.object_stores import Azurite, FakeGCS
 from worker.local_s3 import SeaweedS3
 from worker import drain as drain_module
 from worker.scorer import get_scorer
@@ -38,6 +41,29 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     os.environ.update(store.env)
     yield store
     store.stop()
+
+
+def _serve(store: FakeGCS | Azurite) -> Iterator[FakeGCS | Azurite]:
+    """Starts a store for the session (raises, failing the tests, if it cannot: never a skip) with its variables
+    in the environment and a bucket `lake`."""
+    import fsspec.config
+
+    store.start()
+    os.environ.update(store.env)
+    fsspec.config.set_conf_env(fsspec.config.conf)  # FSSPEC_GCS_TOKEN: fsspec read its variables at import
+    store.create_bucket("lake")
+    yield store
+    store.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
+    yield from _serve(FakeGCS(tmp_path_factory.mktemp("fake-gcs")))  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+def azure_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    yield from _serve(Azurite(tmp_path_factory.mktemp("azurite")))  # type: ignore[misc]
 
 
 @pytest.fixture
@@ -228,6 +254,156 @@ def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore
     assert read < 105
 
 
+def test_jsonl_pair_tables_group_by_query_and_name_bad_lines(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(6, 5)
+    rows = table.to_pylist()
+    lines = [json.dumps(row) for row in rows]
+    lines[7] = json.dumps([rows[7]["q"], rows[7]["doc"]])  # not an object
+    lines[12] = json.dumps({"q": rows[12]["q"], "pair_id": rows[12]["pair_id"]})  # no 'doc'
+    lines[20] = "{" + lines[20]  # not JSON
+    lines.insert(3, "")  # blank: skipped, but counted in line numbers (file lines 9, 14 and 22 are the bad ones)
+    data = ("\n".join(lines) + "\n").encode()
+    (root / "pairs.jsonl").write_bytes(data)
+    (root / "pairs.jsonl.gz").write_bytes(gzip.compress(data))
+    (root / "pairs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    access = Access(str(root), [])
+    expected_ids = [None if i in (7, 20) else row["pair_id"] for i, row in enumerate(rows)]
+    lake_settings.batch_chunk_bytes = 500
+    for name in ("pairs.jsonl", "pairs.jsonl.gz", "pairs.jsonl.zst"):
+        chunks = list(plan(access.expand(name), options, lake_settings))
+        assert len(chunks) == (1 if name != "pairs.jsonl" else -(-len(data) // 500)), name
+        ids, errors, requests = [], {}, 0
+        for c in chunks:
+            read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+            errors.update({len(ids) + i: error for i, error in read.errors.items()})
+            ids += read.passthrough["pair_id"]
+            requests += len(read.requests)
+            assert all(len(covered) == r.n_items for covered, r, _ in read.requests)
+        assert ids == expected_ids, name
+        assert {i: code for i, (code, _) in errors.items()} == {7: "invalid_row", 12: "invalid_row",
+                                                                 20: "invalid_json"}, name
+        assert "'doc'" in errors[12][1] and all("line" in message for _, message in errors.values())
+        if len(chunks) == 1:  # the whole file: line numbers are the file's
+            assert errors[7][1] == f"line 9 of {name} is not a JSON object"
+            assert errors[12][1] == f"line 14 of {name} has no 'doc'"
+            assert errors[20][1].startswith(f"line 22 of {name} is not JSON")
+            # Adjacent rows with the same query are one request (a bad row among them is left out of it).
+            assert requests == 6
+    # A column the first line lacks is refused when planning, naming it.
+    (root / "other.jsonl").write_text(json.dumps({"q": "x", "text": "y"}) + "\n")
+    with pytest.raises(ServiceError) as refused:
+        list(plan(access.expand("other.jsonl"), options, lake_settings))
+    assert refused.value.code == "unknown_column" and "'doc'" in refused.value.message
+
+
+def test_compressed_csv_is_one_chunk(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    import pyarrow.csv as pacsv
+
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(5, 4)
+    buffer = io.BytesIO()
+    pacsv.write_csv(table, buffer)
+    (root / "pairs.csv.gz").write_bytes(gzip.compress(buffer.getvalue()))
+    (root / "pairs.csv.zst").write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+    lake_settings.batch_chunk_bytes = 100
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    access = Access(str(root), [])
+    for name in ("pairs.csv.gz", "pairs.csv.zst"):
+        [c] = plan(access.expand(name), options, lake_settings)
+        read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+        assert read.passthrough["pair_id"] == table.column("pair_id").to_pylist() and read.items == 20
+        assert len(read.requests) == 5
+    (root / "pairs.parquet.gz").write_bytes(b"")
+    with pytest.raises(ServiceError) as refused:
+        list(plan(access.expand("pairs.parquet.gz"), options, lake_settings))
+    assert refused.value.code == "unsupported_compression"
+
+
+def read_all(objects: list[Location], options: Options, settings) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    """Every chunk of these objects read, the passthrough columns concatenated."""
+    out: dict[str, list] = {}
+    for c in plan(objects, options, settings):
+        read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
+        assert not read.errors, read.errors
+        for name, values in read.passthrough.items():
+            out.setdefault(name, []).extend(values)
+    return out
+
+
+def test_partitioned_exports_read_as_one_table(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    access = Access(str(root), [])
+    parts = {"dt=2026-11-01": pair_table(2, 3, seed=1), "dt=2026-11-02": pair_table(3, 2, seed=2),
+             "dt=__HIVE_DEFAULT_PARTITION__": pair_table(1, 2, seed=3)}
+    for folder, table in parts.items():  # as Spark writes them: no partition column in the files
+        (root / "export" / folder).mkdir(parents=True)
+        pq.write_table(table, root / "export" / folder / "part-00000-c000.snappy.parquet")
+        (root / "export" / folder / ".part-00000-c000.snappy.parquet.crc").write_bytes(b"crc")
+    (root / "export" / "_SUCCESS").write_bytes(b"")
+    (root / "export" / "_temporary" / "0").mkdir(parents=True)  # a Spark job's leftovers: not data
+    (root / "export" / "_temporary" / "0" / "part-00001.parquet").write_bytes(b"PAR1 half-written")
+    options = Options("", Columns("q", "doc", ("dt", "pair_id")), tuple(LABELS))
+    read = read_all(access.expand("export/"), options, lake_settings)
+    # Folders in order, each row with its partition's value (Hive's default partition is null).
+    assert read["dt"] == ["2026-11-01"] * 6 + ["2026-11-02"] * 6 + [None] * 2
+    assert read["pair_id"] == [i for t in parts.values() for i in t.column("pair_id").to_pylist()]
+    # A glob over partition folders: the objects in the folders it matches.
+    assert read_all(access.expand("export/dt=2026-11-0*"), options, lake_settings)["dt"] == \
+        ["2026-11-01"] * 6 + ["2026-11-02"] * 6
+    # CSV and JSONL pair tables in partition folders alike.
+    (root / "csv" / "region=eu").mkdir(parents=True)
+    import pyarrow.csv as pacsv
+    pacsv.write_csv(parts["dt=2026-11-01"], root / "csv" / "region=eu" / "part-0.csv")
+    (root / "json" / "region=us%2Feast").mkdir(parents=True)  # Hive escapes '/' in a value
+    (root / "json" / "region=us%2Feast" / "part-0.json").write_text(
+        "".join(json.dumps(row) + "\n" for row in parts["dt=2026-11-02"].to_pylist()))
+    with_region = Options("", Columns("q", "doc", ("region", "pair_id")), tuple(LABELS))
+    assert read_all(access.expand("csv/"), with_region, lake_settings)["region"] == ["eu"] * 6
+    assert read_all(access.expand("json/"), with_region, lake_settings)["region"] == ["us/east"] * 6
+    # BigQuery's sharded export: one table in shard order.
+    shards = [pair_table(2, 2, seed=10 + i) for i in range(3)]
+    for i, shard in enumerate(shards):
+        pq.write_table(shard, root / f"export-{i:012d}.parquet")
+    read = read_all(access.expand("export-*.parquet"), Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS)),
+                    lake_settings)
+    assert read["pair_id"] == [i for shard in shards for i in shard.column("pair_id").to_pylist()]
+    # A column in neither the files nor their folders is refused, naming it.
+    with pytest.raises(ServiceError) as refused:
+        list(plan(access.expand("export/"), Options("", Columns("q", "doc", ("region",)), tuple(LABELS)),
+                  lake_settings))
+    assert refused.value.code == "unknown_column" and "'region'" in refused.value.message
+
+
+def test_store_failures_are_refusals_naming_the_object() -> None:
+    """What each store's library raises while planning, as the API answers it (never a 500)."""
+    from azure.core.exceptions import ClientAuthenticationError, ResourceNotFoundError, ServiceRequestError
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+    from google.auth.exceptions import DefaultCredentialsError
+
+    from store.lake.access import store_error
+
+    where = Location("s3", "lake/in/pairs.parquet")
+    for exc, status, code in [
+            (FileNotFoundError("lake/in/pairs.parquet"), 404, "input_not_found"),
+            (ResourceNotFoundError("The specified blob does not exist."), 404, "input_not_found"),
+            (PermissionError("Access Denied"), 403, "storage_access_denied"),
+            (NoCredentialsError(), 403, "storage_access_denied"),
+            (DefaultCredentialsError("no default credentials"), 403, "storage_access_denied"),
+            (ClientAuthenticationError("signature mismatch"), 403, "storage_access_denied"),
+            (ConnectionRefusedError(111, "Connection refused"), 503, "storage_unreachable"),
+            (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), 503, "storage_unreachable"),
+            (ServiceRequestError("cannot connect"), 503, "storage_unreachable"),
+            (TimeoutError(), 503, "storage_unreachable"),
+            (ValueError("something the library did not expect"), 400, "input_unreadable")]:
+        error = store_error(where, exc)
+        assert (error.status, error.code) == (status, code), exc
+        assert "s3://lake/in/pairs.parquet" in error.message
+
+
 # ---- the chunk path end to end -----------------------------------------------------------------------------
 
 
@@ -282,6 +458,149 @@ def test_pair_table_from_s3_matches_jobs(client, make_key, empty_queue, s3_store
         assert session.scalar(select(func.count()).select_from(Chunk).where(Chunk.batch_id == batch["id"])) == 4
 
 
+# ---- every format on every store ---------------------------------------------------------------------------
+
+STORES = ("local", "s3", "gs", "az")
+# The Parquet input is a Hive-partitioned export (its folder named, a partition column among the ids).
+FORMATS = {"parquet": "dt=2026-11-01/part-00000.parquet", "csv": "pairs.csv", "jsonl pair table": "pairs.jsonl",
+           "jsonl requests": "requests.jsonl"}
+
+
+def put(store: str, root: Path, key: str, data: bytes) -> str:
+    """Writes an object at `key` (a path under `lake/`) on a store; returns the URI a batch names it by."""
+    import fsspec
+
+    if store == "local":
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(data)
+        return key
+    fsspec.filesystem({"gs": "gcs"}.get(store, store)).pipe(f"lake/{key}", data)
+    return f"{store}://lake/{key}"
+
+
+def encoded(fmt: str, table: pa.Table) -> bytes:
+    import io
+
+    import pyarrow.csv as pacsv
+
+    buffer = io.BytesIO()
+    if fmt == "parquet":
+        pq.write_table(table, buffer, row_group_size=6)
+    elif fmt == "csv":
+        pacsv.write_csv(table, buffer)
+    elif fmt == "jsonl pair table":
+        buffer.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()).encode())
+    else:  # one request per query, with its documents
+        rows = table.to_pylist()
+        for q in dict.fromkeys(row["q"] for row in rows):
+            buffer.write(json.dumps({"custom_id": q, "query": q, "items": [r["doc"] for r in rows if r["q"] == q],
+                                     "label_token_ids": LABELS}).encode() + b"\n")
+    return buffer.getvalue()
+
+
+def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empty_queue, lake_settings,  # type: ignore[no-untyped-def]
+                                                          s3_store, gcs_store, azure_store) -> None:
+    key, _ = make_key()
+    allow(key, [f"{store}://lake/matrix/" for store in STORES[1:]])
+    root = Path(lake_settings.batch_local_root)
+    # Text inputs in several byte ranges: every range after the first reads its CSV's header again, remotely.
+    lake_settings.batch_chunk_bytes = 300
+    table = pair_table(4, 3, seed=5)
+    rows = table.to_pylist()
+    queries = list(dict.fromkeys(row["q"] for row in rows))
+    scorer = get_scorer()
+    expected = {q: scorer.score(q, [r["doc"] for r in rows if r["q"] == q], LABELS) for q in queries}
+    created = {}
+    for store in STORES:
+        for fmt, name in FORMATS.items():
+            folder = f"matrix/in/{fmt.replace(' ', '-')}"
+            uri = put(store, root, f"{folder}/{name}", encoded(fmt, table))
+            body = {"input": uri, "output": "matrix/out" if store == "local" else f"{store}://lake/matrix/out/"}
+            if fmt != "jsonl requests":
+                body |= {"columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}
+            if fmt == "parquet":
+                put(store, root, f"{folder}/_SUCCESS", b"")
+                body |= {"input": uri.rsplit("/", 2)[0] + "/", "columns": {"query": "q", "item": "doc",
+                                                                           "ids": ["dt", "pair_id"]}}
+            response = client.post("/batches", json=body, headers=auth(key))
+            assert response.status_code == 201, (store, fmt, response.text)
+            created[store, fmt] = response.json()
+        if store != "local":  # the key's rules hold on every store
+            response = client.post("/batches", json={"input": f"{store}://lake/elsewhere/pairs.parquet",
+                                                     "output": f"{store}://lake/matrix/out/"}, headers=auth(key))
+            assert (response.status_code, response.json()["error"]["code"]) == (403, "storage_prefix_not_allowed")
+    for (store, fmt), batch in created.items():
+        done = wait_batch(client, key, batch["id"])
+        assert done["status"] == "completed" and done["rows"]["failed"] == 0, (store, fmt, done)
+        # The output as a reader finds it: _SUCCESS, the manifest, its objects read with pyarrow.
+        out = Location.parse(done["output"])
+        assert out.fs.exists(out.child("_SUCCESS").path), (store, fmt)
+        manifest = json.loads(out.fs.cat(out.child("_manifest.json").path))
+        # (A text input's id types are inferred per chunk: a chunk with no rows has null-typed columns.)
+        got = pa.concat_tables([pq.read_table(out.fs.open(out.child(entry["name"]).path))
+                                for entry in manifest["objects"]], promote_options="default").to_pylist()
+        if fmt == "jsonl requests":
+            assert [r["custom_id"] for r in got] == queries
+            for r in got:
+                np.testing.assert_allclose(r["scores"], expected[r["custom_id"]], atol=1e-4)
+        else:
+            assert [r["pair_id"] for r in got] == [r["pair_id"] for r in rows], (store, fmt)
+            assert fmt != "parquet" or {r["dt"] for r in got} == {"2026-11-01"}
+            for row, r in zip(rows, got):
+                j = [x["doc"] for x in rows if x["q"] == row["q"]].index(row["doc"])
+                np.testing.assert_allclose(r["scores"], expected[row["q"]][j], atol=1e-4)
+        assert manifest["rows"] == len(got)
+
+
+BROKEN = [  # (name, data or None for no object, status, code)
+    ("corrupt.parquet", b"PAR1 this is not parquet at all PAR1", 400, "input_corrupt"),
+    ("empty.parquet", b"", 400, "input_corrupt"),
+    ("truncated.parquet", "half", 400, "input_corrupt"),
+    ("corrupt.csv.gz", b"\x1f\x8b\x08\x00 not gzip after all", 400, "input_corrupt"),
+    ("corrupt.csv.zst", b"\x28\xb5\x2f\xfd not zstd after all", 400, "input_corrupt"),
+    ("corrupt.jsonl.gz", b"\x1f\x8b\x08\x00 not gzip after all", 400, "input_corrupt"),
+    ("empty.csv", b"", 400, "unknown_column"),
+    ("binary.csv", bytes(range(256)) * 4, 400, "unknown_column"),
+    ("other-columns.csv", b"a,b\n1,2\n", 400, "unknown_column"),
+    ("other-columns.jsonl", b'{"a": 1, "b": 2}\n', 400, "unknown_column"),
+    ("noformat.bin", b"PAR1", 400, "unknown_format"),
+    ("missing.parquet", None, 404, "input_not_found"),
+    ("nothing-here/", None, 404, "input_not_found"),
+]
+
+
+def test_broken_objects_on_every_store_are_refused_with_a_4xx(client, make_key, lake_settings,  # type: ignore[no-untyped-def]
+                                                               s3_store, gcs_store, azure_store) -> None:
+    import io
+
+    key, _ = make_key()
+    allow(key, [f"{store}://{bucket}/" for store in STORES[1:] for bucket in ("lake", "no-such-bucket")])
+    root = Path(lake_settings.batch_local_root)
+    whole = io.BytesIO()
+    pq.write_table(pair_table(4, 3), whole)
+    columns = {"query": "q", "item": "doc"}
+    for store in STORES:
+        cases = [*BROKEN, *([] if store == "local" else [(f"{store}://no-such-bucket/x.parquet", None, 404,
+                                                          "input_not_found")])]
+        for name, data, status, code in cases:
+            uri = name if "://" in name else f"broken/{name}" if store == "local" else f"{store}://lake/broken/{name}"
+            if data is not None:
+                put(store, root, f"broken/{name}", whole.getvalue()[: len(whole.getvalue()) // 2] if data == "half"
+                    else data)
+            response = client.post("/batches", json={"input": uri, "output": "out" if store == "local" else
+                                                     f"{store}://lake/out/", "columns": columns,
+                                                     "label_token_ids": LABELS}, headers=auth(key))
+            error = response.json()["error"]
+            assert (response.status_code, error["code"]) == (status, code), (store, name, error)
+            assert name.rstrip("/").rsplit("/", 1)[-1] in error["message"], (store, name, error)
+        for odd in ("broken/[unclosed.parquet", "broken/**/*.parquet", "broken/\u00e9t\u00e9 \u2603.csv"):
+            uri = odd if store == "local" else f"{store}://lake/{odd}"
+            response = client.post("/batches", json={"input": uri, "output": "out" if store == "local" else
+                                                     f"{store}://lake/out/", "columns": columns,
+                                                     "label_token_ids": LABELS}, headers=auth(key))
+            assert 400 <= response.status_code < 500, (store, odd, response.text)
+
+
 def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
                                                                         lake_settings) -> None:
     key, _ = make_key()
@@ -315,6 +634,26 @@ def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, m
     manifest = json.loads((root / "out" / batch_id / "_manifest.json").read_text())
     assert manifest["rows"] == 4 and manifest["rows_failed"] == 3
     assert {c["error"]["code"] for c in manifest["failed_chunks"]} == {"input_corrupt", "input_not_found"}
+
+
+def test_a_chunk_with_nothing_to_score_is_committed(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    """A byte range in which no line starts (a line longer than the range) and a range whose every row fails:
+    both end with the batch, their rows (if any) as errors, instead of staying in flight."""
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    long_line = json.dumps({"q": "a question? " * 25, "doc": "a document", "pair_id": 1})
+    bad = "".join(json.dumps({"q": "x", "pair_id": i}) + "\n" for i in range(2, 6))  # no 'doc'
+    (root / "odd.jsonl").write_text(long_line + "\n" + bad)
+    lake_settings.batch_chunk_bytes = 100
+    created = client.post("/batches", json={"input": "odd.jsonl", "output": "out", "columns": {
+        "query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}, headers=auth(key))
+    assert created.status_code == 201, created.text
+    assert created.json()["chunks"]["total"] > 4  # ranges inside the long line
+    done = wait_batch(client, key, created.json()["id"], 60)
+    assert done["status"] == "completed" and done["rows"] == {"done": 5, "failed": 4, "total": None}, done
+    rows = results(client, key, done["id"])
+    assert [r["pair_id"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["scores"] is not None and all(r["error"]["code"] == "invalid_row" for r in rows[1:])
 
 
 def test_refusals(client, make_key, empty_queue, lake_settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -424,7 +763,14 @@ def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key
         assert time.monotonic() < deadline
         time.sleep(0.1)
     s3_store.stop()
-    time.sleep(10)
+    started = time.monotonic()
+    # Meanwhile a batch cannot be planned: a 503 that names the object (try again), not a 500.
+    refused = client.post("/batches", json={"input": "s3://lake/in/outage/pairs.parquet", "output": "s3://lake/out/",
+                                            "columns": {"query": "q", "item": "doc"}, "label_token_ids": LABELS},
+                          headers=auth(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "storage_unreachable"), refused.text
+    assert "s3://lake/in/outage/pairs.parquet" in refused.json()["error"]["message"]
+    time.sleep(max(0.0, 10 - (time.monotonic() - started)))
     s3_store.start()
     try:
         done = wait_batch(client, key, created["id"], 240)

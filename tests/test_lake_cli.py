@@ -38,7 +38,9 @@ def test_wrong_inputs_end_in_one_line_not_a_traceback(tmp_path: Path) -> None:
     pq.write_table(pa.table({"q": ["x"], "doc": ["y"]}), tmp_path / "pairs.parquet")
     for args, message in [(["missing.jsonl"], "missing.jsonl: no such file"),
                           (["pairs.parquet"], "give --query-column and --item-column"),
-                          (["http://example.com/x.jsonl"], "only s3://, gs://, az:// URIs and local files")]:
+                          (["http://example.com/x.jsonl"], "only s3://, gs://, az:// URIs and local files"),
+                          # --format is the result lines'; the input's is --input-format, and the error says so.
+                          (["pairs.parquet", "--format", "parquet"], "the input's format is --input-format parquet")]:
         result = backfill(*args, "--out", "out.jsonl", cwd=tmp_path)
         assert result.returncode == 1, (args, result.stderr)
         assert "Traceback" not in result.stderr and message in result.stderr, (args, result.stderr)
@@ -58,6 +60,7 @@ def test_a_file_over_the_upload_limit_is_refused_before_sending(tmp_path: Path) 
     # Nothing of the file was sent: it would be run as a reference batch (here no service answers).
     assert result.returncode == 1 and "line 100001" in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert "running it as a reference batch" in result.stderr and "cannot reach" in result.stderr
+    assert "result lines into out.jsonl" in result.stderr  # and where the results go
     assert not (tmp_path / "out.jsonl").exists()
     print(f"\n150,000-line file refused in {seconds:.1f} s")
     assert seconds < 30

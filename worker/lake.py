@@ -175,6 +175,9 @@ class ChunkFeed:
         for k, (_, request, _) in enumerate(rows.requests):  # an empty items list is done as it is
             if request.n_items == 0:
                 work.done(k, np.zeros((0, len(request.label_token_ids)), np.float32))
+        if not work.left and not work.over:  # nothing to score (no line starts in its range, every row failed)
+            work.over = True
+            self.complete(work)
         if work.over:
             return None
         return work

@@ -10,8 +10,10 @@ store's standard chain on the host (for S3 the AWS environment variables, profil
 AWS_ENDPOINT_URL for an S3-compatible store; for GCS and Azure their own libraries' chains).
 """
 
+import logging
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +24,7 @@ from fsspec import AbstractFileSystem
 
 from store.errors import ServiceError
 
+log = logging.getLogger(__name__)
 # URI scheme -> fsspec protocol. gcsfs and adlfs are optional installs (`pip install packscore[gcs]` /
 # `[azure]`): fsspec knows their protocols and says which package to install when one is missing.
 REMOTE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "az", "abfs": "az", "abfss": "az"}
@@ -30,6 +33,26 @@ GLOB_CHARACTERS = "*?["
 
 def refusal(code: str, message: str, status: int = 400) -> ServiceError:
     return ServiceError(status, code, message)
+
+
+def store_error(location: "Location", exc: BaseException) -> ServiceError:
+    """A failure of the store while an object or listing is looked at, as a refusal naming it: missing (404),
+    refused to this server's credentials (403), the store unreachable (503, try again), anything else the
+    store's library raised (400, with its kind; logged whole). The libraries of the three clouds raise their
+    own exception classes (botocore's, google-auth's, azure-core's), hence the names looked at."""
+    kinds = " ".join(c.__name__ for c in type(exc).__mro__).lower()
+    what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}".rstrip(": ")
+    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in kinds or "notfound" in kinds:
+        return refusal("input_not_found", f"no input object at {location.uri}", 404)
+    if isinstance(exc, PermissionError) or any(k in kinds for k in ("credential", "authentication", "forbidden",
+                                                                   "accessdenied")):
+        return refusal("storage_access_denied", f"{location.uri}: this server's credentials for "
+                                                f"{location.scheme}:// were refused or are missing ({what})", 403)
+    if isinstance(exc, (OSError, TimeoutError)) or any(k in kinds for k in (
+            "connection", "timeout", "endpoint", "serviceunavailable", "servicerequest", "serviceresponse")):
+        return refusal("storage_unreachable", f"{location.uri} could not be read now ({what}); try again", 503)
+    log.warning("reading %s failed", location.uri, exc_info=exc)
+    return refusal("input_unreadable", f"{location.uri} could not be read ({what})")
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,9 @@ def filesystem(protocol: str) -> AbstractFileSystem:
         return fsspec.filesystem(protocol)
     except ImportError as exc:
         raise refusal("storage_unavailable", f"{protocol}:// is not installed on this server ({exc})", 400) from None
+    except Exception as exc:  # noqa: BLE001  (adlfs without an account or connection string, say)
+        raise refusal("storage_unavailable", f"{protocol}:// is not configured on this server "
+                                             f"({type(exc).__name__}: {exc})", 400) from None
 
 
 class Access:
@@ -119,7 +145,8 @@ class Access:
         static = _static_part(str(path))
         if not _within(Path(static).resolve(), self.local_root):
             raise refusal("path_outside_root", f"{what} is outside BATCH_LOCAL_ROOT")
-        return Location("file", str(Path(static).resolve()) + str(path)[len(static):])
+        folder = "/" if uri.endswith("/") and not str(path).endswith("/") else ""  # "a folder's objects"
+        return Location("file", str(Path(static).resolve()) + str(path)[len(static):] + folder)
 
     def allows(self, location: Location) -> bool:
         """Whether a concrete object (a glob's match, say) is still inside what this key may read."""
@@ -129,27 +156,36 @@ class Access:
 
     def expand(self, uris: str | list[str]) -> list[Location]:
         """Input URIs, a list of them, or globs, as the objects they name (sorted within each glob). A prefix
-        ending in "/" names the objects under it. Each match is checked again: a symlink in a folder under the
-        root may point out of it."""
+        ending in "/", a folder, or a glob's match that is a folder, names the objects under it, but for those
+        under a name starting with "_" or "." (`_SUCCESS`, Spark's `_temporary/` and `.crc` files). Each match is
+        checked again: a symlink in a folder under the root may point out of it."""
         objects: list[Location] = []
         for uri in [uris] if isinstance(uris, str) else uris:
             location = self.location(uri)
             fs = location.fs
             try:
                 if any(c in location.path for c in GLOB_CHARACTERS):
-                    found = sorted(fs.glob(location.path))
+                    found = sorted(each for path, info in fs.glob(location.path, detail=True).items()
+                                   for each in (fs.find(path) if info.get("type") == "directory" else [path]))
                 elif location.path.endswith("/") or fs.isdir(location.path):
                     found = sorted(fs.find(location.path))
                 else:
                     found = [location.path]
             except FileNotFoundError:
                 found = []
-            except OSError as exc:
-                raise refusal("storage_unreachable", f"input {location.uri}: {type(exc).__name__}", 503) from None
+            except re.error as exc:
+                raise refusal("invalid_uri", f"input {location.uri}: not a valid glob ({exc})") from None
+            except Exception as exc:  # noqa: BLE001  (see store_error)
+                error = store_error(location, exc)
+                if error.status != 404:
+                    raise error from None
+                found = []
+            listed = _static_part(location.path).rstrip("/")
             for path in found:
                 match = Location(location.protocol, path if location.protocol != "file" else str(Path(path)))
-                if posixpath.basename(path).startswith(("_", ".")):
-                    continue  # _SUCCESS, _manifest.json, hidden files: never data
+                below = path[len(listed):] if path.startswith(listed + "/") else posixpath.basename(path)
+                if any(name.startswith(("_", ".")) for name in below.split("/")):
+                    continue  # _SUCCESS, _manifest.json, _temporary/, hidden files: never data
                 if not self.allows(match):
                     raise refusal("path_outside_root", f"input {match.name} leads outside what this key may read")
                 objects.append(match)

@@ -1,37 +1,46 @@
 """The data of a reference batch: planning it into chunks from metadata, reading a chunk into scoring requests,
 writing a chunk's results as one object, and the manifest.
 
-Formats: Parquet and CSV (pyarrow), JSONL (plain, `.gz` or `.zst`). A Parquet file is planned from its footer
-(row groups, split into slices of about BATCH_CHUNK_ROWS rows); JSONL and CSV from their size (byte ranges of
-BATCH_CHUNK_BYTES; a range's first partial line belongs to the range before it, so ranges need no data to
-plan). A compressed JSONL file cannot be split: it is one chunk, and files over BATCH_COMPRESSED_MAX_BYTES
-are refused.
+Formats: Parquet (pyarrow), CSV (pyarrow; plain, `.gz` or `.zst`), JSONL (plain, `.gz` or `.zst`). A Parquet
+file is planned from its footer (row groups, split into slices of about BATCH_CHUNK_ROWS rows); JSONL and CSV
+from their size (byte ranges of BATCH_CHUNK_BYTES; a range's first partial line belongs to the range before
+it, so ranges need no data to plan). A compressed file cannot be split: it is one chunk, and files over
+BATCH_COMPRESSED_MAX_BYTES are refused. Every read goes through the file interface fsspec gives every store
+(read, seek; a remote file's readline takes no size), in blocks of READ_BLOCK_BYTES, so that a remote store
+is not asked for its default read-ahead (s3fs: 50 MiB) to plan a header.
 
-A pair table (Parquet or CSV) has one row per (query, document): `columns` names the query and item columns,
-id columns passed through to the output, and optionally a label column (a list of token ids per row).
-Adjacent rows with the same query (and labels) are one request, so the query runs once. JSONL lines are the
-lines of an uploaded batch (a job's fields with `custom_id`, or an OpenAI Batch line to /v1/score).
+A pair table (Parquet, CSV, or JSONL with `columns`: one object per line, as BigQuery and Spark export JSON)
+has one row per (query, document): `columns` names the query and item columns, id columns passed through to
+the output, and optionally a label column (a list of token ids per row). Adjacent rows with the same query
+(and labels) are one request, so the query runs once. A column may also come from the object's folders:
+Hive-style partitions (`dt=2026-11-01/part-0.parquet`) give each row of the object that value (a string).
+Without `columns`, JSONL lines are the lines of an uploaded batch (a job's fields with `custom_id`, or an
+OpenAI Batch line to /v1/score).
 
 A row that cannot be scored (a bad value, too many tokens, an unknown label id) is an output row with
 `error_code` and `error_message`; nothing per row goes to the database.
 """
 
+import gzip
 import io
 import json
 import posixpath
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+import zstandard
 
 from core import RequestTokenizer, ScoringError, TokenizedRequest, scores_from_logprobs
 from store.batches import LineError, parse_line
 from store.errors import ServiceError
-from store.lake.access import Location
+from store.lake.access import Location, store_error
 from store.schemas import RerankRequest
 from store.settings import Settings
 
@@ -39,6 +48,14 @@ FORMATS = ("jsonl", "parquet", "csv")
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 # The most rows (items) one request of a pair table takes: a longer run of rows with the same query is split.
 MAX_GROUP_ROWS = 1000
+# Text files are read in blocks of this size (a header line, the line a byte range starts or ends in).
+READ_BLOCK_BYTES = 1 << 16
+# A CSV header or a JSONL pair table's first line longer than this is not looked at while planning.
+FIRST_LINE_MAX_BYTES = 1 << 20
+# Hive's name for a partition whose value is null.
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+# What a damaged object raises as it is read or decompressed (besides pyarrow's errors).
+CORRUPT = (gzip.BadGzipFile, zlib.error, zstandard.ZstdError, EOFError, UnicodeDecodeError)
 
 
 class InputError(Exception):
@@ -102,9 +119,21 @@ def format_of(location: Location, given: str | None) -> tuple[str, str | None]:
     if fmt is None:
         raise ServiceError(400, "unknown_format", f"the format of {location.name} is not known from its name: "
                                                   f"give format (one of {', '.join(FORMATS)})")
-    if compression and fmt != "jsonl":
-        raise ServiceError(400, "unsupported_compression", f"{location.name}: only JSONL may be .gz or .zst")
+    if compression and fmt == "parquet":
+        raise ServiceError(400, "unsupported_compression", f"{location.name}: a Parquet file is compressed inside; "
+                                                           "only JSONL and CSV may be .gz or .zst")
     return fmt, compression
+
+
+def partitions(location: Location) -> dict[str, str | None]:
+    """The Hive-style partition values in an object's folders (`.../dt=2026-11-01/part-0.parquet`)."""
+    values: dict[str, str | None] = {}
+    for segment in location.path.split("/")[:-1]:
+        key, eq, value = segment.partition("=")
+        if eq and key:
+            value = unquote(value)  # Hive escapes '/', '=' and the like as %XX
+            values[unquote(key)] = None if value == HIVE_NULL else value
+    return values
 
 
 @dataclass(frozen=True)
@@ -120,58 +149,97 @@ class PlannedChunk:
 
 
 def plan(objects: list[Location], options: Options, settings: Settings) -> Iterator[PlannedChunk]:
-    """The chunks of these objects, from metadata only (Parquet footers, object sizes, a CSV's header line)."""
+    """The chunks of these objects, from metadata only (Parquet footers, object sizes, a CSV's header line, a
+    JSONL pair table's first line). A failure of the store or the object is a 4xx naming it (503 while the
+    store cannot be reached), never an unexplained error."""
     for location in objects:
         fmt, compression = format_of(location, options.format)
-        fs = location.fs
         try:
-            if fmt == "parquet":
-                with fs.open(location.path, "rb") as f:
-                    meta = pq.ParquetFile(f).metadata
-                    names = meta.schema.to_arrow_schema().names
-                    _check_columns(location, options, names)
-                    for group in range(meta.num_row_groups):
-                        rows = meta.row_group(group).num_rows
-                        step = max(1, settings.batch_chunk_rows_target)
-                        for start in range(0, rows, step):
-                            yield PlannedChunk(location.uri, group, start, min(rows, start + step),
-                                               min(rows, start + step) - start)
-                continue
-            size = fs.size(location.path)
-            if fmt == "csv":
-                with fs.open(location.path, "rb") as f:
-                    header = f.readline(1 << 20)
-                _check_columns(location, options, _csv_header(header))
-            elif options.columns is not None:
-                raise ServiceError(400, "invalid_input", "columns are for Parquet and CSV pair tables, not JSONL")
-            if compression:
-                if size > settings.batch_compressed_max_bytes:
-                    raise ServiceError(413, "compressed_input_too_large",
-                                       f"{location.name}: a compressed JSONL file is one chunk, at most "
-                                       f"{settings.batch_compressed_max_bytes} bytes; split it or send it uncompressed")
-                yield PlannedChunk(location.uri, -1, 0, size, None)
-                continue
-            for start in range(0, size, settings.batch_chunk_bytes):
-                yield PlannedChunk(location.uri, -1, start, min(size, start + settings.batch_chunk_bytes), None)
-        except FileNotFoundError:
-            raise ServiceError(404, "input_not_found", f"no input object at {location.uri}") from None
-        except (pa.ArrowInvalid, pa.ArrowException) as exc:
-            raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
-        except OSError as exc:
-            if "parquet" in str(exc).lower() or "thrift" in str(exc).lower():
-                raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable {fmt} file ({exc})") from None
-            raise ServiceError(503, "storage_unreachable", f"{location.uri} could not be read now "
-                                                           f"({type(exc).__name__}); try again") from None
+            yield from _plan_object(location, fmt, compression, options, settings)
+        except ServiceError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (each store's libraries raise their own kinds)
+            if _is_corrupt(exc):
+                raise ServiceError(400, "input_corrupt", f"{location.name}: not a readable "
+                                                         f"{fmt}{' (' + compression + ')' if compression else ''} "
+                                                         f"file ({type(exc).__name__}: {exc})") from None
+            raise store_error(location, exc) from None
+
+
+def _plan_object(location: Location, fmt: str, compression: str | None, options: Options,
+                 settings: Settings) -> Iterator[PlannedChunk]:
+    fs = location.fs
+    if fmt == "parquet":
+        with fs.open(location.path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            _check_columns(location, options, meta.schema.to_arrow_schema().names)
+            for group in range(meta.num_row_groups):
+                rows = meta.row_group(group).num_rows
+                step = max(1, settings.batch_chunk_rows_target)
+                for start in range(0, rows, step):
+                    yield PlannedChunk(location.uri, group, start, min(rows, start + step),
+                                       min(rows, start + step) - start)
+        return
+    size = fs.size(location.path)
+    if fmt == "csv":
+        _check_columns(location, options, _csv_header(_first_line(fs, location.path, compression)))
+    elif options.columns is not None:
+        _check_first_object(location, options, _first_line(fs, location.path, compression))
+    if compression:
+        if size > settings.batch_compressed_max_bytes:
+            raise ServiceError(413, "compressed_input_too_large",
+                               f"{location.name}: a compressed file is one chunk, at most "
+                               f"{settings.batch_compressed_max_bytes} bytes; split it or send it uncompressed")
+        yield PlannedChunk(location.uri, -1, 0, size, None)
+        return
+    for start in range(0, size, settings.batch_chunk_bytes):
+        yield PlannedChunk(location.uri, -1, start, min(size, start + settings.batch_chunk_bytes), None)
+
+
+def _is_corrupt(exc: BaseException) -> bool:
+    """Whether reading failed on the object's bytes (not the store): pyarrow's errors, a damaged compressed
+    stream, text that is not UTF-8. pyarrow reports a corrupt Parquet file as an OSError ("Parquet magic bytes
+    not found", "Couldn't deserialize thrift"), which the store's own failures (connection errors) are too."""
+    if isinstance(exc, (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, *CORRUPT)):
+        return True
+    store_failure = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
+    return isinstance(exc, OSError) and not isinstance(exc, store_failure) and \
+        any(word in str(exc).lower() for word in ("parquet", "thrift"))
 
 
 def _check_columns(location: Location, options: Options, names: list[str]) -> None:
     if options.columns is None:
         raise ServiceError(400, "columns_required", f"{location.name}: a {options.format or 'table'} input needs "
                                                     "columns (query, item)")
+    names = [*names, *partitions(location)]
     missing = [c for c in options.columns.names() if c not in names]
     if missing:
         raise ServiceError(400, "unknown_column", f"{location.name} has no column {missing[0]!r} "
                                                   f"(it has {', '.join(names[:20])})")
+
+
+def _check_first_object(location: Location, options: Options, line: bytes) -> None:
+    """A JSONL pair table's first line names the columns the others are expected to have: a column it lacks
+    is refused now rather than failing every row. A first line that is not an object is left to its row."""
+    try:
+        value = json.loads(line) if line.strip() else None
+    except ValueError:
+        return
+    if isinstance(value, dict):
+        _check_columns(location, options, list(value))
+
+
+def _first_line(fs: Any, path: str, compression: str | None) -> bytes:
+    """The first line of a text object (at most FIRST_LINE_MAX_BYTES), read a block at a time: a remote file's
+    readline takes no size, and a file with no line break would be read whole."""
+    head = b""
+    with fs.open(path, "rb", block_size=READ_BLOCK_BYTES, compression=compression) as f:
+        while b"\n" not in head and len(head) < FIRST_LINE_MAX_BYTES:
+            block = f.read(READ_BLOCK_BYTES)
+            if not block:
+                break
+            head += block
+    return head.split(b"\n", 1)[0][:FIRST_LINE_MAX_BYTES].rstrip(b"\r")
 
 
 def _csv_header(line: bytes) -> list[str]:
@@ -182,6 +250,18 @@ def _csv_header(line: bytes) -> list[str]:
 
 
 # ---- reading a chunk ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pairs:
+    """A pair table's rows as read: the named columns' values (a column missing from the object is taken from
+    its partition folders), the id columns' types, and the rows known bad as read (a JSONL line that is not
+    an object or lacks a column), each with (code, message)."""
+
+    columns: dict[str, list]
+    types: dict[str, pa.DataType]
+    n_rows: int
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -210,7 +290,7 @@ def read_chunk(location: Location, part: int, start: int, stop: int, options: Op
     return chunk_requests(read_input(location, part, start, stop, options), options, tokenizer)
 
 
-def chunk_requests(data: pa.Table | list[bytes], options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
+def chunk_requests(data: Pairs | list[bytes], options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
     """A chunk's rows (`read_input`) tokenized into requests."""
     try:
         return _lines(data, options, tokenizer) if isinstance(data, list) else _pairs(data, options, tokenizer)
@@ -218,74 +298,136 @@ def chunk_requests(data: pa.Table | list[bytes], options: Options, tokenizer: Re
         raise InputError("input_corrupt", f"the chunk's rows could not be read: {exc}") from None
 
 
-def read_input(location: Location, part: int, start: int, stop: int, options: Options) -> pa.Table | list[bytes]:
-    """A chunk's rows from storage: a pair table's, or JSONL lines. Raises InputError when the object is
-    missing or corrupt; any other exception is transient."""
+def read_input(location: Location, part: int, start: int, stop: int, options: Options) -> Pairs | list[bytes]:
+    """A chunk's rows from storage: a pair table's, or JSONL request lines. Raises InputError when the object
+    is missing or corrupt; any other exception is transient."""
     fmt, compression = format_of(location, options.format)
     fs = location.fs
     try:
         if fmt == "parquet":
             with fs.open(location.path, "rb") as f:
-                table = pq.ParquetFile(f).read_row_group(part, columns=options.columns.names())
-            return table.slice(start, stop - start)
+                parquet = pq.ParquetFile(f)
+                present = [c for c in options.columns.names() if c in parquet.schema_arrow.names]
+                table = parquet.read_row_group(part, columns=present)
+            return _table_pairs(table.slice(start, stop - start), location, options)
         if compression:
             with fs.open(location.path, "rb", compression=compression) as f:
-                data = f.read()
+                begin, data = 0, f.read()
         else:
-            data = _byte_range(fs, location.path, start, stop)
+            begin, data = _byte_range(fs, location.path, start, stop)
         if fmt == "csv":
-            header = b""
-            if start > 0:
-                with fs.open(location.path, "rb") as f:
-                    header = f.readline(1 << 20)
-            return pacsv.read_csv(io.BytesIO(header + data), convert_options=pacsv.ConvertOptions(
-                include_columns=options.columns.names(),
-                column_types={options.columns.query: pa.string(), options.columns.item: pa.string()}))
+            header = _first_line(fs, location.path, compression) if begin > 0 else data.split(b"\n", 1)[0]
+            present = [c for c in options.columns.names() if c in _csv_header(header)]
+            table = pacsv.read_csv(io.BytesIO(header + b"\n" + data if begin > 0 else data),
+                                   convert_options=pacsv.ConvertOptions(
+                                       include_columns=present,
+                                       column_types={c: pa.string() for c in (options.columns.query,
+                                                                               options.columns.item) if c in present}))
+            return _table_pairs(table, location, options)
+        if options.columns is not None:
+            return _json_pairs(data.splitlines(), begin, location, options)
         return data.splitlines()
     except FileNotFoundError:
         raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError, EOFError) as exc:
+    except Exception as exc:
+        if not (_is_corrupt(exc) or isinstance(exc, KeyError)):
+            raise  # the store's own failures (connection errors): the chunk is tried again
         # A CSV is planned in byte ranges cut at line breaks, which a quoted value with a line break in it defeats.
         hint = " (a CSV is read in parts cut at line breaks: a value holding a line break needs Parquet or JSONL)" \
-            if fmt == "csv" else ""
+            if fmt == "csv" and not compression else ""
         raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}{hint}") from None
-    except OSError as exc:
-        # pyarrow reports a corrupt Parquet file as an OSError ("Parquet magic bytes not found", "Couldn't
-        # deserialize thrift"); the store's own failures are other OSErrors (connection errors) and retried.
-        if "parquet" in str(exc).lower() or "thrift" in str(exc).lower():
-            raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}") from None
-        raise
 
 
-def _byte_range(fs: Any, path: str, start: int, stop: int) -> bytes:
-    """The lines that start in [start, stop): from the first line start at or after `start` to the end of
-    the line holding byte stop - 1."""
-    with fs.open(path, "rb") as f:
+def _byte_range(fs: Any, path: str, start: int, stop: int) -> tuple[int, bytes]:
+    """The lines that start in [start, stop), and the byte they start at: from the first line start at or
+    after `start` to the end of the line holding byte stop - 1."""
+    with fs.open(path, "rb", block_size=READ_BLOCK_BYTES) as f:
         if start > 0:
             f.seek(start - 1)
             f.readline()  # the rest of the line that started before `start` (or just its newline)
         begin = f.tell()
         if begin >= stop:
-            return b""
+            return begin, b""
         data = f.read(stop - begin)
         if not data.endswith(b"\n"):
             data += f.readline()
-        return data
+        return begin, data
 
 
-def _pairs(table: pa.Table, options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
+def _table_pairs(table: pa.Table, location: Location, options: Options) -> Pairs:
+    """A Parquet or CSV table's rows; a named column the object lacks comes from its partition folders."""
+    folders = partitions(location)
+    columns: dict[str, list] = {}
+    types: dict[str, pa.DataType] = {}
+    for name in options.columns.names():
+        if name in table.column_names:
+            columns[name], types[name] = table.column(name).to_pylist(), table.schema.field(name).type
+        elif name in folders:
+            columns[name], types[name] = [folders[name]] * table.num_rows, pa.string()
+        else:
+            raise InputError("input_corrupt", f"{location.name} has no column {name!r}")
+    return Pairs(columns, types, table.num_rows)
+
+
+def _json_pairs(lines: list[bytes], begin: int, location: Location, options: Options) -> Pairs:
+    """A JSONL pair table's rows (one object per line; blank lines are skipped). A line that is not an object,
+    or lacks the query, item or label column, is a row with its error naming the line; an id column a line
+    lacks is null there (as Spark and BigQuery leave out null fields)."""
+    folders = partitions(location)
+    spec = options.columns
+    names = spec.names()
+    required = {spec.query, spec.item} | ({spec.label} if spec.label else set())
+    where = f"of {location.name}" if begin == 0 else f"from byte {begin} of {location.name}"
+    columns: dict[str, list] = {name: [] for name in names}
+    errors: dict[int, tuple[str, str]] = {}
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        row = len(columns[names[0]])
+        obj: dict = {}
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            errors[row] = ("invalid_json", f"line {number} {where} is not JSON: {exc}")
+        else:
+            if isinstance(value, dict):
+                obj = value
+            else:
+                errors[row] = ("invalid_row", f"line {number} {where} is not a JSON object")
+        missing = [c for c in names if c in required and c not in obj and c not in folders]
+        if row not in errors and missing:
+            errors[row] = ("invalid_row", f"line {number} {where} has no {missing[0]!r}")
+        for name in names:
+            columns[name].append(obj.get(name, folders.get(name)))
+    types = {}
+    for name in spec.ids:
+        columns[name], types[name] = _typed(columns[name])
+    return Pairs(columns, types, len(columns[names[0]]), errors)
+
+
+def _typed(values: list) -> tuple[list, pa.DataType]:
+    """An id column's values and their Arrow type; values of mixed types are kept as text (JSON for non-text)."""
+    try:
+        return values, pa.array(values).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return [v if v is None or isinstance(v, str) else json.dumps(v) for v in values], pa.string()
+
+
+def _pairs(data: Pairs, options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
     columns = options.columns
-    ids = {name: table.column(name).to_pylist() for name in columns.ids}
-    rows = ChunkRows(True, table.num_rows, ids, {name: table.schema.field(name).type for name in columns.ids})
-    queries = table.column(columns.query).to_pylist()
-    items = table.column(columns.item).to_pylist()
-    labels = table.column(columns.label).to_pylist() if columns.label else None
+    rows = ChunkRows(True, data.n_rows, {name: data.columns[name] for name in columns.ids},
+                     {name: data.types[name] for name in columns.ids}, errors=dict(data.errors))
+    queries = data.columns[columns.query]
+    items = data.columns[columns.item]
+    labels = data.columns[columns.label] if columns.label else None
     groups: list[list[int]] = []
 
     def key(i: int) -> tuple:
         return (queries[i], tuple(labels[i]) if labels and labels[i] is not None else None)
 
-    for i in range(table.num_rows):
+    for i in range(data.n_rows):
+        if i in rows.errors:
+            continue
         if not isinstance(queries[i], (str, list)) or not isinstance(items[i], (str, list)):
             rows.errors[i] = ("invalid_row", f"{columns.query!r} and {columns.item!r} must be text or token ids "
                                              "(a value is missing)")
