@@ -1,0 +1,154 @@
+"""Tensor parallelism (core.sharding) on 4 CPU host devices standing in for chips.
+
+One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX starts) scores tiny
+random Llama (4 kv heads: split), Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (windows, soft-caps)
+checkpoints with `Scorer.from_pretrained(path, tensor_parallel=N)` for N = 1, 2, 4: packed, single mode and
+with the query's keys/values from the prefix cache; it reports each device's share of the live arrays,
+the prefix cache's split, a refused N, and the TPU kernel run on each chip's heads under shard_map in TPU
+interpret mode. This module's test checks the report.
+"""
+
+import collections
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = {"llama3-rope": {"num_key_value_heads": 4}, "qwen3": {}, "gemma2": {}}
+SIZES = (1, 2, 4)
+
+
+def _device_bytes() -> dict[int, int]:
+    """Bytes each device holds of the process's live arrays."""
+    import jax
+
+    out: collections.Counter = collections.Counter()
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            out[shard.device.id] += shard.data.nbytes
+    return dict(out)
+
+
+def _tpu_kernel_on_heads() -> float:
+    """The TPU kernel on 2 chips' heads (shard_map, interpret mode) against the dense reference on one."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from core import attention as A
+    from core import sharding
+    from core.packing import PackedSequence, PassPlan, build_pass
+
+    plan = PassPlan([PackedSequence(tuple(range(70)), items=[(0, i, tuple(range(n))) for i, n in enumerate((1, 9, 30))]),
+                     PackedSequence(tuple(range(20)), items=[(1, 0, tuple(range(5)))])])
+    arrays = build_pass(plan, 128, 64, 256)
+    rng = np.random.default_rng(0)
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((T, 4, 64), (Tk, 2, 64), (Tk, 2, 64)))
+    meta = lambda m: tuple(jnp.asarray(x) for x in (m.seq, m.item, m.pos))
+    tables = (jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts))
+    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
+    kernel = lambda q, k, v, qm, km, t: A.tpu_attention(q, k, v, qm, km, *t, 128, 64, tile_q=128, tile_k=128,
+                                                        interpret=params, softcap=3.0)
+    heads, rep = sharding.HEADS, jax.sharding.PartitionSpec()
+    per_chip = jax.shard_map(kernel, mesh=sharding.make_mesh(2), in_specs=(heads, heads, heads, rep, rep, rep),
+                             out_specs=heads, check_vma=False)
+    out = np.asarray(jax.jit(per_chip)(q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), tables))
+    ref = np.asarray(A.dense_attention(q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), softcap=3.0))
+    real = arrays.q_meta.seq >= 0
+    return float(np.abs(out[real] - ref[real]).max())
+
+
+def report(root: Path) -> dict:
+    """Runs every case on this process's devices (4 host devices) and returns what the test checks."""
+    import jax
+    import numpy as np
+
+    from core import Scorer, sharding
+    from tests.test_engine_families import FAMILIES as BUILT, build_checkpoint
+
+    assert len(jax.devices()) == 4, jax.devices()
+    BUILT.setdefault("qwen3", ("Qwen3Config", {"head_dim": 16}, {}))  # this process's own entry
+    rng = np.random.default_rng(0)
+    query = rng.integers(5, 49152, 40).tolist()  # longer than Gemma 2's window (24)
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 3, 9, 30)]
+    labels = [1, 77, 4000]
+    out: dict = {"devices": len(jax.devices()), "families": {}}
+    for family, overrides in FAMILIES.items():
+        path = root / family
+        build_checkpoint(family, path, **overrides)
+        runs: dict = {}
+        for n in SIZES:
+            gc.collect()
+            scorer = Scorer.from_pretrained(str(path), tensor_parallel=n, pass_tokens=256)
+            packed = scorer.logprobs(query, items, labels)
+            request = scorer.tokenize(query, items, labels)
+            cached_before = scorer.is_cached(request.query)
+            from_cache = scorer.logprobs(query, items, labels)
+            single = scorer.logprobs(query, items, labels, mode="single")
+            k, v = next(iter(scorer._prefix_cache.values()))
+            runs[n] = {
+                "packed": packed.tolist(), "from_cache": from_cache.tolist(), "single": single.tolist(),
+                "query_was_cached": cached_before,
+                "device_bytes": _device_bytes(),
+                "cache_shard_heads": sorted({s.data.shape[2] for s in k.addressable_shards}),
+                "cache_devices": len(k.sharding.device_set) if n > 1 else 1,
+                "kv_heads": scorer.model.config.num_kv_heads,
+                "wqkv_shard": list(scorer.model.layers.attn.wqkv[...].addressable_shards[0].data.shape),
+            }
+            del scorer, k, v
+        out["families"][family] = runs
+    try:
+        Scorer.from_pretrained(str(root / "qwen3"), tensor_parallel=3)
+        out["bad_n"] = None
+    except ValueError as exc:
+        out["bad_n"] = str(exc)
+    try:
+        Scorer.from_pretrained(str(root / "qwen3"), tensor_parallel=8)
+        out["too_many"] = None
+    except ValueError as exc:
+        out["too_many"] = str(exc)
+    out["valid_qwen3_0_6b"] = sharding.valid_sizes(__import__("core.aot", fromlist=["MODELS"]).MODELS["qwen3-0.6b"], 16)
+    out["tpu_kernel_on_heads"] = _tpu_kernel_on_heads()
+    return out
+
+
+def test_tensor_parallel_scores_match_and_weights_split(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_tensor_parallel", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = json.loads(lines[-1])
+    assert out["devices"] == 4
+    for family, runs in out["families"].items():
+        one = runs["1"]
+        for n in map(str, SIZES):
+            run = runs[n]
+            assert run["query_was_cached"], (family, n)
+            for case in ("packed", "from_cache", "single"):
+                diff = max(abs(a - b) for row, ref in zip(run[case], one[case]) for a, b in zip(row, ref))
+                assert diff <= 1e-5, (family, n, case, diff)
+            # the prefix cache holds each chip's kv heads only (copies where the model has fewer than N)
+            assert run["cache_devices"] == int(n) and run["cache_shard_heads"] == [run["kv_heads"] // int(n)]
+        # kv heads split where N divides them (Llama: 4), copied where the model has fewer (Qwen3, Gemma 2: 2)
+        assert [runs[n]["kv_heads"] for n in ("1", "2", "4")] == ([4, 4, 4] if family == "llama3-rope" else [2, 2, 4])
+        for n in SIZES:  # each chip's q heads, then its k and v heads (4 heads of 16)
+            assert runs[str(n)]["wqkv_shard"][-1] == (4 // n + 2 * runs[str(n)]["kv_heads"] // n) * 16
+        # each device's share of the live arrays (weights, prefix cache) at N=4 against N=1's arrays
+        single_device = sum(one["device_bytes"].values())
+        shares = [b / single_device for b in runs["4"]["device_bytes"].values()]
+        assert len(shares) == 4 and max(shares) <= 0.55, (family, shares)
+    assert out["bad_n"] and "tensor_parallel=3" in out["bad_n"] and "values that work: 1, 2, 4" in out["bad_n"]
+    assert out["too_many"] and "needs 8 devices" in out["too_many"]
+    assert out["valid_qwen3_0_6b"] == [1, 2, 4, 8, 16]
+    assert out["tpu_kernel_on_heads"] <= 2e-5
+
+
+if __name__ == "__main__":
+    print(json.dumps(report(Path(sys.argv[1]))), flush=True)
