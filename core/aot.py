@@ -87,8 +87,8 @@ MODELS = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "sliding_window": 4096,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 32768,
         "tie_word_embeddings": False}),
-    # Shapes only (no weights): Qwen3-8B (Qwen3-Reranker-8B's base, 16.4 GB in bfloat16) and Gemma 2 9B
-    # (bge-reranker-v2-gemma's size class, about 18 GB), from their published config.json's fields.
+    # Shapes only (no weights), from their published config.json's fields: Qwen3-8B (Qwen3-Reranker-8B's
+    # shape, 16.4 GB in bfloat16) and Gemma 2 9B (18.5 GB): more than a v5e chip's 16 GB.
     "qwen3-8b": ModelConfig.from_hf({
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,

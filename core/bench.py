@@ -263,7 +263,6 @@ def accelerator_check(args: argparse.Namespace) -> dict:
     splits = sharding.valid_sizes(ModelSource.resolve(args.model).config(), len(devices))
     sizes = [1] + [n for n in splits if n > 1][:1]
     logprobs = {}
-    scorer = None
     for n in sizes:
         scorer = None  # the previous size's weights go before the next one's load
         scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, tensor_parallel=n)

@@ -324,9 +324,9 @@ class Scorer:
         self._kv_sharding = NamedSharding(self.mesh, sharding.KV_CACHE) if self.mesh is not None else None
         if prefix_cache_bytes is None:
             stats = None if on_cpu else jax.devices()[0].memory_stats()
-            per_chip = device_prefix_cache_bytes(stats, self.pass_bytes())
             # Each chip keeps its share of every entry: the cache holds N chips' room.
-            prefix_cache_bytes = per_chip * tensor_parallel if per_chip is not None else PREFIX_CACHE_BYTES_CPU
+            per_chip = device_prefix_cache_bytes(stats, self.pass_bytes()) or 0
+            prefix_cache_bytes = per_chip * tensor_parallel or PREFIX_CACHE_BYTES_CPU
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
@@ -570,7 +570,7 @@ class Scorer:
         out = jnp.zeros(shape, self.dtype, device=self._kv_sharding)
         for part, offset, length in zip(parts, np.cumsum([0, *lengths]), lengths):
             out = _place_rows(out, part, jnp.int32(offset), jnp.int32(length))
-        return out
+        return out if self.mesh is None else jax.device_put(out, self._kv_sharding)  # as the program takes it
 
     def _launch(self, arrays, cached: list[tuple], cached_lengths: list[int], labels: np.ndarray, keep_kv: bool):
         """Dispatches a pass to the device without waiting for it (JAX dispatches asynchronously): returns
