@@ -1,11 +1,12 @@
 """Tensor parallelism (core.sharding) on 4 CPU host devices standing in for chips.
 
-One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX starts) scores tiny
-random Llama (4 kv heads: split), Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (windows, soft-caps)
-checkpoints with `Scorer.from_pretrained(path, tensor_parallel=N)` for N = 1, 2, 4: packed, single mode and
-with the query's keys/values from the prefix cache; it reports each device's share of the live arrays,
-the prefix cache's split, a refused N, and the TPU kernel run on each chip's heads under shard_map in TPU
-interpret mode. This module's test checks the report.
+One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set before JAX starts) scores a
+tiny Llama (the bundled "tiny-random", through `Scorer.from_pretrained(..., tensor_parallel=N)`; 2 kv heads),
+Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (4 kv heads: split; a window, soft-caps) for N = 1, 2, 4:
+packed, single mode and with the query's keys/values from the prefix cache. It reports each device's share
+of the live arrays, the prefix cache's split, the refused N, and the TPU kernel run on each chip's heads
+under shard_map in TPU interpret mode; this module's test checks the report. (The families' math against
+transformers is tests/test_engine_families.py's.)
 """
 
 import collections
@@ -14,10 +15,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = {"llama3-rope": {"num_key_value_heads": 4}, "qwen3": {}, "gemma2": {}}
 SIZES = (1, 2, 4)
 
 
@@ -63,28 +64,50 @@ def _tpu_kernel_on_heads() -> float:
     return float(np.abs(out[real] - ref[real]).max())
 
 
-def report(root: Path) -> dict:
+# Tiny Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (4 kv heads: split; a window shorter than the query,
+# soft-caps, sandwich norms) from config.json fields; Llama is the bundled "tiny-random" (2 kv heads).
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            head_dim=16, max_position_embeddings=512)
+CONFIGS = {
+    "qwen3": dict(TINY, model_type="qwen3", num_key_value_heads=2, tie_word_embeddings=False),
+    "gemma2": dict(TINY, model_type="gemma2", num_key_value_heads=4, sliding_window=24, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+}
+
+
+def scorers(family: str, n: int):  # type: ignore[no-untyped-def]
+    from core import Scorer
+    from core.config import ModelConfig
+    from core.requests import ModelSource
+    from core.weights import random_weights
+
+    if family == "llama":
+        return Scorer.from_pretrained("tiny-random", tensor_parallel=n, pass_tokens=256)
+    config = ModelConfig.from_hf(CONFIGS[family])
+    return Scorer(config, random_weights(config, seed=3), ModelSource.resolve("tiny-random").tokenizer(),
+                  name=family, tensor_parallel=n, pass_tokens=256)
+
+
+def report() -> dict:
     """Runs every case on this process's devices (4 host devices) and returns what the test checks."""
     import jax
     import numpy as np
 
     from core import Scorer, sharding
-    from tests.test_engine_families import FAMILIES as BUILT, build_checkpoint
+    from core.aot import MODELS
 
     assert len(jax.devices()) == 4, jax.devices()
-    BUILT.setdefault("qwen3", ("Qwen3Config", {"head_dim": 16}, {}))  # this process's own entry
     rng = np.random.default_rng(0)
     query = rng.integers(5, 49152, 40).tolist()  # longer than Gemma 2's window (24)
-    items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 3, 9, 30)]
+    items = [rng.integers(5, 49152, int(n)).tolist() for n in (0, 1, 3, 9)]  # one 64-token pass
     labels = [1, 77, 4000]
     out: dict = {"devices": len(jax.devices()), "families": {}}
-    for family, overrides in FAMILIES.items():
-        path = root / family
-        build_checkpoint(family, path, **overrides)
+    start = time.perf_counter()
+    for family in ("llama", "qwen3", "gemma2"):
         runs: dict = {}
         for n in SIZES:
             gc.collect()
-            scorer = Scorer.from_pretrained(str(path), tensor_parallel=n, pass_tokens=256)
+            scorer = scorers(family, n)
             packed = scorer.logprobs(query, items, labels)
             request = scorer.tokenize(query, items, labels)
             cached_before = scorer.is_cached(request.query)
@@ -95,32 +118,35 @@ def report(root: Path) -> dict:
                 "packed": packed.tolist(), "from_cache": from_cache.tolist(), "single": single.tolist(),
                 "query_was_cached": cached_before,
                 "device_bytes": _device_bytes(),
-                "cache_shard_heads": sorted({s.data.shape[2] for s in k.addressable_shards}),
+                # one device: the CPU's host cache (NumPy); several: the device cache, split
+                "cache_shard_heads": sorted({s.data.shape[2] for s in k.addressable_shards}) if n > 1 else [k.shape[2]],
                 "cache_devices": len(k.sharding.device_set) if n > 1 else 1,
                 "kv_heads": scorer.model.config.num_kv_heads,
                 "wqkv_shard": list(scorer.model.layers.attn.wqkv[...].addressable_shards[0].data.shape),
             }
             del scorer, k, v
+            print(f"{family} N={n}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         out["families"][family] = runs
     try:
-        Scorer.from_pretrained(str(root / "qwen3"), tensor_parallel=3)
+        Scorer.from_pretrained("tiny-random", tensor_parallel=3)
         out["bad_n"] = None
     except ValueError as exc:
         out["bad_n"] = str(exc)
-    try:
-        Scorer.from_pretrained(str(root / "qwen3"), tensor_parallel=8)
+    try:  # a model that splits in 8, on this process's 4 devices
+        sharding.check(MODELS["qwen3-0.6b"], 8, len(jax.devices()))
         out["too_many"] = None
     except ValueError as exc:
         out["too_many"] = str(exc)
-    out["valid_qwen3_0_6b"] = sharding.valid_sizes(__import__("core.aot", fromlist=["MODELS"]).MODELS["qwen3-0.6b"], 16)
+    out["valid_qwen3_0_6b"] = sharding.valid_sizes(MODELS["qwen3-0.6b"], 16)
     out["tpu_kernel_on_heads"] = _tpu_kernel_on_heads()
+    print(f"all: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return out
 
 
-def test_tensor_parallel_scores_match_and_weights_split(tmp_path):
+def test_tensor_parallel_scores_match_and_weights_split():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_tensor_parallel", str(tmp_path)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.test_tensor_parallel"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -136,8 +162,8 @@ def test_tensor_parallel_scores_match_and_weights_split(tmp_path):
                 assert diff <= 1e-5, (family, n, case, diff)
             # the prefix cache holds each chip's kv heads only (copies where the model has fewer than N)
             assert run["cache_devices"] == int(n) and run["cache_shard_heads"] == [run["kv_heads"] // int(n)]
-        # kv heads split where N divides them (Llama: 4), copied where the model has fewer (Qwen3, Gemma 2: 2)
-        assert [runs[n]["kv_heads"] for n in ("1", "2", "4")] == ([4, 4, 4] if family == "llama3-rope" else [2, 2, 4])
+        # kv heads split where N divides them (Gemma 2: 4), copied where the model has fewer (Llama, Qwen3: 2)
+        assert [runs[n]["kv_heads"] for n in ("1", "2", "4")] == ([4, 4, 4] if family == "gemma2" else [2, 2, 4])
         for n in SIZES:  # each chip's q heads, then its k and v heads (4 heads of 16)
             assert runs[str(n)]["wqkv_shard"][-1] == (4 // n + 2 * runs[str(n)]["kv_heads"] // n) * 16
         # each device's share of the live arrays (weights, prefix cache) at N=4 against N=1's arrays
@@ -151,4 +177,4 @@ def test_tensor_parallel_scores_match_and_weights_split(tmp_path):
 
 
 if __name__ == "__main__":
-    print(json.dumps(report(Path(sys.argv[1]))), flush=True)
+    print(json.dumps(report()), flush=True)
