@@ -5,7 +5,7 @@ families (biases, norm style, activation, soft-caps, windows and RoPE per layer,
 `CausalLM` holds the weights (see `core.weights` for loading them into it). The decoder
 layers are one `DecoderLayer` whose parameters carry a leading layer axis, so the stack
 runs under one `lax.scan` (one compiled layer body). Matrices are (in, out): x @ w; q/k/v
-and gate/up are fused for larger matmuls. Parameter shapes, for L layers:
+and gate/up are fused for larger matmuls (their columns chip by chip when split over chips: core.sharding). Parameter shapes, for L layers:
   embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
   layers: attn_norm [L, D], attn.wqkv [L, D, q+2kv], attn.wo [L, q, D], mlp_norm [L, D],
           mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and where the family has them attn.bqkv [L, q+2kv]
