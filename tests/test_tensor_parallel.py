@@ -4,8 +4,8 @@ One subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=4 must be set b
 tiny Llama (the bundled "tiny-random", through `Scorer.from_pretrained(..., tensor_parallel=N)`; 2 kv heads),
 Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (4 kv heads: split; a window, soft-caps) for N = 1, 2, 4:
 packed, single mode and with the query's keys/values from the prefix cache. It reports each device's share
-of the live arrays, the prefix cache's split, the refused N, and the TPU kernel run on each chip's heads
-under shard_map in TPU interpret mode; this module's test checks the report. (The families' math against
+of the live arrays, the prefix cache's split, the refused N, and the engine's pass with the TPU kernel on each
+chip's heads under shard_map (TPU interpret mode); this module's test checks the report. (The families' math against
 transformers is tests/test_engine_families.py's.)
 """
 
@@ -31,37 +31,6 @@ def _device_bytes() -> dict[int, int]:
         for shard in array.addressable_shards:
             out[shard.device.id] += shard.data.nbytes
     return dict(out)
-
-
-def _tpu_kernel_on_heads() -> float:
-    """The TPU kernel on 2 chips' heads (shard_map, interpret mode) against the dense reference on one."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental.pallas import tpu as pltpu
-
-    from core import attention as A
-    from core import sharding
-    from core.packing import PackedSequence, PassPlan, build_pass
-
-    plan = PassPlan([PackedSequence(tuple(range(70)), items=[(0, i, tuple(range(n))) for i, n in enumerate((1, 9, 30))]),
-                     PackedSequence(tuple(range(20)), items=[(1, 0, tuple(range(5)))])])
-    arrays = build_pass(plan, 128, 64, 256)
-    rng = np.random.default_rng(0)
-    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((T, 4, 64), (Tk, 2, 64), (Tk, 2, 64)))
-    meta = lambda m: tuple(jnp.asarray(x) for x in (m.seq, m.item, m.pos))
-    tables = (jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts))
-    params = pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan")
-    kernel = lambda q, k, v, qm, km, t: A.tpu_attention(q, k, v, qm, km, *t, 128, 64, tile_q=128, tile_k=128,
-                                                        interpret=params, softcap=3.0)
-    heads, rep = sharding.HEADS, jax.sharding.PartitionSpec()
-    per_chip = jax.shard_map(kernel, mesh=sharding.make_mesh(2), in_specs=(heads, heads, heads, rep, rep, rep),
-                             out_specs=heads, check_vma=False)
-    out = np.asarray(jax.jit(per_chip)(q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), tables))
-    ref = np.asarray(A.dense_attention(q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), softcap=3.0))
-    real = arrays.q_meta.seq >= 0
-    return float(np.abs(out[real] - ref[real]).max())
 
 
 # Tiny Qwen3 (2 kv heads: copied on 4 chips) and Gemma 2 (4 kv heads: split; a window shorter than the query,
@@ -138,7 +107,10 @@ def report() -> dict:
     except ValueError as exc:
         out["too_many"] = str(exc)
     out["valid_qwen3_0_6b"] = sharding.valid_sizes(MODELS["qwen3-0.6b"], 16)
-    out["tpu_kernel_on_heads"] = _tpu_kernel_on_heads()
+    # The TPU kernel (TPU interpret mode) on each of 2 chips' heads, in the engine's pass: packed and from the cache
+    scorer = Scorer.from_pretrained("tiny-random", tensor_parallel=2, pass_tokens=256, attention="pallas-interpret")
+    out["tpu_kernel"] = [scorer.logprobs(query, items, labels).tolist() for _ in range(2)]
+    out["tpu_kernel_path"] = scorer.attention_path
     print(f"all: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return out
 
@@ -173,7 +145,10 @@ def test_tensor_parallel_scores_match_and_weights_split():
     assert out["bad_n"] and "tensor_parallel=3" in out["bad_n"] and "values that work: 1, 2, 4" in out["bad_n"]
     assert out["too_many"] and "needs 8 devices" in out["too_many"]
     assert out["valid_qwen3_0_6b"] == [1, 2, 4, 8, 16]
-    assert out["tpu_kernel_on_heads"] <= 2e-5
+    assert out["tpu_kernel_path"] == "pallas-interpret"
+    for run in out["tpu_kernel"]:
+        diff = max(abs(a - b) for row, ref in zip(run, out["families"]["llama"]["1"]["packed"]) for a, b in zip(row, ref))
+        assert diff <= 1e-5, diff
 
 
 if __name__ == "__main__":
