@@ -9,18 +9,29 @@ Inputs are random token ids (seeded), so tokenization is not measured.
 `--mix`: the service's traffic instead of one big request: 16 requests of 3 to 100 items (5 to 40
 tokens each), each with its own query of 50 to 500 tokens, scored together as a worker's claimed
 jobs are (`Scorer.iter_passes` on all of them: coalesced into shared passes).
+
+`--accelerator-check`: for a host with an accelerator (runs as it is on a TPU VM or a GPU server): the
+P/N/L request scored on the devices with the model on one chip and, where there are several, split over
+the fewest more that it splits into (2 for most models; see core.sharding), each against the same
+request scored in float32 on this host's CPU (a subprocess), with the bfloat16 tolerance of
+score-semantics.md (5e-2); items/s of the packed request with its query computed. Exits 1 if a
+check fails.
 """
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.requests import bundled_model_path
+from core.requests import ModelSource, bundled_model_path
 from core.scorer import Scorer
 
 
@@ -141,7 +152,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--transformers-items", type=int, default=20, help="items timed with transformers (0: skip)")
     parser.add_argument("--mix", action="store_true", help="mixed traffic: 16 requests coalesced (see above)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accelerator-check", action="store_true", help="scores vs the CPU's, N=1 and N>1")
+    parser.add_argument("--cpu-reference", help=argparse.SUPPRESS)  # (the check's subprocess) .npy to write
     args = parser.parse_args(argv)
+    if args.cpu_reference:
+        scorer = Scorer.from_pretrained(args.model, dtype="float32")
+        np.save(args.cpu_reference, scorer.logprobs(*check_request(scorer.vocab_size, args)))
+        return {}
+    if args.accelerator_check:
+        report = accelerator_check(args)
+        print(json.dumps(report, indent=2))
+        if not report["ok"]:
+            sys.exit(1)
+        return report
 
     scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     rng = np.random.default_rng(args.seed)
@@ -209,6 +232,55 @@ def one_request(scorer: Scorer, rng: np.random.Generator, args: argparse.Namespa
             report["packed"]["items_per_s"] / report["transformers_prefix_cache"]["items_per_s"], 2)
         report["max_abs_logprob_diff"]["packed_vs_transformers"] = float(np.abs(packed_lp[: len(hf_items)] - hf_lp).max())
     return flops / packed_s
+
+
+BF16_TOLERANCE = 5e-2  # score-semantics.md: bfloat16 against float32
+
+
+def check_request(vocab: int, args: argparse.Namespace) -> tuple[list[int], list[list[int]], list[int]]:
+    """The P/N/L request of random token ids (seeded): query, items, 4 labels."""
+    rng = np.random.default_rng(args.seed)
+    query = rng.integers(10, vocab, args.query_tokens).tolist()
+    items = [rng.integers(10, vocab, args.item_tokens).tolist() for _ in range(args.items)]
+    return query, items, rng.integers(10, vocab, 4).tolist()
+
+
+def accelerator_check(args: argparse.Namespace) -> dict:
+    """See the module's doc (`--accelerator-check`)."""
+    from core import sharding
+
+    devices = jax.devices()
+    with tempfile.TemporaryDirectory() as tmp:
+        reference_file = os.path.join(tmp, "cpu.npy")
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        subprocess.run([sys.executable, "-m", "core.bench", "--model", args.model, "--query-tokens",
+                        str(args.query_tokens), "--items", str(args.items), "--item-tokens", str(args.item_tokens),
+                        "--seed", str(args.seed), "--cpu-reference", reference_file], check=True, env=env)
+        reference = np.load(reference_file)
+    report: dict = {"machine": {"backend": jax.default_backend(), "devices": [str(d) for d in devices]},
+                    "config": {"model": args.model, "dtype": args.dtype, "P": args.query_tokens, "N": args.items,
+                               "L": args.item_tokens}, "tolerance": BF16_TOLERANCE, "runs": []}
+    splits = sharding.valid_sizes(ModelSource.resolve(args.model).config(), len(devices))
+    sizes = [1] + [n for n in splits if n > 1][:1]
+    logprobs = {}
+    for n in sizes:
+        scorer = None  # the previous size's weights go before the next one's load
+        scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, tensor_parallel=n)
+        query, items, labels = check_request(scorer.vocab_size, args)
+
+        def packed_cold():
+            scorer.clear_prefix_cache()
+            return scorer.logprobs(query, items, labels)
+
+        seconds, logprobs[n] = timed(packed_cold, args.repeats)
+        diff = float(np.abs(logprobs[n] - reference).max())
+        report["runs"].append({"tensor_parallel": n, "attention_path": scorer.attention_path,
+                               "items_per_s": round(args.items / seconds, 1), "seconds": round(seconds, 4),
+                               "max_abs_diff_vs_cpu_float32": diff, "ok": diff <= BF16_TOLERANCE})
+    if len(sizes) > 1:
+        report["max_abs_diff_n1_vs_n"] = float(np.abs(logprobs[sizes[0]] - logprobs[sizes[1]]).max())
+    report["ok"] = all(run["ok"] for run in report["runs"])
+    return report
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ families (biases, norm style, activation, soft-caps, windows and RoPE per layer,
 `CausalLM` holds the weights (see `core.weights` for loading them into it). The decoder
 layers are one `DecoderLayer` whose parameters carry a leading layer axis, so the stack
 runs under one `lax.scan` (one compiled layer body). Matrices are (in, out): x @ w; q/k/v
-and gate/up are fused for larger matmuls. Parameter shapes, for L layers:
+and gate/up are fused for larger matmuls (their columns chip by chip when split over chips: core.sharding). Parameter shapes, for L layers:
   embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
   layers: attn_norm [L, D], attn.wqkv [L, D, q+2kv], attn.wo [L, q, D], mlp_norm [L, D],
           mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and where the family has them attn.bqkv [L, q+2kv]
@@ -119,9 +119,10 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, shards: int = 1):
         c = config
         self.config = c
+        self.shards = shards  # wqkv's columns hold each chip's q, k, v heads in turn (see core.sharding)
         self.wqkv = nnx.Param(jnp.zeros((c.hidden_size, c.q_size + 2 * c.kv_size), dtype))
         self.wo = nnx.Param(jnp.zeros((c.q_size, c.hidden_size), dtype))
         if c.qkv_bias:
@@ -139,9 +140,11 @@ class Attention(nnx.Module):
         qkv = dense(h, self.wqkv)
         if c.qkv_bias:
             qkv = qkv + self.bqkv[...].astype(jnp.float32)
-        q = qkv[:, : c.q_size].reshape(T, c.num_heads, c.head_dim)
-        k = qkv[:, c.q_size: c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
+        qkv = qkv.reshape(T, self.shards, -1)  # [tokens, chip, its q | k | v]
+        q_size, kv_size = c.q_size // self.shards, c.kv_size // self.shards
+        q = qkv[..., :q_size].reshape(T, c.num_heads, c.head_dim)
+        k = qkv[..., q_size: q_size + kv_size].reshape(T, c.num_kv_heads, c.head_dim)
+        v = qkv[..., q_size + kv_size:].reshape(T, c.num_kv_heads, c.head_dim).astype(dtype)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary_embedding(q, cos, sin)
@@ -154,24 +157,26 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, shards: int = 1):
         self.activation = config.activation
+        self.shards = shards  # w_gate_up's columns hold each chip's gate, then its up columns
         self.w_gate_up = nnx.Param(jnp.zeros((config.hidden_size, 2 * config.intermediate_size), dtype))
         self.w_down = nnx.Param(jnp.zeros((config.intermediate_size, config.hidden_size), dtype))
 
     def __call__(self, h: jax.Array) -> jax.Array:
-        gate, up = jnp.split(dense(h, self.w_gate_up), 2, axis=-1)
+        gate_up = dense(h, self.w_gate_up).reshape(h.shape[0], self.shards, 2, -1)
+        gate, up = (gate_up[:, :, i].reshape(h.shape[0], -1) for i in (0, 1))
         act = jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
         return dense(act * up, self.w_down)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, shards: int = 1):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_offset)
         self.attn_norm = norm()
-        self.attn = Attention(config, dtype)
+        self.attn = Attention(config, dtype, shards)
         self.mlp_norm = norm()
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, shards)
         if config.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.residual_scale = config.residual_scale
@@ -204,11 +209,12 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, shards: int = 1):
+        """`shards`: the chips the weights are laid out for (see core.sharding; 1: one device)."""
         self.config = config
         self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
         # One layer's modules with every parameter stacked over the layers (created under vmap).
-        self.layers = nnx.vmap(lambda _: DecoderLayer(config, dtype), in_axes=0, out_axes=0)(
+        self.layers = nnx.vmap(lambda _: DecoderLayer(config, dtype, shards), in_axes=0, out_axes=0)(
             jnp.arange(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_offset)
         if not config.tie_word_embeddings:

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import attention as attn
+from core import sharding
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
@@ -142,35 +144,50 @@ def _default_attention() -> str:
     return "xla" if jax.default_backend() == "cpu" else "pallas"
 
 
-@partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows"))
+@partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows", "mesh"))
 def _run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows, score_labels,
               n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
-              token_rows: int | None = None):
+              token_rows: int | None = None, mesh: Mesh | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
     log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables, one set
-    per window of the model (see Scorer._tables)."""
+    per window of the model (see Scorer._tables). `mesh`: the chips of a tensor-parallel model (core.sharding;
+    None: one device): XLA partitions the program by the weights' shardings, and the attention runs on each
+    chip's own heads (shard_map), on the tables every chip holds."""
     model = nnx.merge(model_def, model_state)
     c = model.config
 
-    def one_kind(i: int, q, k, v):
+    def one_kind(i: int, q, k, v, q_meta, kv_meta, tables):
         layer = {"scale": c.scale, "softcap": c.attn_softcap, "window": c.attention_windows[i]}
         if impl == "dense":
             return attn.dense_attention(q, k, v, q_meta, kv_meta, **layer)
         if impl == "xla":
-            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables[i], **layer)
-        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables[i], block_q=block_q, block_k=block_k,
+            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables, **layer)
+        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables, block_q=block_q, block_k=block_k,
                                      interpret=impl == "pallas-interpret", **layer)
+
+    def on_heads(i: int, q, k, v):
+        if mesh is None:
+            return one_kind(i, q, k, v, q_meta, kv_meta, tables[i])
+        heads = sharding.HEADS
+        per_chip = jax.shard_map(partial(one_kind, i), mesh=mesh, in_specs=(heads, heads, heads, P(), P(), P()),
+                                 out_specs=heads, check_vma=False)  # Pallas calls carry no replication types
+        return per_chip(q, k, v, q_meta, kv_meta, tables[i])
 
     def attention(q, k, v, kind):
         # A layer's window is a static value of its program: one branch per distinct window (Gemma 2: a
         # global and a local one), chosen by the layer's kind as the layer loop runs.
         if len(c.attention_windows) == 1:
-            return one_kind(0, q, k, v)
-        return jax.lax.switch(kind, [partial(one_kind, i) for i in range(len(c.attention_windows))], q, k, v)
+            return on_heads(0, q, k, v)
+        return jax.lax.switch(kind, [partial(on_heads, i) for i in range(len(c.attention_windows))], q, k, v)
 
-    return model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention, keep_kv,
-                 token_rows)
+    logprobs, kv = model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention,
+                         keep_kv, token_rows)
+    if mesh is not None:  # the scores on every chip (any one can hand them over), each chip's share of k/v
+        logprobs = jax.lax.with_sharding_constraint(logprobs, NamedSharding(mesh, P()))
+        if kv is not None:
+            kv = jax.lax.with_sharding_constraint(kv, NamedSharding(mesh, sharding.KV_CACHE))
+    return logprobs, kv
 
 
 # The prefix cache on accelerators (see Scorer.host_prefix_cache): its slices and joins are JAX operations,
@@ -256,18 +273,22 @@ class Scorer:
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int | None = None, block_k: int = 64,
                  prefix_cache_bytes: int | None = None, max_programs: int = 24, shortest_pass: int | None = None,
-                 **limits):
+                 tensor_parallel: int = 1, **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
         already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
         used go first). `prefix_cache_bytes`: None for the default (see PREFIX_CACHE_SHARE). `shortest_pass`:
         the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU, pass_tokens/8 elsewhere). `block_q`:
         query rows per tile of the block tables (None: 128; 64 on the XLA path, which reads none of them, so
         that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see
-        RequestTokenizer)."""
+        RequestTokenizer). `tensor_parallel`: the model split over this process's first N devices (see
+        core.sharding); a model that N does not split raises ValueError naming the values that work."""
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
         self.config = config
         self.model_name = name
+        sharding.check(config, tensor_parallel, len(jax.devices()))
+        self.tensor_parallel = tensor_parallel
+        self.mesh = sharding.make_mesh(tensor_parallel) if tensor_parallel > 1 else None
         limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
         self.requests = RequestTokenizer(tokenizer, config.vocab_size, model_name=name, **limits)
         self.dtype = jnp.dtype(dtype)
@@ -288,17 +309,24 @@ class Scorer:
         # On CPU the prefix cache holds NumPy arrays, cut and joined by NumPy: as JAX operations, every
         # (prefix span) and every set of cached prefix lengths would compile a small program, and JAX keeps
         # them all (the engine's memory grew by about 2 MB a request on the tiny model).
-        self.host_prefix_cache = on_cpu
+        # A model split over host devices (tests) keeps its cache split as an accelerator's is.
+        self.host_prefix_cache = on_cpu and self.mesh is None
         # A pass loop may launch the next pass before it waits for the one running (Scorer.launch): on an
         # accelerator that hides the host's work; on CPU the "device" is the host's own cores, so there is
         # nothing to hide, and a pass launched ahead only delays a job that arrives meanwhile by a pass.
         self.launches_ahead = not on_cpu
-        self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype)
+        if isinstance(weights, CausalLM) and self.mesh is not None:
+            raise ValueError("tensor_parallel > 1 takes the weights' tree (core.weights), not a built model")
+        self.model = weights if isinstance(weights, CausalLM) else load_model(config, weights, self.dtype, self.mesh)
         self.dtype = self.model.dtype  # a model passed in keeps its own
         self._model_def, self._model_state = nnx.split(self.model)
+        self._replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        self._kv_sharding = NamedSharding(self.mesh, sharding.KV_CACHE) if self.mesh is not None else None
         if prefix_cache_bytes is None:
             stats = None if on_cpu else jax.devices()[0].memory_stats()
-            prefix_cache_bytes = device_prefix_cache_bytes(stats, self.pass_bytes()) or PREFIX_CACHE_BYTES_CPU
+            # Each chip keeps its share of every entry: the cache holds N chips' room.
+            per_chip = device_prefix_cache_bytes(stats, self.pass_bytes()) or 0
+            prefix_cache_bytes = per_chip * tensor_parallel or PREFIX_CACHE_BYTES_CPU
         self.prefix_cache_bytes = prefix_cache_bytes
         self.max_programs = max_programs
         # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
@@ -372,8 +400,8 @@ class Scorer:
             self._prefix_bytes = 0
 
     def prefix_bytes(self, tokens: int) -> int:
-        """Bytes the prefix cache takes to keep a prefix of this many tokens (its keys and values)."""
-        c = self.config
+        """Bytes the prefix cache takes to keep a prefix of this many tokens (its keys and values, on all chips)."""
+        c = self.model.config  # kv heads as stored: copied per chip where the model has fewer than chips
         rows = tokens if self.host_prefix_cache else _window_rows(tokens, self.block_k)
         return 2 * rows * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
@@ -382,7 +410,7 @@ class Scorer:
         in one step, as on accelerators): per token, the float32 residual and its norm, q/k/v, the attention's
         output and the MLP's gate/up and hidden (one layer's at a time), every layer's keys and values out, and
         a cache input as long; and the LM head's logits for a step of rows."""
-        c, T = self.config, self.pass_tokens
+        c, T = self.model.config, self.pass_tokens
         per_token = 4 * (2 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
         kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         return T * (per_token + 2 * kv) + 2 * HEAD_ROWS * c.vocab_size * 4
@@ -486,9 +514,10 @@ class Scorer:
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
-        c = self.config
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype)
+        c = self.model.config
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+        cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype,
+                                     sharding=self._kv_sharding)
         if self.attention == "xla":
             tables = tuple(i32(*shape) for shape in attn.cascade_table_shapes(tokens, cache_len + tokens))
         else:
@@ -498,7 +527,7 @@ class Scorer:
                 cache, cache, i32(score_rows),
                 i32(score_rows, label_width), i32(), i32())
         statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
-                   "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows}
+                   "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows, "mesh": self.mesh}
         return _PROGRAMS.get(self.max_programs, args, statics)
 
     def warm_up(self) -> int:
@@ -531,17 +560,17 @@ class Scorer:
     def _cache_input(self, parts: list, lengths: list[int], cache_len: int):
         """The cached prefixes' keys (or values), the first `lengths` rows of each `parts` entry one after
         another, zeros after them: [L, cache_len, Hkv, hd]."""
-        c = self.config
+        c = self.model.config
         shape = (c.num_layers, cache_len, c.num_kv_heads, c.head_dim)
         if self.host_prefix_cache:
             out = np.zeros(shape, self.dtype)
             if parts:
                 out[:, : sum(lengths)] = np.concatenate(parts, axis=1)
             return out
-        out = jnp.zeros(shape, self.dtype)
+        out = jnp.zeros(shape, self.dtype, device=self._kv_sharding)
         for part, offset, length in zip(parts, np.cumsum([0, *lengths]), lengths):
             out = _place_rows(out, part, jnp.int32(offset), jnp.int32(length))
-        return out
+        return out if self.mesh is None else jax.device_put(out, self._kv_sharding)  # as the program takes it
 
     def _launch(self, arrays, cached: list[tuple], cached_lengths: list[int], labels: np.ndarray, keep_kv: bool):
         """Dispatches a pass to the device without waiting for it (JAX dispatches asynchronously): returns
@@ -549,13 +578,16 @@ class Scorer:
         T, C, S = len(arrays.tokens), arrays.cache_len, len(arrays.score_rows)
         cache_k, cache_v = (self._cache_input([kv[i] for kv in cached], cached_lengths, C) for i in (0, 1))
         width = self._table_width(T, C, arrays.tile_ids.shape[1])
-        tables = jax.tree.map(jnp.asarray, self._tables(arrays, width))
-        meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
+        meta = lambda m: (m.seq, m.item, m.pos)
         shape_key = (T, C, S, width, labels.shape[1], keep_kv)
         program = self._program(*shape_key)
-        logprobs, kv = program(self._model_state, jnp.asarray(arrays.tokens), meta(arrays.q_meta),
-                               meta(arrays.kv_meta), tables, cache_k, cache_v, jnp.asarray(arrays.score_rows), jnp.asarray(labels),
-                               jnp.int32(arrays.n_rows), jnp.int32(arrays.real_tokens))
+        inputs = (arrays.tokens, meta(arrays.q_meta), meta(arrays.kv_meta), self._tables(arrays, width))
+        counts = (arrays.score_rows, labels, np.int32(arrays.n_rows), np.int32(arrays.real_tokens))
+        if self.mesh is None:
+            (tokens, q_meta, kv_meta, tables), counts = jax.tree.map(jnp.asarray, (inputs, counts))
+        else:  # every chip gets the pass's tokens and tables
+            (tokens, q_meta, kv_meta, tables), counts = jax.device_put((inputs, counts), self._replicated)
+        logprobs, kv = program(self._model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, *counts)
         return logprobs, kv, shape_key
 
     def _fetch(self, handle) -> np.ndarray:  # type: ignore[no-untyped-def]

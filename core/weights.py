@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from core import sharding
 from core.config import ModelConfig
 from core.model import CausalLM
 from core.requests import write_atomically
@@ -250,20 +252,30 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict:
     return stack_weights(config, embed, norm(D), layers, lm_head)
 
 
-def load_model(config: ModelConfig, weights: dict, dtype=jnp.float32) -> CausalLM:
+def load_model(config: ModelConfig, weights: dict, dtype=jnp.float32, mesh: Mesh | None = None) -> CausalLM:
     """The model's modules holding `weights` (the tree of `stack_weights`, as NumPy) cast to `dtype`. Every
-    parameter must be given, with its shape; nothing is allocated twice (the modules are built abstract)."""
-    model = nnx.eval_shape(lambda: CausalLM(config, dtype))
+    parameter must be given, with its shape; nothing is allocated twice (the modules are built abstract).
+    With a `mesh` (core.sharding), the weights are laid out and split for its chips, and each chip receives
+    its own share only; the model's config is then `core.sharding.sharded_config`'s."""
+    n = mesh.size if mesh is not None else 1
+    if n > 1:
+        weights = sharding.sharded_weights(config, weights, n)
+        config = sharding.sharded_config(config, n)
+    model = nnx.eval_shape(lambda: CausalLM(config, dtype, n))
 
     def fill(module, tree: dict, path: str) -> None:
         for name, value in tree.items():
             if isinstance(value, dict):
-                fill(getattr(module, name), value, f"{path}{name}.")
+                fill(getattr(module, name), value, f"{path}{name}/")
                 continue
             param = getattr(module, name)
             if tuple(param.shape) != value.shape:
                 raise ValueError(f"weight {path}{name} has shape {value.shape}, the model wants {tuple(param.shape)}")
-            param.set_value(jnp.asarray(value, dtype))
+            if mesh is None:
+                param.set_value(jnp.asarray(value, dtype))
+            else:  # cast on the host, then each chip's share straight to its chip
+                where = sharding.weight_sharding(mesh, path + name, value.shape)
+                param.set_value(jax.device_put(np.asarray(value, dtype), where))
 
     fill(model, weights, "")
     missing = [jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))

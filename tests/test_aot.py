@@ -25,10 +25,10 @@ from core.weights import load_model, random_weights
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloat16") -> dict:
+def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloat16", tensor_parallel: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the suite's "cpu" hides libtpu
     proc = subprocess.run([sys.executable, "-m", "core.aot", "--target", target, "--model", model,
-                           "--pass-tokens", str(pass_tokens), "--dtype", dtype],
+                           "--pass-tokens", str(pass_tokens), "--dtype", dtype, "--tensor-parallel", str(tensor_parallel)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, \
@@ -67,6 +67,22 @@ def test_windowed_families_compile_for_v6e_and_lower_for_h100(model):
     cuda = build("cuda-h100", model)
     assert cuda["stage"] == "lowered" and cuda["pallas_kernels"] >= len(windows)
     assert cuda["attention_path"] == "pallas-mosaic-gpu"
+
+
+def test_tensor_parallel_compiles_for_a_v5e_slice_and_lowers_for_eight_h100s():
+    """The sharded pass (core.sharding) on 4 chips of a v5e 2x2 slice: the kernel on each chip's heads, XLA's
+    all-reduces, each chip holding about a quarter of the weights; Gemma 2 2B (two kernels, 4 kv heads copied
+    to 8) lowered for 8 GPUs."""
+    tpu = build("tpu-v5e", "qwen3-0.6b", 4096, tensor_parallel=4)
+    assert tpu["stage"] == "compiled" and tpu["tensor_parallel"] == 4
+    assert tpu["pallas_kernels"] >= 1 and tpu["all_reduces"] >= 2
+    c = aot.MODELS["qwen3-0.6b"]
+    weights = sum(np.prod(s.shape) * 2 for s in jax.tree.leaves(aot.model_specs(c, np.float32)[1]))  # bfloat16
+    cache_len = max(aot.contract_passes(4096), key=lambda a: len(a.tokens)).cache_len  # the query's keys/values in
+    cache = 2 * c.num_layers * cache_len * c.num_kv_heads * c.head_dim * 2
+    assert 0.2 * (weights + cache) < tpu["memory"]["argument_bytes"] < 0.3 * (weights + cache)  # a quarter each
+    cuda = build("cuda-h100", "gemma2-2b", 4096, tensor_parallel=8)
+    assert cuda["stage"] == "lowered" and cuda["devices"] == 8 and cuda["pallas_kernels"] >= 2
 
 
 def test_a_failed_build_exits_non_zero(monkeypatch, capsys):

@@ -28,10 +28,8 @@ def _load() -> Scorer:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
     # The worker's one model (MODEL), named as the API names it: jobs are claimed by that name.
     name = settings.worker_model
-    # Passed only when set: an engine without tensor parallelism still loads the default.
-    sharding = {"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}
     return Scorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
                                   pass_tokens=settings.pass_tokens, dtype=settings.dtype,
                                   attention=settings.attention, max_programs=settings.max_programs,
                                   prefix_cache_bytes=settings.prefix_cache_bytes,
-                                  **sharding, **settings.request_limits)
+                                  tensor_parallel=settings.tensor_parallel, **settings.request_limits)
