@@ -241,7 +241,7 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
             return pacsv.read_csv(io.BytesIO(header + data), convert_options=pacsv.ConvertOptions(
                 include_columns=options.columns.names(),
                 column_types={options.columns.query: pa.string(), options.columns.item: pa.string()}))
-        return data.splitlines()
+        return data.splitlines(keepends=True)  # with their ends: a worker cutting the chunk needs their offsets
     except FileNotFoundError:
         raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError, EOFError) as exc:
