@@ -128,6 +128,7 @@ def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settin
     # The uploads' turn lasts as long as the last chunk took (at most BATCH_CHUNK_SECONDS): none here, so each
     # claim is the other lane's.
     monkeypatch.setattr(claimer, "_uploads_turn", lambda: 0.0)
+    feed._want.set()  # the reader reads the first chunk ahead (a take asks it for the next one)
     try:
         kinds = []
         for _ in range(5):

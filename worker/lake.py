@@ -55,7 +55,8 @@ MIN_PIECE_SHARE = 0.25
 # A chunk read ahead that waited this many chunk lengths (BATCH_CHUNK_SECONDS; at least a lease) without
 # starting goes back.
 READY_TURNS = 2
-MAX_HELD = 3
+# The reader claims no chunk while this many finished chunks wait for the committer.
+MAX_UNCOMMITTED = 2
 
 
 class Pace:
@@ -217,11 +218,14 @@ class ChunkFeed:
             if not self._want.wait(1.0) or self._stop.is_set():
                 continue
             with self._changed:
-                # One chunk ahead is enough; and none while chunks wait to be committed (the store is slow):
-                # the worker holds the chunk it runs, the one it starts next and the one it reads ahead.
-                if self._ready or len(self._held) >= MAX_HELD:
+                if self._ready:  # one chunk ahead is enough
                     self._want.clear()
                     self._changed.notify_all()
+                    continue
+                if self._commits.qsize() >= MAX_UNCOMMITTED:
+                    # Chunks wait to be committed (the store is slow): the next is read when they are, not
+                    # claimed to wait too. Still wanted meanwhile, so the pass loop does not end.
+                    self._changed.wait(TAKE_WAIT_SECONDS)
                     continue
                 self._reading = True
             try:
@@ -385,6 +389,7 @@ class ChunkFeed:
         with self._changed:
             self._held.pop(chunk.key, None)
             self._running.pop(chunk.key, None)
+            self._changed.notify_all()
         lake.settle(chunk.batch_id)
 
     def _write(self, chunk: lake.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
@@ -405,6 +410,7 @@ class ChunkFeed:
         with self._changed:
             self._held.pop(chunk.key, None)
             self._running.pop(chunk.key, None)
+            self._changed.notify_all()
         try:
             lake.release_chunk(self.owner, self.settings, chunk, error)
             lake.settle(chunk.batch_id)  # a cancelled batch's chunk that went back may have been its last
