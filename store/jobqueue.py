@@ -122,8 +122,11 @@ def _batch_rounds(session: Session, settings: Settings, tokens: int) -> Iterator
     one model), for the lease's UPDATE (so that it locks and takes them in one statement). Tenants take turns (the one whose batches were claimed from least
     recently goes first, however many batches it has); a tenant's batches run oldest first; within a batch,
     requests are taken grouped by query, up to `tokens` prompt tokens (at least one request)."""
+    # Uploaded batches only: a reference batch has no requests here, and its turn (`last_claimed_at`) is its
+    # chunks' (store.lake.chunks); bumped here by every round, it lost its turn to older reference batches.
     batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
-                              .where(Batch.status == "in_progress", Batch.model == settings.worker_model)
+                              .where(Batch.status == "in_progress", Batch.model == settings.worker_model,
+                                     Batch.source.is_(None))
                               .order_by(Batch.id)).all()
     served: dict[str, datetime] = {}
     for _, tenant, claimed_at in batches:

@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # this many chunks per batch (not BATCH_MAX_REQUESTS).
     batch_chunk_rows_target: int = 5000
     batch_chunk_bytes: int = 8 << 20
+    # A worker whose passes run on the CPU cuts a chunk it reads into pieces of about this many seconds of its
+    # own passes (accelerators keep the planned chunks). A piece is also a batch's turn: uploaded batches run
+    # for as long between two chunks, and other reference batches take turns chunk by chunk.
+    batch_chunk_seconds: float = 60.0
     batch_max_chunks: int = 200_000
     # A compressed JSONL file cannot be split into chunks: it is one, so at most this large.
     batch_compressed_max_bytes: int = 64 << 20

@@ -1,7 +1,9 @@
-"""Reference batches against a real service (uvicorn + Celery worker subprocesses, PostgreSQL, Redis,
-tiny-random): a worker SIGKILLed in the middle of a chunk, an attempt's object left half-written by a dead
-worker, a worker SIGKILLed while it writes a chunk's object, and a 1-item /v1/score answered within its bound
-while a backfill runs."""
+"""Reference batches against a real service (uvicorn + Celery worker subprocesses, tiny-random), in both
+deployments: PostgreSQL and Redis, and the embedded one (SQLite, the filesystem broker). A worker SIGKILLed
+in the middle of a chunk, an attempt's object left half-written by a dead worker, a worker SIGKILLed while it
+writes a chunk's object, a batch cancelled while its worker is stuck in a chunk and then killed and
+restarted, a small batch behind a big one, and a 1-item /v1/score answered within its bound while a backfill
+runs."""
 
 import json
 import time
@@ -21,18 +23,42 @@ LABELS = [5, 17, 300]
 SCORE_BOUND_SECONDS = 3.0
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lake-root")
+@pytest.fixture(scope="module", params=["postgres", "embedded"])
+def deployment(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def service(redis_url: str, run_id: str, database_factory, tmp_path_factory, root: Path) -> Iterator[Service]:  # type: ignore[no-untyped-def]
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shared by every worker of both deployments: a worker started after the first loads its programs instead
+    of compiling them (a start took about a minute on a loaded 2-core host, and these tests start several)."""
+    return tmp_path_factory.mktemp("lake-compile-cache")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory, deployment: str) -> Path:
+    return tmp_path_factory.mktemp(f"lake-root-{deployment}")
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, run_id: str, database_factory, tmp_path_factory, root: Path,  # type: ignore[no-untyped-def]
+            deployment: str, compile_cache: Path) -> Iterator[Service]:
+    env = {"BATCH_LOCAL_ROOT": str(root), "BATCH_CHUNK_ROWS_TARGET": "25", "BATCH_ROUND_TOKENS": "256",
+           "COMPILE_CACHE_DIR": str(compile_cache),
+           "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    logs = tmp_path_factory.mktemp(f"lake-logs-{deployment}")
+    if deployment == "embedded":  # as `serve --embedded` sets it up: SQLite and the filesystem broker
+        from migrations import upgrade
+
+        folder = tmp_path_factory.mktemp("embedded")
+        url = f"sqlite:///{folder / 'packscore.db'}"
+        upgrade(url)
+        with running_service({**env, "DATABASE_URL": url, "BROKER_URL": "filesystem://",
+                              "BROKER_DIR": str(folder / "broker")}, logs) as service:
+            yield service
+        return
     with database_factory(f"packscore_lake_{run_id}") as url, running_service(
-            {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:lake:", "BATCH_LOCAL_ROOT": str(root),
-             "BATCH_CHUNK_ROWS_TARGET": "25", "BATCH_ROUND_TOKENS": "256",
-             "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"},
-            tmp_path_factory.mktemp("lake-logs")) as service:
+            {**env, "DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:lake:"}, logs) as service:
         yield service
 
 
@@ -72,7 +98,7 @@ def test_a_killed_worker_leaves_every_row_exactly_once(service: Service, root: P
 
     engine = create_engine(service.env["DATABASE_URL"])
     with engine.connect() as connection:
-        running = connection.execute(text("SELECT index, attempts FROM chunks WHERE batch_id = :b AND status = "
+        running = connection.execute(text('SELECT "index", attempts FROM chunks WHERE batch_id = :b AND status = '
                                           "'running'"), {"b": created["id"]}).all()
     engine.dispose()
     assert running
@@ -146,6 +172,59 @@ def test_a_worker_killed_while_writing_a_chunk_object_leaves_every_row_once(serv
     service.kill_worker(worker)  # SIGKILL while it writes the object
     service.start_worker()
     assert_each_row_once(service, created["id"], root / "out-torn" / created["id"], table)
+
+
+def test_a_cancelled_batch_settles_after_its_stuck_worker_is_killed_and_restarted(service: Service, root: Path,
+                                                                                  tmp_path: Path) -> None:
+    from sqlalchemy import create_engine, text
+
+    from tests.service_harness import REPO
+
+    for worker in service.live_workers():
+        service.kill_worker(worker)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(TEAR_FIRST_WRITE)
+    marker = tmp_path / "stuck"
+    created = submit(service, root, "stuck", pair_table(10, 20))
+    # The worker's first chunk hangs while its object is written: it holds that chunk (and one read ahead).
+    worker = service.start_worker(env={"PYTHONPATH": f"{tmp_path / 'hook'}:{REPO}", "TEAR_MARKER": str(marker)})
+    wait_until(marker.exists, 300, "the worker to be stuck in a chunk")
+    with service.http() as client:
+        cancelling = client.post(f"/batches/{created['id']}/cancel").json()
+    assert cancelling["status"] == "cancelling" and cancelling["chunks"]["in_flight"] >= 1
+    service.kill_worker(worker)
+    service.start_worker()  # the restart: the held chunks are cancelled once their leases end, not run again
+    wait_until(lambda: batch(service, created["id"])["status"] == "cancelled", 120, "the batch to settle cancelled")
+    settled = batch(service, created["id"])
+    assert settled["chunks"]["in_flight"] == 0 and settled["finished_at"] is not None
+    assert settled["chunks"]["cancelled"] == settled["chunks"]["total"] - settled["chunks"]["done"]
+    folder = root / "out-stuck" / created["id"]
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["status"] == "cancelled" and not (folder / "_SUCCESS").exists()
+    assert len(manifest["cancelled_chunks"]) == settled["chunks"]["cancelled"]
+    assert sorted(p.name for p in folder.glob("part-*")) == sorted(e["name"] for e in manifest["objects"])
+    engine = create_engine(service.env["DATABASE_URL"])
+    with engine.connect() as connection:
+        attempts = connection.execute(text("SELECT max(attempts) FROM chunks WHERE batch_id = :b"),
+                                      {"b": created["id"]}).scalar()
+    engine.dispose()
+    assert attempts == 1  # no chunk ran again
+
+
+def test_a_small_batch_behind_a_big_one_starts_within_a_chunk(service: Service, root: Path) -> None:
+    if not service.live_workers():
+        service.start_worker()
+    big = submit(service, root, "big", pair_table(100, 20))  # 80 chunks
+    wait_until(lambda: batch(service, big["id"])["chunks"]["done"] >= 1, 300, "the big batch to be running")
+    small = submit(service, root, "small", pair_table(2, 20))  # 2 chunks
+    wait_until(lambda: batch(service, small["id"])["status"] == "completed", 300, "the small batch to complete")
+    behind = batch(service, big["id"])
+    with service.http() as client:
+        client.post(f"/batches/{big['id']}/cancel")
+    # Turns: the small batch ran between the big one's chunks, not after them (before, a chunk read ahead and
+    # the batches' turns left it behind the whole big batch on the embedded deployment).
+    assert behind["status"] == "in_progress" and behind["chunks"]["done"] < behind["chunks"]["total"] // 2, behind
+    wait_until(lambda: batch(service, big["id"])["status"] == "cancelled", 120, "the big batch to settle")
 
 
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:

@@ -316,6 +316,7 @@ class PassLoop:
     def _collect(self, launched: _Launched) -> None:
         """Waits for a launched pass, keeps its scores and queues its boundary writes."""
         result = launched.flight.result()
+        lake.record_pass(result.tokens, result.seconds)
         touched: dict[str, RunningJob] = {}
         for part in result.scores:
             run, taken = launched.owners[part.request]
@@ -324,6 +325,9 @@ class PassLoop:
             run.done += len(items)
             touched[run.job_id] = run
         finished = [r for r in touched.values() if r.done == r.request.n_items]
+        for run in touched.values():
+            if run.done < run.request.n_items:
+                lake.advance(run.claimed, run.done)  # a chunk's progress moves within its requests
         self.running = [r for r in self.running if r.done < r.request.n_items]
         # A chunk's requests report to their chunk (which commits its object), not to the jobs table.
         finished = [r for r in finished if not lake.finish(r.claimed, r.logprobs)]
@@ -444,15 +448,41 @@ def batch_pass_tokens(scorer: Scorer, settings: Settings, interactive_recently: 
     return min(settings.batch_round_tokens or default, scorer.pass_tokens)
 
 
-def _claimer(owner: str, settings: Settings, round_tokens: int,
-             feed: lake.ChunkFeed | None = None) -> Callable[[bool], list[ClaimedJob]]:
-    def claim(interactive_only: bool) -> list[ClaimedJob]:
+class Claimer:
+    """A pass loop's claims (`claim(interactive_only)`). In the batch lane, uploaded batches and reference
+    batches take turns: a chunk, then uploaded batches' rounds for as long as that chunk took (at most
+    BATCH_CHUNK_SECONDS), then the next chunk, and so on; either kind alone runs without waiting. Within a
+    kind, tenants and batches take turns (store.jobqueue for rounds, store.lake.chunks for chunks)."""
+
+    def __init__(self, owner: str, settings: Settings, round_tokens: int, feed: lake.ChunkFeed | None = None) -> None:
+        self.owner, self.settings, self.round_tokens, self.feed = owner, settings, round_tokens, feed
+        # When a chunk is due (monotonic); None: after a chunk, until the uploads' turn begins.
+        self._chunk_due_at: float | None = 0.0
+
+    def _uploads_turn(self) -> float:
+        last = self.feed.last_chunk_seconds if self.feed else None
+        return min(last, self.settings.batch_chunk_seconds) if last is not None else self.settings.batch_chunk_seconds
+
+    def __call__(self, interactive_only: bool) -> list[ClaimedJob]:
+        settings = self.settings
         clear_pending_kick(settings.worker_model)  # jobs committed from now on send a kick; those before are seen by this claim
         if interactive_only:
-            return jobqueue.claim_interactive(owner, settings)
-        # Reference batches' chunks after uploaded batches' rounds.
-        return jobqueue.claim_jobs(owner, settings, round_tokens) or (feed.take() if feed else [])
-    return claim
+            return jobqueue.claim_interactive(self.owner, settings)
+        if (jobs := jobqueue.claim_interactive(self.owner, settings)):
+            return jobs
+        now = time.monotonic()
+        due = self.feed is not None and self._chunk_due_at is not None and now >= self._chunk_due_at
+        if due and (chunk := self.feed.take()):
+            self._chunk_due_at = None
+            return chunk
+        if jobs := jobqueue.claim_batch_round(self.owner, settings, self.round_tokens):
+            if due and self.feed.busy():
+                pass  # a chunk is being read (the one whose turn it is): still due, taken at the next claim
+            elif self._chunk_due_at is None or due:  # the uploads' turn begins (due: no chunk to run)
+                self._chunk_due_at = now + self._uploads_turn()
+            return jobs
+        self._chunk_due_at = now  # no upload waits: chunks run back to back
+        return self.feed.take() if self.feed is not None and not due else []
 
 
 def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[[], bool] = lambda: False,
@@ -468,8 +498,8 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
     round_tokens = batch_pass_tokens(scorer, settings)
     claim_tokens = CLAIM_AHEAD_PASSES * round_tokens if scorer.launches_ahead else \
         max(round_tokens, min(CLAIM_AHEAD_PASSES * round_tokens, scorer.pass_tokens))
-    feed = lake.feed_for(scorer, owner, settings)
-    claim = _claimer(owner, settings, claim_tokens, feed)
+    feed = lake.feed_for(scorer, owner, settings, round_tokens)
+    claim = Claimer(owner, settings, claim_tokens, feed)
     return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event(), feed.busy)
 
 

@@ -2,15 +2,21 @@
 
 Off the device's path, in threads of its own:
 - the reader claims a chunk (store.lake.chunks), reads it from storage and tokenizes it, one chunk ahead of
-  what the pass loop has taken;
-- the pass loop takes a chunk's requests when it claims batch work and finds no uploaded batch request
-  (interactive jobs still go first: chunk requests are batch-lane requests in its passes) and reports each
-  request's log-probabilities back;
+  what the pass loop has taken. On a CPU worker a chunk longer than BATCH_CHUNK_SECONDS of this worker's
+  passes (their measured tokens/s: `record_pass`) is cut into pieces that long, at request boundaries; the
+  worker keeps the first and the others become chunks of their own (store.lake.chunks.split_chunk). Until a
+  pass was measured, the first piece is FIRST_PIECE_PASSES batch passes long and the rest one chunk;
+- the pass loop takes a chunk's requests when it claims batch work and it is the reference batches' turn
+  (worker/drain.py), and reports each request's log-probabilities back, and its items done after each pass.
+  A chunk read ahead whose batch is not next in turn (another reference batch's chunk waits that started
+  less recently, or the batch was cancelled) goes back instead of being started;
 - the committer writes a finished chunk's results as one object and commits it under the lease
   (store.lake.chunks.commit_chunk); an object whose commit finds the lease lost is removed;
-- the keeper extends the leases of the chunks held (no statement while none is).
-The worker's maintenance round (worker/tasks.py) calls `sweep`: chunks of dead workers are queued again and
-batches that are over are settled. A stopping worker calls `close_feeds`: chunks read and not taken go back.
+- the keeper extends the leases of the chunks held and writes the progress of those running (no statement
+  while none is held); a chunk read ahead that waited READY_TURNS chunk lengths goes back.
+The worker's maintenance round (worker/tasks.py) calls `sweep`: chunks of dead workers are queued again (or
+cancelled, their batch cancelled) and batches that are over are settled. A stopping worker calls
+`close_feeds`: chunks read and not taken go back.
 """
 
 import json
@@ -27,7 +33,8 @@ from core import Scorer, TokenizedRequest
 from store.broker import kick_drain
 from store.jobqueue import ClaimedJob
 from store.lake import chunks as lake
-from store.lake.tables import ChunkRows, InputError, chunk_requests, read_input, result_table, write_table
+from store.lake.tables import (ChunkRows, InputError, chunk_requests, format_of, read_input, result_table,
+                               write_table)
 from store.models import PRIORITY_BATCH
 from store.settings import Settings
 
@@ -41,6 +48,44 @@ TAKE_WAIT_SECONDS = 0.2
 # the whole worker 8 s); a chunk still held after that runs again once its lease expires.
 STOP_SECONDS = 4.0
 LOG_EVERY_CHUNKS = 20
+# Until this worker has measured a pass, the first piece of a chunk it cuts is this many batch passes long.
+FIRST_PIECE_PASSES = 4
+# A last piece shorter than this share of a piece stays with the one before it.
+MIN_PIECE_SHARE = 0.25
+# A chunk read ahead that waited this many chunk lengths (BATCH_CHUNK_SECONDS; at least a lease) without
+# starting goes back.
+READY_TURNS = 2
+# The reader claims no chunk while this many finished chunks wait for the committer.
+MAX_UNCOMMITTED = 2
+
+
+class Pace:
+    """This worker's passes' tokens per second, over its recent passes (the pass loop records them)."""
+
+    DECAY = 0.9
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.DECAY + tokens
+        self.seconds = self.seconds * self.DECAY + seconds
+
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 and self.tokens > 0 else None
+
+
+pace = Pace()
+
+
+def record_pass(tokens: int, seconds: float) -> None:
+    pace.record(tokens, seconds)
+
+
+def request_cost(request: TokenizedRequest) -> int:
+    """A request's tokens as its passes compute them (the query once, or once per item when items go first)."""
+    items = sum(len(item) for item in request.items)
+    return items + len(request.query) * (request.n_items if request.item_first else 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +106,14 @@ class ChunkWork:
     left: int = 0
     over: bool = False  # committed or handed back: late reports are dropped
     input_error: InputError | None = None
+    # Progress (the pass loop's thread writes, the keeper reads): rows and items of the requests done, and items
+    # done of those under way (a pair table's item is a row).
+    rows_scored: int = 0
+    items_scored: int = 0
+    partial: dict[int, int] = field(default_factory=dict)
+    items_partial: int = 0
+    taken_at: float = 0.0
+    read_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         if self.rows is not None:
@@ -72,10 +125,27 @@ class ChunkWork:
         if self.over or self.logprobs[k] is not None:
             return
         self.logprobs[k] = logprobs
+        covered, request, _ = self.rows.requests[k]
+        self.items_partial -= self.partial.pop(k, 0)
+        self.rows_scored += len(covered)
+        self.items_scored += request.n_items
         self.left -= 1
         if self.left == 0:
             self.over = True
             self.feed.complete(self)
+
+    def advance(self, k: int, items: int) -> None:
+        """Request k has `items` items scored (after a pass; from the pass loop's thread)."""
+        if not self.over and self.logprobs[k] is None:
+            self.items_partial += items - self.partial.get(k, 0)
+            self.partial[k] = items
+
+    def progress(self) -> lake.ChunkProgress:
+        rows = self.rows
+        under_way = self.items_partial if rows.pair_table else 0
+        return lake.ChunkProgress(rows_done=len(rows.errors) + self.rows_scored + under_way,
+                                  rows_failed=len(rows.errors), items_done=self.items_scored + self.items_partial,
+                                  rows_total=rows.n_rows)
 
     def abandon(self, error: str | None) -> None:
         """The pass loop gave up on the chunk's requests: it is handed back (the attempt counts after an error)."""
@@ -85,10 +155,14 @@ class ChunkWork:
 
 
 class ChunkFeed:
-    def __init__(self, scorer: Scorer, owner: str, settings: Settings) -> None:
+    def __init__(self, scorer: Scorer, owner: str, settings: Settings, pass_tokens: int | None = None) -> None:
+        """`pass_tokens`: the tokens of the worker's batch passes (default: a full pass)."""
         self.scorer, self.owner, self.settings = scorer, owner, settings
+        self.pass_tokens = pass_tokens or scorer.pass_tokens
         self._ready: deque[ChunkWork] = deque()
         self._held: dict[tuple[str, int], lake.ClaimedChunk] = {}
+        self._running: dict[tuple[str, int], ChunkWork] = {}  # taken by the pass loop: their progress is written
+        self.last_chunk_seconds: float | None = None  # from take to the last request's scores
         self._changed = threading.Condition()
         self._want = threading.Event()
         self._reading = False
@@ -104,8 +178,9 @@ class ChunkFeed:
     # ---- the pass loop's side ---------------------------------------------------------------------------
 
     def take(self) -> list[ClaimedJob]:
-        """The requests of the next chunk read, if one is (waiting a little for one being read); asks the
-        reader for the one after it."""
+        """The requests of the next chunk read, if one is (waiting a little for one being read) and its batch's
+        turn is now (else it goes back, and the reader reads the one whose turn it is); asks the reader for
+        the one after it."""
         self._want.set()
         with self._changed:
             # The reader clears `_want` when it finds no chunk: then there is none to wait for.
@@ -116,6 +191,17 @@ class ChunkFeed:
             work = self._ready.popleft()
         self._want.set()
         chunk = work.chunk
+        try:
+            turn = lake.take_turn(chunk, self.settings)
+        except Exception:
+            work.abandon(None)
+            raise
+        if not turn:
+            work.abandon(None)
+            return []
+        work.taken_at = time.monotonic()
+        with self._changed:
+            self._running[chunk.key] = work
         return [ChunkRequest(f"{chunk.batch_id}:{chunk.index}:{k}", PRIORITY_BATCH, self.scorer.model_name, None, None,
                              chunk.batch_id, None, work=work, k=k, tokenized=request)
                 for k, (_, request, _) in enumerate(work.rows.requests)]
@@ -135,6 +221,11 @@ class ChunkFeed:
                 if self._ready:  # one chunk ahead is enough
                     self._want.clear()
                     self._changed.notify_all()
+                    continue
+                if self._commits.qsize() >= MAX_UNCOMMITTED:
+                    # Chunks wait to be committed (the store is slow): the next is read when they are, not
+                    # claimed to wait too. Still wanted meanwhile, so the pass loop does not end.
+                    self._changed.wait(TAKE_WAIT_SECONDS)
                     continue
                 self._reading = True
             try:
@@ -171,6 +262,16 @@ class ChunkFeed:
             log.warning("reading chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
             self._release(chunk, f"{type(exc).__name__}: {exc}")
             return None
+        if not self.scorer.launches_ahead:
+            try:
+                fitted = self._fit(chunk, data, rows)
+            except Exception as exc:  # noqa: BLE001  (the database or the store: the chunk runs again later)
+                log.warning("cutting chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
+                self._release(chunk, f"{type(exc).__name__}: {exc}")
+                return None
+            if fitted is None:
+                return None
+            chunk, rows = fitted
         work = ChunkWork(chunk, rows, self)
         for k, (_, request, _) in enumerate(rows.requests):  # an empty items list is done as it is
             if request.n_items == 0:
@@ -182,9 +283,67 @@ class ChunkFeed:
             return None
         return work
 
+    def _fit(self, chunk: lake.ClaimedChunk, data, rows: ChunkRows) -> tuple[lake.ClaimedChunk, ChunkRows] | None:  # type: ignore[no-untyped-def]
+        """Cuts a chunk longer than BATCH_CHUNK_SECONDS of this worker's passes (Parquet rows, or plain JSONL
+        lines: CSV and compressed JSONL chunks run whole); returns the piece to run, or None if the chunk went
+        back (its batch was cancelled meanwhile)."""
+        speed = pace.tokens_per_second()
+        budget = speed * self.settings.batch_chunk_seconds if speed else FIRST_PIECE_PASSES * self.pass_tokens
+        costs = [request_cost(request) for _, request, _ in rows.requests]
+        cut_rows, used = [], 0
+        for (covered, _, _), cost in zip(rows.requests, costs):
+            if used and used + cost > budget:
+                cut_rows.append(covered[0])
+                used = 0
+                if speed is None:  # the rest is cut once this worker knows its pace
+                    used = -float("inf")
+            used += cost
+        if cut_rows and speed is not None and used < MIN_PIECE_SHARE * budget:
+            cut_rows.pop()
+        if not cut_rows:
+            return chunk, rows
+        if chunk.part >= 0:  # Parquet: rows of a row group
+            positions = [chunk.start + row for row in cut_rows]
+        elif isinstance(data, list) and not format_of(chunk.input, chunk.options.format)[1]:
+            positions = self._line_offsets(chunk, data, cut_rows)
+        else:
+            return chunk, rows
+        bounds = [*cut_rows, rows.n_rows]
+        piece = lake.split_chunk(self.owner, chunk, [(at, bounds[k + 1] - bounds[k]) for k, at in
+                                                     enumerate(positions)], cut_rows[0])
+        if piece is None:
+            self._release(chunk, None)
+            return None
+        log.info("chunk %s/%s cut into %d pieces of about %.0f tokens", chunk.batch_id, chunk.index,
+                 len(cut_rows) + 1, budget)
+        with self._changed:
+            self._held[piece.key] = piece
+        return piece, _first_rows(rows, cut_rows[0])
+
+    @staticmethod
+    def _line_offsets(chunk: lake.ClaimedChunk, lines: list[bytes], cut_rows: list[int]) -> list[int]:
+        """The byte offsets of these rows (non-blank lines) of a JSONL chunk read with their line ends."""
+        begin = 0
+        if chunk.start > 0:  # where the chunk's first line starts, as read_input found it
+            with chunk.input.fs.open(chunk.input.path, "rb") as f:
+                f.seek(chunk.start - 1)
+                f.readline()
+                begin = f.tell()
+        offsets, at, row = {}, begin, 0
+        wanted = set(cut_rows)
+        for line in lines:
+            if line.strip():
+                if row in wanted:
+                    offsets[row] = at
+                row += 1
+            at += len(line)
+        return [offsets[row] for row in cut_rows]
+
     # ---- committing -------------------------------------------------------------------------------------
 
     def complete(self, work: ChunkWork) -> None:
+        if work.taken_at:
+            self.last_chunk_seconds = time.monotonic() - work.taken_at
         self._commits.put(work)
 
     def hand_back(self, work: ChunkWork, error: str | None) -> None:
@@ -232,6 +391,8 @@ class ChunkFeed:
             log.info("chunk feed: %s", json.dumps({k: round(v, 2) for k, v in self.stats.items()}))
         with self._changed:
             self._held.pop(chunk.key, None)
+            self._running.pop(chunk.key, None)
+            self._changed.notify_all()
         lake.settle(chunk.batch_id)
 
     def _write(self, chunk: lake.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
@@ -251,8 +412,11 @@ class ChunkFeed:
     def _release(self, chunk: lake.ClaimedChunk, error: str | None) -> None:
         with self._changed:
             self._held.pop(chunk.key, None)
+            self._running.pop(chunk.key, None)
+            self._changed.notify_all()
         try:
             lake.release_chunk(self.owner, self.settings, chunk, error)
+            lake.settle(chunk.batch_id)  # a cancelled batch's chunk that went back may have been its last
         except Exception:  # noqa: BLE001  (its lease expires)
             log.exception("handing chunk %s/%s back failed", chunk.batch_id, chunk.index)
 
@@ -262,7 +426,13 @@ class ChunkFeed:
         while not self._stop.wait(self.settings.sweep_interval_seconds):
             try:
                 with self._changed:
-                    held = set(self._held)
+                    held = {key: work.progress() if (work := self._running.get(key)) else None
+                            for key in self._held}
+                    waited = max(READY_TURNS * self.settings.batch_chunk_seconds, self.settings.lease_seconds)
+                    stale = [w for w in self._ready if time.monotonic() - w.read_at > waited]
+                    self._ready = deque(w for w in self._ready if w not in stale)
+                for work in stale:  # not started soon: another worker may start it
+                    work.abandon(None)
                 lake.extend_leases(self.owner, self.settings, held)
                 if self._ready:  # a chunk read and not taken (the pass loop had ended): a pass loop takes it
                     kick_drain(self.settings.worker_model)
@@ -288,11 +458,11 @@ _feeds: dict[str, ChunkFeed] = {}
 _feeds_lock = threading.Lock()
 
 
-def feed_for(scorer: Scorer, owner: str, settings: Settings) -> ChunkFeed:
+def feed_for(scorer: Scorer, owner: str, settings: Settings, pass_tokens: int | None = None) -> ChunkFeed:
     """The worker process's feed (one per lease owner), started on first use."""
     with _feeds_lock:
         if owner not in _feeds:
-            _feeds[owner] = ChunkFeed(scorer, owner, settings)
+            _feeds[owner] = ChunkFeed(scorer, owner, settings, pass_tokens)
         return _feeds[owner]
 
 
@@ -314,6 +484,20 @@ def close_feeds() -> None:
         _feeds.clear()
     for feed in feeds:
         feed.close()
+
+
+def _first_rows(rows: ChunkRows, n: int) -> ChunkRows:
+    """The chunk's first n rows (a cut falls between requests)."""
+    return ChunkRows(rows.pair_table, n, {name: values[:n] for name, values in rows.passthrough.items()},
+                     rows.passthrough_types, [r for r in rows.requests if r[0][0] < n],
+                     {i: e for i, e in rows.errors.items() if i < n},
+                     {i: v for i, v in rows.return_logprobs.items() if i < n})
+
+
+def advance(claimed: ClaimedJob, items: int) -> None:
+    """For the pass loop, after a pass: a chunk's request has this many items scored."""
+    if isinstance(claimed, ChunkRequest):
+        claimed.work.advance(claimed.k, items)
 
 
 def finish(claimed: ClaimedJob, logprobs: np.ndarray) -> bool:

@@ -2,19 +2,25 @@
 
 Creating one (the API): access is checked, the input is planned from metadata (store.lake.tables.plan) and
 the chunk rows inserted with the batch, in one transaction. Running one (the workers): a chunk is claimed
-under a lease (SKIP LOCKED), its lease extended by the heartbeat, and it ends in one conditional UPDATE
-that names its result object: a worker that lost the lease commits nothing, and the chunk rows are the
-manifest. An expired lease is swept like a job's (the attempt counts; the chunk fails after MAX_ATTEMPTS). A
-chunk whose store was unreachable waits a little longer each attempt (`not_before`). Once no chunk is live,
-the batch is settled: `_manifest.json` (then `_SUCCESS` if completed) is written, the status changes in a
-conditional UPDATE (so the webhook is queued once), and objects of lost attempts are removed.
+under a lease (SKIP LOCKED), its lease extended (and its progress written) by the worker's keeper, and it
+ends in one conditional UPDATE that names its result object: a worker that lost the lease commits nothing, and
+the chunk rows are the manifest. A worker may cut a chunk it holds into pieces (`split_chunk`): the pieces
+are new chunk rows, and results and manifest list chunks in input order, not by index. An expired lease is
+swept like a job's (the attempt counts; the chunk fails after MAX_ATTEMPTS); a chunk of a cancelled batch
+that goes back (its lease expired, or its worker stopped) is cancelled instead. A chunk whose store was
+unreachable waits a little longer each attempt (`not_before`). Once no chunk is live, the batch is settled:
+`_manifest.json` (then `_SUCCESS` if completed) is written, the status changes in a conditional UPDATE (so the
+webhook is queued once), and objects of lost attempts are removed.
+
+Turns: reference batches take turns a chunk at a time, the batch whose chunk started least recently first
+(`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
 """
 
 import json
 import logging
 import posixpath
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, insert, select, update
@@ -131,9 +137,22 @@ class ClaimedChunk:
         return self.output.child(object_name(self.index, self.attempt, self.options.output_format))
 
 
+@dataclass(frozen=True)
+class ChunkProgress:
+    """A running chunk's rows and items scored so far (written by the keeper; a commit writes the final ones)."""
+
+    rows_done: int
+    rows_failed: int
+    items_done: int
+    rows_total: int  # known once the chunk is read (a JSONL chunk's lines)
+
+
+_NO_PROGRESS = dict(rows_done=0, rows_failed=0, items_done=0)
+
+
 def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
-    """Leases the next ready chunk of a batch of the worker's model (the batch claimed from least recently
-    first, then oldest batch, then chunk order), or None."""
+    """Leases the next ready chunk of a batch of the worker's model (the batch whose chunk started least
+    recently first, then oldest batch, then chunk order), or None."""
     now = utcnow()
     with session_scope() as session:
         candidate = session.execute(
@@ -149,28 +168,72 @@ def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
                                           _CHUNKS.status == "queued")
             .values(status="running", lease_owner=owner, attempts=_CHUNKS.attempts + 1,
                     lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
-                    started_at=func.coalesce(_CHUNKS.started_at, now))
+                    started_at=func.coalesce(_CHUNKS.started_at, now), **_NO_PROGRESS)
             .returning(_CHUNKS.batch_id, _CHUNKS.index, _CHUNKS.attempts, _CHUNKS.input, _CHUNKS.part,
                        _CHUNKS.start, _CHUNKS.stop)).first()
         if row is None:
             return None
         source, output = session.execute(select(Batch.source, Batch.output_uri).where(Batch.id == row.batch_id)).one()
-    # Its own short transaction: the batch row is never locked while a chunk row is (cancel takes the batch first).
-    with session_scope() as session:
-        session.execute(update(Batch).where(Batch.id == row.batch_id).values(last_claimed_at=now))
     return ClaimedChunk(row.batch_id, row.index, row.attempts, Location.parse(row.input), row.part, row.start,
                         row.stop, Options.from_json(source), Location.parse(output))
 
 
-def extend_leases(owner: str, settings: Settings, keys: set[tuple[str, int]]) -> None:
-    if not keys:
+def take_turn(chunk: ClaimedChunk, settings: Settings) -> bool:
+    """Whether the worker may start this chunk (read ahead) now: its batch is still in progress and no other
+    batch of the model with a ready chunk is ahead of it in turn. If so, the batch's turn is recorded."""
+    now = utcnow()
+    with session_scope() as session:
+        ready = select(Chunk.index).where(Chunk.batch_id == Batch.id, Chunk.status == "queued",
+                                          (Chunk.not_before.is_(None)) | (Chunk.not_before <= now)).exists()
+        first = session.scalar(select(Batch.id).where(
+            Batch.status == "in_progress", Batch.model == settings.worker_model, ready | (Batch.id == chunk.batch_id))
+            .order_by(Batch.last_claimed_at.asc().nulls_first(), Batch.id).limit(1))
+        if first != chunk.batch_id:
+            return False
+        session.execute(update(Batch).where(Batch.id == chunk.batch_id).values(last_claimed_at=now))
+    return True
+
+
+def extend_leases(owner: str, settings: Settings, held: dict[tuple[str, int], ChunkProgress | None]) -> None:
+    """Extends the leases of the chunks held, and writes the progress of those running."""
+    if not held:
         return
     now = utcnow()
     with session_scope() as session:
-        for batch_id, index in keys:
+        for (batch_id, index), progress in held.items():
+            values = {"lease_expires_at": now + timedelta(seconds=settings.lease_seconds)}
+            if progress is not None:
+                values.update(progress.__dict__)
             session.execute(update(Chunk.__table__).where(
                 _CHUNKS.batch_id == batch_id, _CHUNKS.index == index, _CHUNKS.lease_owner == owner,
-                _CHUNKS.status == "running").values(lease_expires_at=now + timedelta(seconds=settings.lease_seconds)))
+                _CHUNKS.status == "running").values(**values))
+
+
+def split_chunk(owner: str, chunk: ClaimedChunk, cuts: list[tuple[int, int | None]],
+                rows_first: int | None) -> ClaimedChunk | None:
+    """Cuts a chunk the worker holds at these positions (row offsets of a Parquet row group, or byte offsets of
+    line starts; each with the rows of the piece that starts there, if known): it keeps the first piece, and
+    the others become queued chunks of the batch. None if the chunk is no longer ours or the batch not in
+    progress (then nothing changed)."""
+    if not cuts:
+        return chunk
+    with session_scope() as session:
+        # The batch row first, as cancel takes it.
+        batch = session.scalar(select(Batch).where(Batch.id == chunk.batch_id).with_for_update())
+        if batch is None or batch.status != "in_progress":
+            return None
+        changed = session.execute(update(Chunk.__table__).where(
+            _CHUNKS.batch_id == chunk.batch_id, _CHUNKS.index == chunk.index, _CHUNKS.lease_owner == owner,
+            _CHUNKS.status == "running", _CHUNKS.attempts == chunk.attempt)
+            .values(stop=cuts[0][0], rows_total=rows_first)).rowcount
+        if not changed:
+            return None
+        bounds = [cut for cut, _ in cuts] + [chunk.stop]
+        session.execute(insert(Chunk), [
+            _chunk_row(batch.id, batch.chunks_total + k, PlannedChunk(chunk.input.uri, chunk.part, start, stop, rows))
+            for k, ((start, rows), stop) in enumerate(zip(cuts, bounds[1:]))])
+        batch.chunks_total += len(cuts)
+    return replace(chunk, stop=cuts[0][0])
 
 
 def commit_chunk(owner: str, chunk: ClaimedChunk, rows: int, rows_failed: int, items: int,
@@ -195,9 +258,11 @@ def commit_chunk(owner: str, chunk: ClaimedChunk, rows: int, rows_failed: int, i
 
 def release_chunk(owner: str, settings: Settings, chunk: ClaimedChunk, error: str | None) -> None:
     """Hands a chunk back: after a failure (`error`) the attempt counts and it waits before it runs again,
-    failing after MAX_ATTEMPTS; when the worker stops (None) it does not count."""
+    failing after MAX_ATTEMPTS; when the worker stops or gives the turn (None) it does not count. A chunk of
+    a batch no longer in progress (cancelled) is cancelled; the caller settles the batch."""
     now = utcnow()
     with session_scope() as session:
+        live = session.scalar(select(Batch.status).where(Batch.id == chunk.batch_id)) == "in_progress"
         row = session.execute(select(Chunk).where(
             Chunk.batch_id == chunk.batch_id, Chunk.index == chunk.index, Chunk.lease_owner == owner,
             Chunk.status == "running").with_for_update()).scalar_one_or_none()
@@ -205,13 +270,17 @@ def release_chunk(owner: str, settings: Settings, chunk: ClaimedChunk, error: st
             return
         if error is None:
             row.attempts -= 1
-        _requeue_or_fail(session, row, settings, "input_unavailable", error or "", now)
+        _requeue_or_fail(session, row, settings, "input_unavailable", error or "", now, cancelled=not live)
 
 
 def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str, message: str,
-                     now: datetime) -> None:
+                     now: datetime, cancelled: bool = False) -> None:
     row.lease_owner = row.lease_expires_at = None
-    if row.attempts >= settings.max_attempts:
+    row.rows_done = row.rows_failed = row.items_done = 0  # what a lost attempt scored is not in any object
+    if cancelled:
+        row.status, row.finished_at = "cancelled", now
+        count(session, "chunks_finished", label="cancelled")
+    elif row.attempts >= settings.max_attempts:
         row.status, row.error_code, row.error_message, row.finished_at = "failed", code, message[:2000], now
         count(session, "chunks_finished", label="failed")
     else:
@@ -221,15 +290,23 @@ def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str
 
 
 def sweep_chunks(settings: Settings) -> set[str]:
-    """Re-queues chunks whose lease expired (their worker died); returns the batches that may be over (none
-    of their chunks live), which the caller settles."""
+    """Re-queues chunks whose lease expired (their worker died), or cancels them if their batch was
+    cancelled; returns the batches that may be over (none of their chunks live), which the caller settles."""
     now = utcnow()
     with session_scope() as session:
+        stopped = set(session.scalars(select(Batch.id).where(Batch.source.is_not(None),
+                                                             Batch.status == "cancelling")))
         expired = session.scalars(select(Chunk).where(Chunk.status == "running", Chunk.lease_expires_at < now)
                                   .with_for_update(skip_locked=True)).all()
         for row in expired:
-            log.warning("lease of chunk %s/%s held by %s expired; re-queueing", row.batch_id, row.index, row.lease_owner)
-            _requeue_or_fail(session, row, settings, "worker_lost", "the worker running this chunk stopped", now)
+            cancelled = row.batch_id in stopped
+            log.warning("lease of chunk %s/%s held by %s expired; %s", row.batch_id, row.index, row.lease_owner,
+                        "cancelling it (its batch was cancelled)" if cancelled else "re-queueing")
+            _requeue_or_fail(session, row, settings, "worker_lost", "the worker running this chunk stopped", now,
+                             cancelled)
+        if stopped:  # queued chunks of a cancelled batch (handed back as the cancel came) never run
+            session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id.in_(stopped), _CHUNKS.status == "queued")
+                            .values(status="cancelled", finished_at=now))
         live = select(Chunk.batch_id).where(Chunk.batch_id == Batch.id, Chunk.status.in_(LIVE)).exists()
         over = set(session.scalars(select(Batch.id).where(Batch.source.is_not(None),
                                                           Batch.status.in_(("in_progress", "cancelling")), ~live)))
@@ -276,13 +353,22 @@ def settle(batch_id: str) -> bool:
     return bool(changed)
 
 
+def in_input_order(chunks: list) -> list:
+    """Chunk rows (with index, input, part and start) in the order of the input's rows: a piece cut from a
+    chunk has a later index than the chunks planned after it."""
+    first: dict[str, int] = {}
+    for chunk in sorted(chunks, key=lambda c: c.index):
+        first.setdefault(chunk.input, chunk.index)
+    return sorted(chunks, key=lambda c: (first[c.input], c.part, c.start))
+
+
 def _manifest(session: Session, batch: Batch, status: str) -> dict:
     objects, failed, cancelled = [], [], []
     rows = rows_failed = items = 0
-    for chunk in session.execute(select(Chunk.index, Chunk.input, Chunk.part, Chunk.start, Chunk.stop, Chunk.status,
-                                        Chunk.output, Chunk.rows_done, Chunk.rows_failed, Chunk.items_done,
-                                        Chunk.error_code, Chunk.error_message, Chunk.rows_total)
-                                 .where(Chunk.batch_id == batch.id).order_by(Chunk.index)):
+    for chunk in in_input_order(session.execute(
+            select(Chunk.index, Chunk.input, Chunk.part, Chunk.start, Chunk.stop, Chunk.status, Chunk.output,
+                   Chunk.rows_done, Chunk.rows_failed, Chunk.items_done, Chunk.error_code, Chunk.error_message,
+                   Chunk.rows_total).where(Chunk.batch_id == batch.id)).all()):
         where = {"chunk": chunk.index, "input": chunk.input, "part": chunk.part, "start": chunk.start,
                  "stop": chunk.stop}
         if chunk.status == "succeeded":
@@ -327,7 +413,8 @@ def remove_lost_attempts(chunk: ClaimedChunk) -> None:
 
 
 def read_reference(session: Session, batch: Batch) -> BatchOut:
-    """The batch with its chunks' progress: rows and items done, chunks done and in flight, an ETA."""
+    """The batch with its chunks' progress: rows and items done (running chunks' so far, as their workers last
+    wrote it), chunks done and in flight, an ETA."""
     by_status = {status: (n, rows, failed, items) for status, n, rows, failed, items in session.execute(
         select(Chunk.status, func.count(), func.coalesce(func.sum(Chunk.rows_done), 0),
                func.coalesce(func.sum(Chunk.rows_failed), 0), func.coalesce(func.sum(Chunk.items_done), 0))
@@ -338,15 +425,12 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
     items_done = sum(v[3] for v in by_status.values())
     chunks = ChunkCounts(total=batch.chunks_total, done=n.get("succeeded", 0) + n.get("failed", 0),
                          in_flight=n.get("running", 0), failed=n.get("failed", 0), cancelled=n.get("cancelled", 0))
-    eta = None
-    if batch.status in ("in_progress", "cancelling") and chunks.done and batch.in_progress_at is not None:
-        elapsed = (utcnow() - batch.in_progress_at).total_seconds()
-        left = batch.chunks_total - chunks.done - chunks.cancelled
-        eta = round(elapsed * left / chunks.done, 1)
     delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
                               .order_by(WebhookDelivery.created_at.desc()).limit(1))
     cancelled_rows = session.scalar(select(func.coalesce(func.sum(Chunk.rows_total), 0)).where(
         Chunk.batch_id == batch.id, Chunk.status == "cancelled")) or 0
+    eta = _eta(session, batch, chunks, rows_done, cancelled_rows) \
+        if batch.status in ("in_progress", "cancelling") else None
     return BatchOut(
         id=batch.id, status=batch.status, model=batch.model,
         counts=BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
@@ -361,9 +445,28 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
         rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
 
 
+def _eta(session: Session, batch: Batch, chunks: ChunkCounts, rows_done: int, cancelled_rows: int) -> float | None:
+    """Seconds left at the rate so far, over the time since the batch's first chunk started: by rows where the
+    batch's rows are known (Parquet), else by the share of its chunks done (a running chunk by its rows done
+    of its rows). None until some rows are done."""
+    started = session.scalar(select(func.min(Chunk.started_at)).where(Chunk.batch_id == batch.id))
+    if batch.total:
+        done, total = float(rows_done), batch.total - cancelled_rows
+    else:
+        running = session.execute(select(Chunk.rows_done, Chunk.rows_total).where(
+            Chunk.batch_id == batch.id, Chunk.status == "running", Chunk.rows_done > 0)).all()
+        done = chunks.done + sum(min(1.0, r.rows_done / r.rows_total) for r in running if r.rows_total)
+        total = batch.chunks_total - chunks.cancelled
+    if started is None or done <= 0 or total <= 0:
+        return None
+    elapsed = (utcnow() - started).total_seconds()
+    return round(max(0.0, elapsed * (total - done) / done), 1)
+
+
 def cancel_reference(session: Session, batch: Batch) -> Batch:
-    """No chunk starts after this; running chunks finish and are kept. The batch is cancelling until they
-    have, then cancelled, with a manifest of what was done."""
+    """No chunk starts after this; running chunks finish and are kept (a chunk read ahead, or held by a worker
+    that stops or dies, is cancelled instead). The batch is cancelling until they have, then cancelled, with a
+    manifest of what was done."""
     if batch.status not in ("in_progress", "cancelling"):
         raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
@@ -382,10 +485,10 @@ def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
     uncommitted attempts are never read: only the names in the chunk rows are."""
     with session_factory()() as session:
         output = session.scalar(select(Batch.output_uri).where(Batch.id == batch_id))
-        chunks = session.execute(select(Chunk.index, Chunk.status, Chunk.output, Chunk.input, Chunk.error_code,
-                                        Chunk.error_message).where(Chunk.batch_id == batch_id,
-                                                                   Chunk.status.in_(("succeeded", "failed")))
-                                 .order_by(Chunk.index)).all()
+        chunks = [chunk for chunk in in_input_order(session.execute(
+            select(Chunk.index, Chunk.status, Chunk.output, Chunk.input, Chunk.part, Chunk.start, Chunk.error_code,
+                   Chunk.error_message).where(Chunk.batch_id == batch_id)).all())
+            if chunk.status in ("succeeded", "failed")]
     folder = Location.parse(output)
     for chunk in chunks:
         if chunk.status == "failed":

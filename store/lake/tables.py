@@ -326,7 +326,7 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
             return _table_pairs(table, location, options)
         if options.columns is not None:
             return _json_pairs(data.splitlines(), begin, location, options)
-        return data.splitlines()
+        return data.splitlines(keepends=True)  # with their ends: a worker cutting the chunk needs their offsets
     except FileNotFoundError:
         raise InputError("input_not_found", f"the input object {location.uri} does not exist") from None
     except Exception as exc:
