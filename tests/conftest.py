@@ -62,17 +62,9 @@ for name, value in {"JAX_COMPILATION_CACHE_DIR": RUN_CACHE / "compile-cache",
                     "MODEL_CACHE_DIR": RUN_CACHE / "model-cache"}.items():
     os.environ.setdefault(name, str(value))
 
-# Test files whose bounds are absolute wall times (a latency, /healthz's p99) run alone, after the parallel
+# Tests marked `alone` (their bounds are absolute wall times: a latency, /healthz's p99) run after the parallel
 # phase of `make test` (`-m alone`): beside another pytest-xdist worker's tests they would measure the host's
 # load, not the code.
-RUN_ALONE = {"test_latency_bundled_model.py", "test_reliability_soak.py", "test_lake_service.py",
-             "test_api_hardening.py"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
-    for item in items:
-        if item.path.name in RUN_ALONE:
-            item.add_marker(pytest.mark.alone)
 
 
 _SUITE_START = time.monotonic()

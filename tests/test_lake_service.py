@@ -29,22 +29,14 @@ def deployment(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Shared by every worker of both deployments: a worker started after the first loads its programs instead
-    of compiling them (a start took about a minute on a loaded 2-core host, and these tests start several)."""
-    return tmp_path_factory.mktemp("lake-compile-cache")
-
-
-@pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory, deployment: str) -> Path:
     return tmp_path_factory.mktemp(f"lake-root-{deployment}")
 
 
 @pytest.fixture(scope="module")
 def service(redis_url: str, run_id: str, database_factory, tmp_path_factory, root: Path,  # type: ignore[no-untyped-def]
-            deployment: str, compile_cache: Path) -> Iterator[Service]:
+            deployment: str) -> Iterator[Service]:
     env = {"BATCH_LOCAL_ROOT": str(root), "BATCH_CHUNK_ROWS_TARGET": "25", "BATCH_ROUND_TOKENS": "256",
-           "COMPILE_CACHE_DIR": str(compile_cache),
            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
     logs = tmp_path_factory.mktemp(f"lake-logs-{deployment}")
     if deployment == "embedded":  # as `serve --embedded` sets it up: SQLite and the filesystem broker
@@ -227,6 +219,7 @@ def test_a_small_batch_behind_a_big_one_starts_within_a_chunk(service: Service, 
     wait_until(lambda: batch(service, big["id"])["status"] == "cancelled", 120, "the big batch to settle")
 
 
+@pytest.mark.alone  # an absolute bound: run with nothing beside it (tests/conftest.py)
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
     if not service.live_workers():
         service.start_worker()

@@ -15,6 +15,8 @@ from core import Scorer
 from tests.load_runner import LoadConfig, Runner
 from tests.service_harness import Service, assert_exactly_once, running_service
 
+pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-untyped-def]
