@@ -224,7 +224,9 @@ def test_interactive_score_answered_within_its_bound_during_a_backfill(service: 
     if not service.live_workers():
         service.start_worker()
     service.wait_for_workers(1)
-    created = submit(service, root, "busy", pair_table(100, 20))
+    # 20,000 rows: hundreds of times what the tiny model scores while the five calls are made, on any host (the
+    # batch is cancelled after them).
+    created = submit(service, root, "busy", pair_table(1000, 20))
     wait_until(lambda: batch(service, created["id"])["chunks"]["done"] >= 1, 300, "the backfill to be running")
     seconds = []
     with service.http() as client:
