@@ -28,8 +28,8 @@ run: install
 	$(BIN)/packscore serve --embedded
 
 # The suite in two phases: most files on two processes (the machine type's two cores: most tests wait on one
-# core for a compile or a service start-up), then the files whose bounds are absolute wall times alone
-# (tests/conftest.py RUN_ALONE). Both share one compilation cache, cleared here. Prints the slowest tests and
+# core for a compile or a service start-up), then the tests whose bounds are absolute wall times alone
+# (`@pytest.mark.alone`). Both share one compilation cache, cleared here. Prints the slowest tests and
 # the run's time against the suite's budget (tests/durations.py); `make test-durations` rewrites docs/testing.md's
 # durations table from the JUnit files.
 TEST_RESULTS := .test-results

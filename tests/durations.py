@@ -33,10 +33,10 @@ NOTES = {
     "test_reliability_chaos.py": "real work under load (PACKSCORE_CHAOS_SECONDS per fault), a private Postgres and Redis",
     "test_security_fuzz.py": "schemathesis' cases against a live service",
     "test_security_inputs.py": "a live service; many small requests",
-    "test_worker_stop.py": "real work: a 2,000-line batch finished by a second worker",
+    "test_worker_stop.py": "real work: a 1,000-line batch through three workers",
     "test_models.py": "two worker processes (two models), the judge's transformers build",
     "test_continuous_batching.py": "a service start-up; a long job beside small calls",
-    "test_lake_service.py": "service and worker start-ups; workers killed and replaced",
+    "test_lake_service.py": "both deployments (Postgres, embedded): service and worker start-ups, workers killed",
     "test_lake.py": "reference batches run by in-process workers",
     "test_latency_bundled_model.py": "the embedded service with the bundled model: start-up, warm-up, a backfill",
     "test_readme.py": "the embedded service with the bundled model; README's examples",
@@ -47,6 +47,9 @@ NOTES = {
     "test_worker_drain.py": "in-process pass loops on the tiny model",
     "test_webhook_dns_live.py": "a live worker and a DNS server of the test",
     "test_first_hour.py": "the bundled model's tokenizer; a subprocess start",
+    "test_lake_turns.py": "reference and uploaded batches run by in-process workers",
+    "test_tensor_parallel.py": "one subprocess on 4 host devices: compiles at N = 1, 2, 4 for three families",
+    "test_worker_supervisor.py": "a supervisor's two worker processes: start-ups, a kill and a restart",
 }
 
 
