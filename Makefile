@@ -43,7 +43,8 @@ test: $(VENV)/.installed-test
 	exit $$status
 
 test-durations:
-	$(BIN)/python -m tests.durations $(TEST_RESULTS)/parallel.xml $(TEST_RESULTS)/alone.xml --write docs/testing.md
+	$(BIN)/python -m tests.durations $(TEST_RESULTS)/parallel.xml $(TEST_RESULTS)/alone.xml --write docs/testing.md \
+		--write-seconds
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m core.bench

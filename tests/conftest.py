@@ -2,6 +2,7 @@
 Alembic, dropped afterwards) and a real Redis with a key prefix of its own. Nothing here skips: a service
 that cannot be reached fails the test (CI=true or not)."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import make_url, text
 
-from tests.durations import SUITE_BUDGET_SECONDS
+from tests.durations import FILE_SECONDS, SUITE_BUDGET_SECONDS
 
 # Kept in the environment so subprocesses (and a second import of this file) see the same run. Each
 # pytest-xdist worker ("gw0", "gw1"...) has databases and Redis prefixes of its own.
@@ -65,6 +66,15 @@ for name, value in {"JAX_COMPILATION_CACHE_DIR": RUN_CACHE / "compile-cache",
 # Tests marked `alone` (their bounds are absolute wall times: a latency, /healthz's p99) run after the parallel
 # phase of `make test` (`-m alone`): beside another pytest-xdist worker's tests they would measure the host's
 # load, not the code.
+
+# The longest files first (their seconds in the last `make test-durations`; a file not there yet counts as a
+# minute): pytest-xdist hands out files in this order, so no long file starts last and holds the run up alone.
+NEW_FILE_SECONDS = 60
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.path.name, NEW_FILE_SECONDS))  # stable: a file's order kept
 
 
 _SUITE_START = time.monotonic()

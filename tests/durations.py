@@ -7,9 +7,12 @@ together, on whichever process ran it), its slowest test, and what dominates it 
     python -m tests.durations .test-results/*.xml --write docs/testing.md
     python -m tests.durations AFTER.xml --before BEFORE.xml --write docs/testing.md   # two runs side by side
 
-`make test` runs the first form at its end; `make test-durations` the third, on the last `make test`'s files."""
+`make test` runs the first form at its end; `make test-durations` the third, on the last `make test`'s files, and
+writes each file's seconds to tests/file_seconds.json (`--write-seconds`): tests/conftest.py hands the pytest-xdist
+processes the longest files first, so that no long file starts last and holds the run up alone."""
 
 import argparse
+import json
 import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -19,6 +22,7 @@ from pathlib import Path
 # test time against it (tests/conftest.py).
 SUITE_BUDGET_SECONDS = 15 * 60
 
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 START, END = "<!-- durations:start -->", "<!-- durations:end -->"
 
 # What a file's time goes to, as read off its tests (kept by hand: a new slow file gets a line here).
@@ -104,10 +108,14 @@ def main() -> None:
     parser.add_argument("--total", action="store_true", help="print the run's time against the budget, no table")
     parser.add_argument("--before", type=Path, help="an earlier run's JUnit XML, shown beside (seconds (tests))")
     parser.add_argument("--write", type=Path, help=f"replace the table between {START} and {END} in this file")
+    parser.add_argument("--write-seconds", action="store_true", help=f"write each file's seconds to {FILE_SECONDS}")
     args = parser.parse_args()
     if args.total:
         print(total(args.junit))
         return
+    if args.write_seconds:
+        seconds = {name: round(took) for name, (_, took, _, _) in sorted(per_file(args.junit).items())}
+        FILE_SECONDS.write_text(json.dumps(seconds, indent=1) + "\n")
     text = table(args.junit, args.before)
     if args.write is None:
         print(text)

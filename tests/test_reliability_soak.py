@@ -1,5 +1,5 @@
 """Short soak: the load runner against a real service (uvicorn, two Celery workers, Postgres, Redis, tiny-random)
-for PACKSCORE_SOAK_SECONDS (default 30: the shortest run that still samples every process's memory many times;
+for PACKSCORE_SOAK_SECONDS (default 20: the shortest run that still samples every process's memory many times;
 `PACKSCORE_SOAK_SECONDS=120` was the default before) at concurrency PACKSCORE_SOAK_CONCURRENCY (default 64), half of the
 requests through the synchronous POST /v1/score. No errors, every job terminal exactly once with the engine's
 scores, /healthz's p99 under a second, and the memory trend printed. The long soak is the same runner
@@ -28,7 +28,7 @@ def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-un
 
 
 def test_soak(service: Service, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    cfg = LoadConfig(duration_s=float(os.environ.get("PACKSCORE_SOAK_SECONDS", 30)), seed=5,
+    cfg = LoadConfig(duration_s=float(os.environ.get("PACKSCORE_SOAK_SECONDS", 20)), seed=5,
                      concurrency=int(os.environ.get("PACKSCORE_SOAK_CONCURRENCY", 64)),
                      rate=float(os.environ.get("PACKSCORE_SOAK_RATE", 0)), sample_interval_s=2, sync_share=0.5)
     runner = Runner(cfg, service.base_url, service.key, service.pids)
