@@ -1,9 +1,9 @@
 """Short soak: the load runner against a real service (uvicorn, two Celery workers, Postgres, Redis, tiny-random)
 for PACKSCORE_SOAK_SECONDS (default 20: the shortest run that still samples every process's memory many times;
-`PACKSCORE_SOAK_SECONDS=120` was the default before) at concurrency PACKSCORE_SOAK_CONCURRENCY (default 64), half of the
-requests through the synchronous POST /v1/score. No errors, every job terminal exactly once with the engine's
-scores, /healthz's p99 under a second, and the memory trend printed. The long soak is the same runner
-from the command line (docs/testing.md's reliability section)."""
+120 before) at concurrency PACKSCORE_SOAK_CONCURRENCY (default 64), half of the requests through the synchronous
+POST /v1/score. No errors, every job terminal exactly once with the engine's scores, /healthz's p99 under a
+second, and the memory trend printed. The long soak is the same runner from the command line (docs/testing.md's
+reliability section)."""
 
 import json
 import os
