@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import make_url, text
 
-from tests.durations import FILE_SECONDS, SUITE_BUDGET_SECONDS
+from tests.durations import FILE_SECONDS
 
 # Kept in the environment so subprocesses (and a second import of this file) see the same run. Each
 # pytest-xdist worker ("gw0", "gw1"...) has databases and Redis prefixes of its own.
@@ -63,10 +62,6 @@ for name, value in {"JAX_COMPILATION_CACHE_DIR": RUN_CACHE / "compile-cache",
                     "MODEL_CACHE_DIR": RUN_CACHE / "model-cache"}.items():
     os.environ.setdefault(name, str(value))
 
-# Tests marked `alone` (their bounds are absolute wall times: a latency, /healthz's p99) run after the parallel
-# phase of `make test` (`-m alone`): beside another pytest-xdist worker's tests they would measure the host's
-# load, not the code.
-
 # The longest files first (their seconds in the last `make test-durations`; a file not there yet counts as a
 # minute): pytest-xdist hands out files in this order, so no long file starts last and holds the run up alone.
 NEW_FILE_SECONDS = 60
@@ -75,15 +70,6 @@ NEW_FILE_SECONDS = 60
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
     items.sort(key=lambda item: -seconds.get(item.path.name, NEW_FILE_SECONDS))  # stable: a file's order kept
-
-
-_SUITE_START = time.monotonic()
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
-    took = time.monotonic() - _SUITE_START
-    terminalreporter.write_line(f"this pytest run: {took:.0f} s (the suite's budget, both phases of `make test`: "
-                                f"{SUITE_BUDGET_SECONDS} s, tests/durations.py)")
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # type: ignore[no-untyped-def]

@@ -297,14 +297,14 @@ def _split_seconds(line_bytes: int, chunk: int = 4096) -> float:
     return best
 
 
-@pytest.mark.alone  # a wall-time bound: nothing runs beside it (tests/conftest.py)
+@pytest.mark.alone  # a wall-time bound: nothing runs beside it (Makefile: test)
 def test_line_splitting_is_linear() -> None:
     """8x the bytes takes about 8x the time (it took 64x when every chunk copied the growing line)."""
     small, large = _split_seconds(1 << 20), _split_seconds(8 << 20)
     assert large / small < 24, f"1 MiB: {small * 1000:.1f} ms, 8 MiB: {large * 1000:.1f} ms"
 
 
-@pytest.mark.alone  # a wall-time bound: nothing runs beside it (tests/conftest.py)
+@pytest.mark.alone  # a wall-time bound: nothing runs beside it (Makefile: test)
 def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> None:  # type: ignore[no-untyped-def]
     """A 24 MiB line (not JSON: an error line of its own) streams in while /healthz is asked: the API keeps
     answering."""

@@ -219,7 +219,7 @@ def test_a_small_batch_behind_a_big_one_starts_within_a_chunk(service: Service, 
     wait_until(lambda: batch(service, big["id"])["status"] == "cancelled", 120, "the big batch to settle")
 
 
-@pytest.mark.alone  # an absolute bound: run with nothing beside it (tests/conftest.py)
+@pytest.mark.alone  # an absolute bound: run with nothing beside it (Makefile: test)
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
     if not service.live_workers():
         service.start_worker()

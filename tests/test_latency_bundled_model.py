@@ -12,7 +12,7 @@ import pytest
 from tests.service_harness import wait_until
 from worker.latency import SCORE_BODY, EmbeddedService, backfill_lines
 
-pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (tests/conftest.py)
+pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (Makefile: test)
 
 ALONE_P50_BOUND = 1.0  # seconds: 4x the goal
 BESIDE_BACKFILL_P50_BOUND = 6.0  # seconds: 4x the goal

@@ -15,7 +15,7 @@ from core import Scorer
 from tests.load_runner import LoadConfig, Runner
 from tests.service_harness import Service, assert_exactly_once, running_service
 
-pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (tests/conftest.py)
+pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (Makefile: test)
 
 
 @pytest.fixture(scope="module")

@@ -476,9 +476,10 @@ class Claimer:
             self._chunk_due_at = None
             return chunk
         if jobs := jobqueue.claim_batch_round(self.owner, settings, self.round_tokens):
-            if due and self.feed.busy():
-                pass  # a chunk is being read (the one whose turn it is): still due, taken at the next claim
-            elif self._chunk_due_at is None or due:  # the uploads' turn begins (due: no chunk to run)
+            # A chunk being read is the one whose turn it is: it stays due, taken at the next claim. Otherwise the
+            # uploads' turn begins after a chunk, or when one was due but there was none to run.
+            reading = due and self.feed.busy()
+            if not reading and (self._chunk_due_at is None or due):
                 self._chunk_due_at = now + self._uploads_turn()
             return jobs
         self._chunk_due_at = now  # no upload waits: chunks run back to back
