@@ -25,6 +25,7 @@ from store.lake.access import Access, Location
 from store.lake.tables import Columns, InputError, Options, plan, read_chunk
 from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery
 from store.settings import get_settings
+from tests.load_runner import SCORE_RTOL
 from tests.object_stores import Azurite, FakeGCS
 from worker.local_s3 import SeaweedS3
 from worker import drain as drain_module
@@ -542,13 +543,13 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
         if fmt == "jsonl requests":
             assert [r["custom_id"] for r in got] == queries
             for r in got:
-                np.testing.assert_allclose(r["scores"], expected[r["custom_id"]], atol=1e-4)
+                np.testing.assert_allclose(r["scores"], expected[r["custom_id"]], rtol=SCORE_RTOL, atol=0)
         else:
             assert [r["pair_id"] for r in got] == [r["pair_id"] for r in rows], (store, fmt)
             assert fmt != "parquet" or {r["dt"] for r in got} == {"2026-11-01"}
             for row, r in zip(rows, got):
                 j = [x["doc"] for x in rows if x["q"] == row["q"]].index(row["doc"])
-                np.testing.assert_allclose(r["scores"], expected[row["q"]][j], atol=1e-4)
+                np.testing.assert_allclose(r["scores"], expected[row["q"]][j], rtol=SCORE_RTOL, atol=0)
         assert manifest["rows"] == len(got)
 
 
