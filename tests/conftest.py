@@ -38,15 +38,27 @@ TEST_ENV = {
     "WEBHOOK_ALLOWLIST": "127.0.0.1",
     "WEBHOOK_RETRY_SCHEDULE": "0.2,0.4,0.8",
     "WEBHOOK_TIMEOUT_SECONDS": "2",
-    "WEBHOOK_POLL_SECONDS": "0.2",
+    "WEBHOOK_POLL_SECONDS": "0.5",  # an idle worker polls less (its CPU: 3% of a core at 0.2 s and a 0.5 s sweep)
     "LEASE_SECONDS": "3",
     "SWEEP_INTERVAL_SECONDS": "0.5",
     "SCORE_TIMEOUT_SECONDS": "30",
+    # A worker compiles (or loads from the run's cache) a program when a pass first needs it, not the whole
+    # shape ladder before it takes work: most service tests use two or three of its 12 programs, and the suite
+    # starts about 40 workers (6-12 s of warm-up each on this machine type). The tests whose bounds assume warm
+    # programs (latency, a score beside a backfill) set WARMUP=ladder; test_engine_tiny tests the ladder.
+    "WARMUP": "none",
     # libtpu is installed for the compile-only TPU tests (tests/test_aot.py, which unset this): without it,
     # every JAX process of the suite would probe for a TPU and contend for libtpu's lockfile.
     "JAX_PLATFORMS": "cpu",
 }
 os.environ.update(TEST_ENV)
+
+# The tests' programs are compiled, and most run once: LLVM's optimizations of XLA's CPU code cost more than they
+# save (the engine tests 10-20% faster on this machine type; matmuls are library calls either way, and scores
+# are the same to the contract's tolerances). Not for the TPU and GPU builds (tests/test_aot.py drops them). A
+# test that sets XLA_FLAGS for its subprocesses keeps these (`os.environ["XLA_FLAGS"]` + its own).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 # One JAX compilation cache and one converted-model cache for the whole run, shared by this process, the
 # pytest-xdist workers and every API and worker process the tests start: a pass program is compiled once per

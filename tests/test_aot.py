@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloat16", tensor_parallel: int = 1) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the suite's "cpu" hides libtpu
+    # The suite's JAX_PLATFORMS ("cpu") hides libtpu; its XLA_FLAGS (tests/conftest.py) are for CPU programs.
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     proc = subprocess.run([sys.executable, "-m", "core.aot", "--target", target, "--model", model,
                            "--pass-tokens", str(pass_tokens), "--dtype", dtype, "--tensor-parallel", str(tensor_parallel)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)

@@ -24,7 +24,7 @@ def service(redis_url: str, run_id: str, database_factory, tmp_path_factory) -> 
              "BATCH_ROUND_TOKENS": os.environ.get("TEST_BATCH_ROUND_TOKENS", "64"),
              # One compute thread for the worker: on this 2-core machine it stands in for an accelerator, and
              # must not take the CPU the API and PostgreSQL need (which would measure CPU starvation instead).
-             "XLA_FLAGS": os.environ.get("TEST_XLA_FLAGS",
+             "XLA_FLAGS": os.environ.get("TEST_XLA_FLAGS", f"{os.environ['XLA_FLAGS']} "
                                          "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")},
             tmp_path_factory.mktemp("batch-logs")) as service:
         yield service

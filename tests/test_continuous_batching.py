@@ -16,7 +16,8 @@ def test_a_small_score_is_answered_while_a_long_job_runs(redis_url: str, run_id:
                                                          tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     name = f"packscore_cb_{run_id}"
     env = {"BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:", "MODEL": "smollm2-135m", "PASS_TOKENS": "2048",
-           "LEASE_SECONDS": "60", "SCORE_TIMEOUT_SECONDS": "60"}
+           "LEASE_SECONDS": "60", "SCORE_TIMEOUT_SECONDS": "60",
+           "WARMUP": "ladder"}  # warm programs, as a deployment's (the suite's default: none)
     with database_factory(name) as url, running_service({**env, "DATABASE_URL": url}, tmp_path, workers=1) as service:
         with Client(service.base_url, service.key) as client:
             small = ("Is this answer correct?", ["Yes, it is."], [9805, 787])

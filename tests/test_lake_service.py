@@ -6,6 +6,7 @@ restarted, a small batch behind a big one, and a 1-item /v1/score answered withi
 runs."""
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ def root(tmp_path_factory: pytest.TempPathFactory, deployment: str) -> Path:
 def service(redis_url: str, run_id: str, database_factory, tmp_path_factory, root: Path,  # type: ignore[no-untyped-def]
             deployment: str) -> Iterator[Service]:
     env = {"BATCH_LOCAL_ROOT": str(root), "BATCH_CHUNK_ROWS_TARGET": "25", "BATCH_ROUND_TOKENS": "256",
-           "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+           "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
     logs = tmp_path_factory.mktemp(f"lake-logs-{deployment}")
     if deployment == "embedded":  # as `serve --embedded` sets it up: SQLite and the filesystem broker
         from migrations import upgrade
@@ -221,8 +222,10 @@ def test_a_small_batch_behind_a_big_one_starts_within_a_chunk(service: Service, 
 
 @pytest.mark.alone  # an absolute bound: run with nothing beside it (Makefile: test)
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
-    if not service.live_workers():
-        service.start_worker()
+    from worker.capacity import stop_processes
+
+    stop_processes(service.live_workers())
+    service.start_worker(env={"WARMUP": "ladder"})  # the bound is for warm programs (the suite's default: none)
     service.wait_for_workers(1)
     # 20,000 rows: hundreds of times what the tiny model scores while the five calls are made, on any host (the
     # batch is cancelled after them).

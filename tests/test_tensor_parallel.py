@@ -116,8 +116,8 @@ def report() -> dict:
 
 
 def test_tensor_parallel_scores_match_and_weights_split():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tests.test_tensor_parallel"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
