@@ -223,13 +223,14 @@ def webhook_receiver() -> Iterator[WebhookReceiver]:
     receiver.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def live_service(redis_url: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """A real service (uvicorn API + one Celery worker, tiny-random) on a database of its own, shared by the
-    security tests (fuzzing, attacks, tenant isolation)."""
+    """A real service (uvicorn API + one Celery worker, tiny-random) on a database of its own, for a module of
+    security tests (fuzzing, attacks, tenant isolation). Per module, not per run: pytest-xdist runs the two
+    modules in two processes anyway, and a service kept to the end of the run burns CPU polling meanwhile."""
     from tests.service_harness import running_service
 
-    with fresh_database(f"packscore_live_{RUN_ID}") as url:
+    with fresh_database(f"packscore_live_{RUN_ID}_{uuid.uuid4().hex[:6]}") as url:
         env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{RUN_ID}:live:"}
         with running_service(env, tmp_path_factory.mktemp("live-logs"), workers=1) as service:
             yield service

@@ -1,6 +1,8 @@
 """The bundled SmolLM2 model: packed vs single mode vs Hugging Face transformers (PyTorch), with the
 tolerances of score-semantics.md, on text and token inputs."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -11,11 +13,14 @@ from core.requests import bundled_model_path
 PACKED_VS_SINGLE = 1e-4
 ENGINE_VS_HF = 1e-3
 PARIS = 7042  # " Paris"
+# The run's converted-model cache (tests/conftest.py): the GGUF is dequantized once per run, not per Scorer (10 s
+# each on this machine type); test_converted_model_cache_gives_the_same_model checks the cache against a conversion.
+CACHE = os.environ["MODEL_CACHE_DIR"]
 
 
 @pytest.fixture(scope="module")
 def scorer() -> Scorer:
-    return Scorer.from_pretrained("smollm2-135m", dtype="float32")
+    return Scorer.from_pretrained("smollm2-135m", CACHE, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +118,7 @@ def test_coalesced_requests_match_separate_ones(scorer):
 
 
 def test_chunked_request_reuses_prefix(hf_model):
-    small = Scorer.from_pretrained("smollm2-135m", pass_tokens=256)
+    small = Scorer.from_pretrained("smollm2-135m", CACHE, pass_tokens=256)
     rng = np.random.default_rng(3)
     query = rng.integers(5, 49152, 150).tolist()
     items = [rng.integers(5, 49152, int(n)).tolist() for n in rng.integers(0, 40, 25)]
@@ -129,7 +134,7 @@ def test_chunked_request_reuses_prefix(hf_model):
 
 
 def test_bfloat16_close_to_float32(scorer):
-    bf16 = Scorer.from_pretrained("smollm2-135m", dtype="bfloat16")
+    bf16 = Scorer.from_pretrained("smollm2-135m", CACHE, dtype="bfloat16")
     args = ("Question: which city is the capital of France? Answer:", [" Paris", " Rome", ""], [PARIS, 314])
     assert np.abs(bf16.logprobs(*args) - scorer.logprobs(*args)).max() <= 5e-2
 

@@ -6,7 +6,6 @@ a 4xx, cancel, and a store outage."""
 
 import gzip
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -34,35 +33,39 @@ from worker.scorer import get_scorer
 LABELS = [5, 17, 300]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # not left running (and polling) for the rest of the run
 def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    """A real S3 store for the session; its endpoint and keys go into the environment (the standard chain)."""
+    """A real S3 store for the module; its endpoint and keys go into the environment (the standard chain)."""
     store = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
     store.start()  # raises (fails the tests) if it cannot start: never a skip
-    os.environ.update(store.env)
-    yield store
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in store.env.items():
+            env.setenv(name, value)
+        yield store
     store.stop()
 
 
 def _serve(store: FakeGCS | Azurite) -> Iterator[FakeGCS | Azurite]:
-    """Starts a store for the session (raises, failing the tests, if it cannot: never a skip) with its variables
+    """Starts a store for the module (raises, failing the tests, if it cannot: never a skip) with its variables
     in the environment and a bucket `lake`."""
     import fsspec.config
 
     store.start()
-    os.environ.update(store.env)
-    fsspec.config.set_conf_env(fsspec.config.conf)  # FSSPEC_GCS_TOKEN: fsspec read its variables at import
-    store.create_bucket("lake")
-    yield store
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in store.env.items():
+            env.setenv(name, value)
+        fsspec.config.set_conf_env(fsspec.config.conf)  # FSSPEC_GCS_TOKEN: fsspec read its variables at import
+        store.create_bucket("lake")
+        yield store
     store.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gcs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGCS]:
     yield from _serve(FakeGCS(tmp_path_factory.mktemp("fake-gcs")))  # type: ignore[misc]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def azure_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
     yield from _serve(Azurite(tmp_path_factory.mktemp("azurite")))  # type: ignore[misc]
 
