@@ -22,6 +22,7 @@ def service(redis_url: str, run_id: str, database_factory, tmp_path_factory) -> 
     with database_factory(f"packscore_batches_{run_id}") as url, running_service(
             {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:batches:",
              "BATCH_ROUND_TOKENS": os.environ.get("TEST_BATCH_ROUND_TOKENS", "64"),
+             "WARMUP": "ladder",  # the latency test measures warm programs (the suite's default: none)
              # One compute thread for the worker: on this 2-core machine it stands in for an accelerator, and
              # must not take the CPU the API and PostgreSQL need (which would measure CPU starvation instead).
              "XLA_FLAGS": os.environ.get("TEST_XLA_FLAGS", f"{os.environ['XLA_FLAGS']} "

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside
 def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-untyped-def]
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     with database_factory(f"packscore_soak_{run_id}") as url:
-        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:soak:"}
+        # Warm programs, as a deployment's (the suite's default is none): else the load's first passes compile.
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:soak:", "WARMUP": "ladder"}
         with running_service(env, tmp_path_factory.mktemp("soak-logs"), workers=2) as service:
             yield service
 
