@@ -5,7 +5,7 @@ together, on whichever process ran it), its slowest test, and what dominates it 
     python -m tests.durations .test-results/*.xml --total               # the run's wall time against the budget
     python -m tests.durations .test-results/*.xml                       # prints the table
     python -m tests.durations .test-results/*.xml --write docs/testing.md
-    python -m tests.durations AFTER.xml --before BEFORE.xml --write docs/testing.md   # two runs side by side
+    python -m tests.durations AFTER.xml ... --before BEFORE.xml ... --write docs/testing.md   # two runs side by side
 
 `make test` runs the first form at its end; `make test-durations` the third, on the last `make test`'s files, and
 writes each file's seconds to tests/file_seconds.json (`--write-seconds`): tests/conftest.py hands the pytest-xdist
@@ -78,9 +78,9 @@ def per_file(junits: list[Path]) -> dict[str, tuple[int, float, str, float]]:
     return {f: (tests[f], seconds[f], slowest[f][1], slowest[f][0]) for f in tests}
 
 
-def table(after: list[Path], before: Path | None = None) -> str:
+def table(after: list[Path], before: list[Path] | None = None) -> str:
     now = per_file(after)
-    then = per_file([before]) if before else {}
+    then = per_file(before) if before else {}
     head = "| file | tests | seconds |" + (" before |" if before else "") + " slowest test | what dominates |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, (n, took, slow, slow_took) in sorted(now.items(), key=lambda kv: -kv[1][1]):
@@ -106,7 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("junit", type=Path, nargs="+")
     parser.add_argument("--total", action="store_true", help="print the run's time against the budget, no table")
-    parser.add_argument("--before", type=Path, help="an earlier run's JUnit XML, shown beside (seconds (tests))")
+    parser.add_argument("--before", type=Path, nargs="+",
+                        help="an earlier run's JUnit XML files (both phases), shown beside (seconds (tests))")
     parser.add_argument("--write", type=Path, help=f"replace the table between {START} and {END} in this file")
     parser.add_argument("--write-seconds", action="store_true", help=f"write each file's seconds to {FILE_SECONDS}")
     args = parser.parse_args()
