@@ -231,7 +231,8 @@ def live_service(redis_url: str, tmp_path_factory: pytest.TempPathFactory):  # t
     modules in two processes anyway, and a service kept to the end of the run burns CPU polling meanwhile."""
     from tests.service_harness import running_service
 
-    with fresh_database(f"packscore_live_{RUN_ID}_{uuid.uuid4().hex[:6]}") as url:
-        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{RUN_ID}:live:"}
+    name = f"packscore_live_{RUN_ID}_{uuid.uuid4().hex[:6]}"  # a database and broker keys per module
+    with fresh_database(name) as url:
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{RUN_ID}:{name}:"}
         with running_service(env, tmp_path_factory.mktemp("live-logs"), workers=1) as service:
             yield service

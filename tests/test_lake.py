@@ -6,10 +6,12 @@ a 4xx, cancel, and a store outage."""
 
 import gzip
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pyarrow as pa
@@ -38,9 +40,7 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     """A real S3 store for the module; its endpoint and keys go into the environment (the standard chain)."""
     store = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
     store.start()  # raises (fails the tests) if it cannot start: never a skip
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in store.env.items():
-            env.setenv(name, value)
+    with patch.dict(os.environ, store.env):  # for this module only
         yield store
     store.stop()
 
@@ -51,9 +51,7 @@ def _serve(store: FakeGCS | Azurite) -> Iterator[FakeGCS | Azurite]:
     import fsspec.config
 
     store.start()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in store.env.items():
-            env.setenv(name, value)
+    with patch.dict(os.environ, store.env):
         fsspec.config.set_conf_env(fsspec.config.conf)  # FSSPEC_GCS_TOKEN: fsspec read its variables at import
         store.create_bucket("lake")
         yield store
