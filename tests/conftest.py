@@ -5,6 +5,7 @@ that cannot be reached fails the test (CI=true or not)."""
 import json
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -52,6 +53,11 @@ TEST_ENV = {
     "JAX_PLATFORMS": "cpu",
 }
 os.environ.update(TEST_ENV)
+
+# A suite started in the background by a script (`make test &`, CI runners without job control) inherits SIGINT
+# ignored, and so would every process the tests start: the CLI's Ctrl-C test then sent a signal that nothing
+# heard. Python's own handler here means the children start with SIGINT's default, as from a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The tests' programs are compiled, and most run once: LLVM's full optimization of XLA's CPU code costs more than
 # it saves. Measured on this machine type (tiny model, 21 programs compiled, then 25 requests of random traffic):
