@@ -598,11 +598,14 @@ class Scorer:
 
     def logprobs(self, query, items, label_token_ids, item_first: bool = False, mode: str = "packed") -> np.ndarray:
         """log P(label | sequence) per item: [len(items), len(label_token_ids)] float64."""
-        request = self.tokenize(query, items, label_token_ids, item_first)
-        out = np.full((request.n_items, len(request.label_token_ids)), np.nan)
-        for result in self.iter_passes([request], mode):
+        return self.logprobs_of([self.tokenize(query, items, label_token_ids, item_first)], mode)[0]
+
+    def logprobs_of(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> list[np.ndarray]:
+        """`logprobs` of several requests, packed into passes together (as a worker coalesces them)."""
+        out = [np.full((r.n_items, len(r.label_token_ids)), np.nan) for r in requests]
+        for result in self.iter_passes(requests, mode):
             for part in result.scores:
-                out[part.items] = part.logprobs
+                out[part.request][part.items] = part.logprobs
         return out
 
     def score(self, query, items, label_token_ids, apply_softmax: bool = False, item_first: bool = False,
