@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.schemas import ErrorBody
 from core import ScoringError
 from store.errors import HTTP_CODES, ServiceError, retry_after
+from store.schemas import describe_errors
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,14 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
     return JSONResponse({"error": {"code": code, "message": message, **extra}}, status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def _validation_message(request: Request, exc: RequestValidationError) -> str:
     for err in exc.errors()[:5]:
         if err.get("type") == "json_invalid":  # FastAPI gives the offset into the body; people read lines
             return _json_error_message(str(exc.body), err["loc"][-1], err.get("ctx", {}).get("error", ""))
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
+    # The route's body model names the fields an unknown one may have meant.
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    schema = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    return describe_errors(schema, list(exc.errors()), exc.body) or "invalid request"
 
 
 def _json_error_message(document: str, offset: int, reason: str) -> str:
@@ -83,7 +84,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         if (message := _not_json_body(request, exc)) is not None:
             return error_response(415, "unsupported_media_type", message)
-        return error_response(422, "invalid_input", _validation_message(exc))
+        return error_response(422, "invalid_input", _validation_message(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -30,8 +30,8 @@ from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STAT
                           WebhookDelivery, new_id, utcnow)
 from store.outbox import enqueue_webhook, vet_webhook_url
 from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, ErrorInfo, OpenAIBatchLine,
-                           Progress, RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, rerank_results,
-                           route_body)
+                           Progress, RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, describe_errors,
+                           rerank_results, route_body)
 from store.settings import Settings
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -233,9 +233,7 @@ def _parse(schema: type[ModelT], value: Any, where: str = "") -> ModelT:
     try:
         return schema.model_validate(value)
     except ValidationError as exc:
-        message = "; ".join(f"{'.'.join(map(str, (where, *e['loc']) if where else e['loc']))}: {e['msg']}"
-                            if e["loc"] or where else e["msg"] for e in exc.errors()[:5])
-        raise LineError("invalid_input", message) from None
+        raise LineError("invalid_input", describe_errors(schema, exc.errors(), value, where)) from None
 
 
 def fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
@@ -299,7 +297,7 @@ def parse_batch_body(body: bytes) -> BatchCreate | BatchSource:
         schema = BatchSource if isinstance(value, dict) and "input" in value else BatchCreate
         return schema.model_validate(value)
     except ValueError as exc:  # ValidationError is a ValueError too
-        message = "; ".join(e["msg"] for e in exc.errors()[:5]) if isinstance(exc, ValidationError) else str(exc)
+        message = describe_errors(schema, exc.errors(), value) if isinstance(exc, ValidationError) else str(exc)
         raise ServiceError(422, "invalid_input", f"invalid JSON batch body: {message}") from None
 
 

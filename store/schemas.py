@@ -2,7 +2,9 @@
 validates them and batch lines carry them, and jobs and batches as responses, result lines and webhook payloads
 show them (the OpenAPI schema at /docs comes from these and api/schemas.py)."""
 
+import difflib
 import json
+import typing
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -347,3 +349,57 @@ class BatchOut(BaseModel):
     rows: RowCounts | None = None
     output: str | None = None
     eta_seconds: float | None = None
+
+
+def _field_names(schema: object) -> set[str]:
+    """The names a body of `schema` (a model, or a union of them) may use, its nested models' and its aliases
+    (`text_1`) included."""
+    names: set[str] = set()
+    types, seen = [schema], set()
+    while types:
+        t = types.pop()
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            if t in seen:
+                continue
+            seen.add(t)
+            for name, info in t.model_fields.items():
+                names.add(name)
+                if isinstance(info.validation_alias, AliasChoices):
+                    names.update(a for a in info.validation_alias.choices if isinstance(a, str))
+                types.append(info.annotation)
+        else:
+            types.extend(typing.get_args(t))
+    return names
+
+
+def describe_errors(schema: object, errors: list[dict], value: object, where: str = "") -> str:
+    """Pydantic's errors of `value` read as `schema` (a model or a union of them; None if unknown), at most five,
+    as `field: what is wrong`. An unknown field is named with the field it is closest to (`labels`: did you mean
+    `label_token_ids`?), and a missing field with the unknown one beside it that looks like it (for schemas that
+    ignore unknown fields, as /v1/score does for the other fields vLLM's and SGLang's clients send)."""
+    known = _field_names(schema)
+    parts = []
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join([where, *loc] if where else loc)
+        message = str(err.get("msg"))
+        if err.get("type") == "extra_forbidden" and loc:
+            close = difflib.get_close_matches(loc[-1], sorted(known), 1, 0.5)
+            message = "unknown field" + (f" (did you mean `{close[0]}`?)" if close else "")
+        elif err.get("type") == "missing" and loc:
+            beside = _at(value, loc[:-1])
+            unknown = [k for k in beside if isinstance(k, str) and k not in known] if isinstance(beside, dict) else []
+            if close := difflib.get_close_matches(loc[-1], unknown, 1, 0.5):
+                message += f" (the body has `{close[0]}`: did you mean `{loc[-1]}`?)"
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts)
+
+
+def _at(value: object, path: list[str]) -> object:
+    """The part of a body at an error's location (a union's tag in it, as `score` in /jobs' errors, is skipped)."""
+    for step in path:
+        if isinstance(value, dict) and step in value:
+            value = value[step]
+        elif isinstance(value, list) and step.isdigit() and int(step) < len(value):
+            value = value[int(step)]
+    return value

@@ -81,6 +81,32 @@ def test_bad_shapes_are_422(client, make_key, body) -> None:  # type: ignore[no-
     assert_error(client.post("/jobs", json=body, headers=auth(key)), 422, "invalid_input")
 
 
+def test_an_unknown_field_is_named_with_the_field_it_is_closest_to(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    """`labels` for `label_token_ids`: /jobs (unknown fields refused) names both; /v1/score, which ignores the other
+    fields vLLM's and SGLang's clients send, names the one the missing field probably is; so do batch lines."""
+    from store.batches import LineError, parse_line
+
+    key, _ = make_key()
+    body = {"query": "q", "items": ["a"], "labels": [1]}
+    response = client.post("/jobs", json=body, headers=auth(key))
+    assert_error(response, 422, "invalid_input")
+    message = response.json()["error"]["message"]
+    assert "labels: unknown field (did you mean `label_token_ids`?)" in message, message
+    assert "label_token_ids: Field required (the body has `labels`" in message, message
+    response = client.post("/v1/score", json=body, headers=auth(key))
+    assert_error(response, 422, "invalid_input")
+    assert "did you mean `label_token_ids`?" in response.json()["error"]["message"]
+    response = client.post("/jobs", json={**QUERY, "webhook": "https://example.com"}, headers=auth(key))
+    assert "webhook: unknown field (did you mean `webhook_url`?)" in response.json()["error"]["message"]
+    with pytest.raises(LineError) as refused:
+        parse_line({"custom_id": "a", "query": "q", "item": ["a"], "label_token_ids": [1]})
+    assert "item: unknown field (did you mean `items`?)" in refused.value.message
+    with pytest.raises(LineError) as refused:
+        parse_line({"custom_id": "a", "method": "POST", "url": "/v1/score",
+                    "body": {"query": "q", "items": ["a"], "label_ids": [1]}})
+    assert "body.label_token_ids: Field required (the body has `label_ids`" in refused.value.message
+
+
 def test_malformed_json_and_huge_body(client, make_key) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     headers = {**auth(key), "content-type": "application/json"}
