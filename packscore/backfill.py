@@ -187,10 +187,11 @@ def _download(client: Client, batch_id: str, out: IO[bytes], done: set[str], wan
         done.add(custom_id)
 
 
-def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wanted: set[str], bar: ProgressBar,
-            poll: float, format: str) -> str:
+def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wanted: set[str], every: set[str],
+            bar: ProgressBar, poll: float, format: str) -> str:
     """Polls the batch until it ends, appending results as they come; returns its final status. Partial
-    downloads (so an interruption keeps most of the work) are spaced out so they cost little."""
+    downloads (so an interruption keeps most of the work) are spaced out so they cost little. The bar counts
+    `every` request of the input, the lines refused here included, so it ends where it says."""
     last_download, cost = 0.0, 0.0
     first = True
     while True:
@@ -201,9 +202,9 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
             _download(client, batch_id, out, done, wanted, format)
             last_download, cost = time.monotonic(), time.monotonic() - started
             if first:  # what was done before this run (a resume) is not this run's rate
-                bar.rebase(len(done & wanted))
+                bar.rebase(len(done & every))
                 first = False
-        bar.show(len(done & wanted), batch["status"])  # lines written, not requests finished on the server
+        bar.show(len(done & every), batch["status"])  # lines written, not requests finished on the server
         if terminal:
             return batch["status"]
         time.sleep(poll)
@@ -230,7 +231,8 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
         raise BackfillError(f"{input_path} has no requests")
     done = read_done(out_path)
     state = Path(f"{out_path}.batch")
-    bar = ProgressBar(len(wanted), len(done & wanted), stderr)
+    every = set(ids)  # each line's custom_id is its own (a repeated one is refused as line-N)
+    bar = ProgressBar(len(every), len(done & every), stderr)
     with out_path.open("ab") as out:
         for line in refused:
             if line.custom_id not in done:
@@ -252,10 +254,10 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
             if batch_id:
                 stderr.write(f"resuming batch {batch_id}\n")
             else:
-                bar.show(len(done & wanted), "uploading")
+                bar.show(len(done & every), "uploading")
                 batch_id = client.create_batch(_upload_chunks(input_path, done))["id"]
                 state.write_text(batch_id + "\n")
-            status = _follow(client, batch_id, out, done, wanted, bar, poll, format)
+            status = _follow(client, batch_id, out, done, wanted, every, bar, poll, format)
             if wanted - done and status != "completed":
                 raise BackfillError(f"batch {batch_id} ended {status} with {len(wanted - done)} requests not done; "
                                     "run the same command again to submit them")

@@ -247,7 +247,9 @@ def test_backfill_bad_lines_become_error_results(service: Service, reference: Sc
     ]
     source, out = tmp_path / "input.jsonl", tmp_path / "results.jsonl"
     source.write_text("\n".join(file_lines) + "\n")
-    run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2", timeout=300)
+    _, err = run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2", timeout=300)
+    # The bar counts what the output will hold, the lines refused here included: it ends where it says.
+    assert "/7 requests" in err and "/3 requests" not in err and "done: 7 results" in err, err
     by_id = {line["custom_id"]: line for line in read_output(out)}
     assert len(by_id) == len(read_output(out)) == 7, read_output(out)  # one result per non-blank line, ids unique
     errors = {custom_id: line["error"] for custom_id, line in by_id.items() if line.get("error")}
