@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import Collection, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -530,13 +530,14 @@ class Scorer:
                    "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows, "mesh": self.mesh}
         return _PROGRAMS.get(self.max_programs, args, statics)
 
-    def warm_up(self) -> int:
+    def warm_up(self, on_program: Callable[[int, int], None] | None = None) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
         each cache length (pass_tokens/8 and pass_tokens), on accelerators each with and without keys/values
         out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder).
-        Returns how many. The Pallas kernels' table width is a compile key too, one that depends on the
-        traffic, so with attention "pallas" nothing is compiled ahead."""
+        Returns how many; `on_program(done, total)` is called before the first and after each. The Pallas kernels' table width is
+        a compile key too, one that depends on the traffic, so with attention "pallas" nothing is compiled
+        ahead."""
         if self.attention not in ("xla", "dense"):
             return 0
         block = max(self.block_q, self.block_k)
@@ -544,9 +545,13 @@ class Scorer:
         shapes = [(T, C, keep) for T in reversed(self.pass_lengths)
                   for C in (0, short_cache, full_cache)
                   for keep in (True, False) if keep or not self.always_keep_kv][: self.max_programs]
+        if on_program is not None:
+            on_program(0, len(shapes))
         with self._engine_lock:
-            for T, C, keep in shapes:
+            for done, (T, C, keep) in enumerate(shapes, 1):
                 self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
+                if on_program is not None:
+                    on_program(done, len(shapes))
         return len(shapes)
 
     def _prefix_rows(self, keys_or_values: jax.Array, lo: int, hi: int):

@@ -201,12 +201,29 @@ def _request_body(args: argparse.Namespace) -> dict:
             "label_token_ids": args.labels, "apply_softmax": args.softmax, "item_first": args.item_first}
 
 
+def _waiting_for(response) -> str:  # type: ignore[no-untyped-def]
+    """What a /readyz answer of 503 says the service waits for, as one line: the workers' warm-ups (programs
+    compiled or loaded, of how many), or the check that fails."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"/readyz answered {response.status_code}"
+    warming = [g for g in body.get("device_groups", []) if g.get("state") == "warming"]
+    if warming:
+        return "warming: " + ", ".join(
+            f"{g['model']} {g['programs']['done']}/{g['programs']['total']} programs" if "programs" in g
+            else f"{g['model']} loading" for g in warming)
+    checks = body.get("checks", {})
+    down = [name for name in ("database", "broker") if checks.get(name) is False]
+    return f"waiting for {' and '.join(down) if down else 'a worker'}"
+
+
 def wait_ready(args: argparse.Namespace) -> None:
     """Polls /readyz until the service answers 200 (database, broker and a warm worker), or gives up."""
     import httpx
 
     deadline = time.monotonic() + args.timeout
-    last = "no answer yet"
+    last, shown = "no answer yet", None
     while time.monotonic() < deadline:
         try:
             response = httpx.get(f"{args.url.rstrip('/')}/readyz", timeout=5)
@@ -214,6 +231,9 @@ def wait_ready(args: argparse.Namespace) -> None:
                 print(f"{args.url} is ready")
                 return
             last = f"/readyz answered {response.status_code}: {response.text[:200]}"
+            if (waiting := _waiting_for(response)) != shown:  # on stderr: stdout keeps the one answer
+                print(waiting, file=sys.stderr, flush=True)
+                shown = waiting
         except httpx.TransportError as exc:
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(1)

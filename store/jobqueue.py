@@ -439,9 +439,11 @@ def settle_batches(batch_ids: set[str]) -> None:
 
 
 def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], attention: str | None = None,
-              state: str = "ready") -> None:
+              state: str = "ready", warmup: tuple[int, int] | None = None) -> None:
     """Extends the leases of `job_ids` (the jobs the process is scoring) and marks the worker alive (for
-    /readyz), with its state ("warming" or "ready") and the attention path its engine runs (for /metrics)."""
+    /readyz), with its state ("warming" or "ready"), its warm-up's programs (done, total) while it warms,
+    and the attention path its engine runs (for /metrics)."""
+    done, total = warmup if warmup is not None and state == "warming" else (None, None)
     now = utcnow()
     lease = timedelta(seconds=settings.lease_seconds)
     with session_scope() as session:
@@ -454,9 +456,11 @@ def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], att
                                                         _JOBS.lease_expires_at < due)
                             .values(lease_expires_at=now + lease))
         if not session.execute(update(Worker).where(Worker.id == owner)
-                               .values(last_seen_at=now, attention=attention, state=state)).rowcount:
+                               .values(last_seen_at=now, attention=attention, state=state, warmup_done=done,
+                                       warmup_total=total)).rowcount:
             session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
-                               state=state, host=socket.gethostname(), device_group=settings.device_group))
+                               state=state, host=socket.gethostname(), device_group=settings.device_group,
+                               warmup_done=done, warmup_total=total))
 
 
 def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, int]]:
@@ -469,14 +473,17 @@ def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, in
     return found
 
 
-def live_device_groups(session: Session, settings: Settings) -> list[dict[str, str | None]]:
+def live_device_groups(session: Session, settings: Settings) -> list[dict[str, Any]]:
     """Workers seen within WORKER_STALE_SECONDS, each with its host, the chips it was given (`packscore worker
-    --devices`; None for a worker started alone), its model and state; by host and device group."""
+    --devices`; None for a worker started alone), its model and state, and while it warms its `programs`
+    {done, total}; by host and device group."""
     cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
-    rows = session.execute(select(Worker.host, Worker.device_group, Worker.model, Worker.state)
-                           .where(Worker.last_seen_at >= cutoff)).all()
-    return [{"host": host, "device_group": group, "model": model, "state": state}
-            for host, group, model, state in sorted(rows, key=lambda row: (row[0] or "", row[1] or "", row[2]))]
+    rows = session.execute(select(Worker.host, Worker.device_group, Worker.model, Worker.state, Worker.warmup_done,
+                                  Worker.warmup_total).where(Worker.last_seen_at >= cutoff)).all()
+    return [{"host": host, "device_group": group, "model": model, "state": state,
+             **({"programs": {"done": done, "total": total}} if state == "warming" and total else {})}
+            for host, group, model, state, done, total in sorted(rows, key=lambda row: (row[0] or "", row[1] or "",
+                                                                                        row[2]))]
 
 
 def waiting_models(session: Session, models: list[str]) -> set[str]:

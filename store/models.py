@@ -272,6 +272,9 @@ class Worker(Base):
     # started alone, on its process's own devices).
     host: Mapped[str | None] = mapped_column(String(200), nullable=True)
     device_group: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    # While warming: the programs compiled (or loaded from the cache) so far, of how many.
+    warmup_done: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    warmup_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class CounterRow(Base):

@@ -331,9 +331,15 @@ def test_lone_surrogates_are_rejected(client, make_key) -> None:  # type: ignore
         assert response.json()["error"]["code"] == "invalid_input"
 
 
-def test_readyz_says_warming_until_a_worker_is_ready(client) -> None:  # type: ignore[no-untyped-def]
+def test_readyz_says_warming_until_a_worker_is_ready(client, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """And how far the warm-up is (programs compiled or loaded, of how many), which `packscore wait-ready` prints
+    as it goes."""
+    import argparse
+
+    import httpx
     from sqlalchemy import delete
 
+    from packscore.cli import CommandError, wait_ready
     from store.db import session_scope
     from store.models import Worker
     from store.settings import get_settings
@@ -343,15 +349,21 @@ def test_readyz_says_warming_until_a_worker_is_ready(client) -> None:  # type: i
         session.execute(delete(Worker))
     try:
         assert client.get("/readyz").json()["status"] == "not_ready"
-        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "warming")
+        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "warming", (5, 21))
         warming = client.get("/readyz")
         assert warming.status_code == 503
         assert warming.json()["status"] == "warming"
         assert warming.json()["checks"] == {"database": True, "broker": True, "workers": 0, "warming": 1}
-        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "ready")
+        [group] = warming.json()["device_groups"]
+        assert group["state"] == "warming" and group["programs"] == {"done": 5, "total": 21}
+        monkeypatch.setattr(httpx, "get", lambda url, timeout: client.get("/readyz"))
+        with pytest.raises(CommandError, match="not ready after"):
+            wait_ready(argparse.Namespace(url="http://packscore", timeout=1.5))
+        assert capsys.readouterr().err.splitlines() == ["warming: tiny-random 5/21 programs"]  # once, as it changes
+        heartbeat("worker-warming", "tiny-random", get_settings(), "xla", "ready", (21, 21))
         ready = client.get("/readyz")
         assert ready.status_code == 200 and ready.json()["checks"]["workers"] == 1
-        assert ready.json()["checks"]["warming"] == 0
+        assert ready.json()["checks"]["warming"] == 0 and "programs" not in ready.json()["device_groups"][0]
     finally:
         with session_scope() as session:
             session.execute(delete(Worker))

@@ -276,7 +276,10 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
     """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
     queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder."""
     scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
-    assert scorer.warm_up() == 21  # 7 pass lengths, without cached prefixes and with 2 cache lengths
+    progress = []
+    assert scorer.warm_up(lambda done, total: progress.append((done, total))) == 21  # 7 pass lengths, without
+    # cached prefixes and with 2 cache lengths; the progress a worker reports to /readyz as it goes
+    assert progress == [(n, 21) for n in range(22)]
     lengths = scorer.pass_lengths
     assert lengths == [64, 128, 256, 512, 1024, 2048, 4096]
     rng = np.random.default_rng(5)

@@ -535,6 +535,6 @@ def _run_loop(scorer: Scorer, owner: str, settings: Settings, claim: Callable[[b
 
 
 def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None,
-              state: str = "ready") -> None:
+              state: str = "ready", warmup: tuple[int, int] | None = None) -> None:
     """Extends the leases of the jobs this process holds and marks the worker alive."""
-    jobqueue.heartbeat(owner, model, settings, active_jobs.snapshot(), attention, state)
+    jobqueue.heartbeat(owner, model, settings, active_jobs.snapshot(), attention, state, warmup)

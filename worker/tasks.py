@@ -41,8 +41,10 @@ _loop: threading.Thread | None = None
 _loop_lock = threading.Lock()
 # A stopping worker waits this long at most for webhook attempts in flight.
 STOP_DELIVERY_SECONDS = 3.0
-# Set once the engine's programs are warm (WARMUP): until then the heartbeat says "warming" and nothing drains.
+# Set once the engine's programs are warm (WARMUP): until then the heartbeat says "warming" (with the warm-up's
+# programs done and total, for /readyz) and nothing drains.
 _ready = threading.Event()
+_warmup: tuple[int, int] | None = None
 
 
 def _drain() -> None:
@@ -85,7 +87,7 @@ def _every(seconds: float, step: Callable[[], None]) -> None:
 def _maintain() -> None:
     settings = get_settings()
     drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, get_scorer().attention_path,
-                           "ready" if _ready.is_set() else "warming")
+                           "ready" if _ready.is_set() else "warming", _warmup)
     if not _ready.is_set():
         return
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
@@ -118,8 +120,13 @@ def _start(**_: object) -> None:
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
     if settings.warmup == "ladder":  # Celery consumes nothing before this handler returns
         start = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            global _warmup
+            _warmup = (done, total)
+
         try:
-            programs = scorer.warm_up()
+            programs = scorer.warm_up(progress)
             log.info("worker %s warmed %d programs in %.1f s", WORKER_ID, programs, time.perf_counter() - start)
         except Exception:  # e.g. out of memory: serve anyway, programs compile when first needed
             log.exception("worker %s: warm-up failed; programs compile when first needed", WORKER_ID)
