@@ -8,7 +8,10 @@ there is: one query every SCORE_POLL_SECONDS for all the waiting calls together.
 
 import asyncio
 import logging
+import time
 from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 from sqlalchemy import make_url, select
@@ -22,6 +25,9 @@ log = logging.getLogger(__name__)
 CHANNEL = "packscore_jobs"
 # With notifications, polling only catches what the listener missed (a reconnect, a database restart).
 POSTGRES_POLL_SECONDS = 1.0
+# How often a poll reads every waiting job's progress, not only the finished ones (on SQLite it polls 20 times as
+# often, for hundreds of waiting calls at times).
+PROGRESS_SECONDS = 1.0
 RECONNECT_SECONDS = 1.0
 
 
@@ -31,6 +37,10 @@ class JobWaiter:
         self._listens = make_url(database_url).get_backend_name() == "postgresql"
         self._poll_seconds = POSTGRES_POLL_SECONDS if self._listens else poll_seconds
         self._waiting: dict[str, set[asyncio.Event]] = {}
+        # What a poll saw of each waiting job (in the same query, once a PROGRESS_SECONDS): for the 504 of a call
+        # that timed out.
+        self._seen: dict[str, JobProgress] = {}
+        self._seen_at = 0.0
         self._poll_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,6 +81,10 @@ class JobWaiter:
                 await task
         self._tasks = []
 
+    def progress(self, job_id: str) -> "JobProgress | None":
+        """Job `job_id`'s progress as the last poll saw it (None if no poll has seen it yet)."""
+        return self._seen.get(job_id)
+
     def _wake(self, job_id: str) -> None:
         for event in self._waiting.get(job_id, ()):
             event.set()
@@ -83,8 +97,13 @@ class JobWaiter:
             if not self._waiting:
                 continue
             try:
-                for job_id in await run_in_threadpool(_terminal, list(self._waiting)):
-                    self._wake(job_id)
+                every = time.monotonic() - self._seen_at >= PROGRESS_SECONDS
+                seen = await run_in_threadpool(_progress, list(self._waiting), every)
+                if every:
+                    self._seen, self._seen_at = seen, time.monotonic()
+                for job_id, job in seen.items():
+                    if job.terminal:
+                        self._wake(job_id)
             except Exception as exc:  # the database is down: the waiting calls time out, the next round retries
                 log.warning("polling for finished jobs failed: %s", exc)
                 await asyncio.sleep(RECONNECT_SECONDS)
@@ -106,6 +125,18 @@ class JobWaiter:
             await asyncio.sleep(RECONNECT_SECONDS)
 
 
-def _terminal(job_ids: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class JobProgress:
+    terminal: bool
+    items_done: int
+    items_total: int
+    started_at: datetime | None  # naive UTC, as stored
+
+
+def _progress(job_ids: list[str], every: bool) -> dict[str, JobProgress]:
+    """These jobs' progress: the finished ones, or (`every`) all of them."""
+    query = select(Job.id, Job.status, Job.items_done, Job.items_total, Job.started_at).where(Job.id.in_(job_ids))
     with session_factory()() as session:
-        return list(session.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.status.in_(TERMINAL_STATUSES))))
+        rows = session.execute(query if every else query.where(Job.status.in_(TERMINAL_STATUSES)))
+        return {job_id: JobProgress(status in TERMINAL_STATUSES, done, total, started)
+                for job_id, status, done, total, started in rows}

@@ -14,7 +14,7 @@ from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field
 from sqlalchemy import Row
 
 from core import scores_from_logprobs
-from store.models import Job, WebhookDelivery
+from store.models import Job, WebhookDelivery, utcnow
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -148,6 +148,8 @@ class JobOut(BaseModel):
     status: JobStatus
     model: str
     progress: Progress
+    # A running job's seconds left at its pace so far (null before its first items, and once it has ended).
+    eta_seconds: float | None = None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -161,6 +163,15 @@ class JobOut(BaseModel):
     webhook_url: str | None
     webhook: WebhookState | None = None
     metadata: dict[str, Any] | None
+
+
+def eta_seconds(done: float, total: float, started_at: datetime | None) -> float | None:
+    """Seconds left for work started at `started_at` (naive UTC) at its pace so far; None before anything is
+    done."""
+    if started_at is None or done <= 0 or total <= 0:
+        return None
+    elapsed = (utcnow() - started_at).total_seconds()
+    return round(max(0.0, elapsed * (total - done) / done), 1)
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -208,6 +219,7 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
         status=job.status,
         model=job.model,
         progress=Progress(items_done=job.items_done, items_total=job.items_total),
+        eta_seconds=eta_seconds(job.items_done, job.items_total, job.started_at) if job.status == "running" else None,
         created_at=_utc(job.created_at),
         started_at=_utc(job.started_at),
         finished_at=_utc(job.finished_at),

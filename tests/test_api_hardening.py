@@ -89,6 +89,7 @@ def test_waiting_score_calls_hold_no_thread_and_share_one_poll(database: str, ma
     assert [r.status_code for r in responses] == [504] * 64, {r.status_code: r.text for r in responses}
     job_ids = {r.json()["error"]["job_id"] for r in responses}
     assert len(job_ids) == 64
+    assert all("not started yet: 5 items" in r.json()["error"]["message"] for r in responses), responses[0].text
     assert max(health) < 1.0, health
     # One poll a second for all 64 calls (Postgres notifies), where a poll per call made about 1,000 a second.
     assert len(in_window) <= 5 * window, f"{len(in_window)} statements in {window:.1f} s, e.g. {in_window[:3]}"
@@ -132,6 +133,41 @@ def test_score_wakes_on_finish(client, make_key) -> None:  # type: ignore[no-unt
     assert result["response"].json()["error"] == {"code": "cancelled", "message": f"job {job_id} was cancelled",
                                                   "job_id": job_id}
     assert result["at"] - ended < 0.5
+
+
+def test_a_call_its_job_outlasts_says_how_far_it_got_and_where_large_requests_go(make_key) -> None:  # type: ignore[no-untyped-def]
+    """The 504 of /v1/score: the job's progress as the waiters' poll saw it (no query of its own), the time the
+    rest takes at its pace so far, and POST /jobs for requests this large; GET /jobs/{id} has the same ETA."""
+    from datetime import timedelta
+
+    from fastapi.testclient import TestClient
+
+    from store.models import utcnow
+
+    key, _ = make_key()
+    headers = {"Authorization": f"Bearer {key}"}
+    app = create_app()
+    app.dependency_overrides[get_api_settings] = lambda: Settings(score_timeout_seconds=3)
+    body = {**BODY, "query": "How long will it take?"}
+    result: dict = {}
+    with TestClient(app) as client:
+        thread = threading.Thread(target=lambda: result.setdefault(
+            "response", client.post("/v1/score", json=body, headers=headers)))
+        thread.start()
+        job_id = _queued_job(body["query"])
+        with session_scope() as session:  # the test plays a worker 10 s into the job, 1 of its 5 items done
+            session.execute(update(Job).where(Job.id == job_id).values(
+                status="running", items_done=1, started_at=utcnow() - timedelta(seconds=10)))
+        thread.join(timeout=30)
+        response = result["response"]
+        assert response.status_code == 504, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["job_id"], error["items_done"], error["items_total"]) == ("timeout", job_id, 1, 5)
+        assert 40 <= error["eta_seconds"] <= 80, error  # 10-13 s for the first item, 4 left
+        assert f"1 of 5 items scored, about {error['eta_seconds']:.0f} s to go" in error["message"], error
+        assert "POST /jobs" in error["message"] and f"GET /jobs/{job_id}" in error["message"]
+        job = client.get(f"/jobs/{job_id}", headers=headers).json()
+        assert job["status"] == "running" and 40 <= job["eta_seconds"] <= 80, job
 
 
 def _queued_job(query: str, seconds: float = 10) -> str:

@@ -4,18 +4,20 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CurrentKey, JobWaiterDep, ModelsDep, SessionDep, SettingsDep
 from api.schemas import ErrorBody
-from api.waiter import JobWaiter
+from api.waiter import JobProgress, JobWaiter
 from core import RequestTokenizer
 from store import jobs as job_store
 from store.broker import kick_drain
 from store.errors import ServiceError, job_error
 from store.models import PRIORITY_SYNC, ApiKey, Job
-from store.schemas import RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse, route_body
+from store.schemas import (RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse, eta_seconds,
+                           route_body)
 from store.settings import Settings
 
 router = APIRouter(tags=["score"])
 
-_TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; poll GET /jobs/{job_id}"}}
+_TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; poll GET /jobs/{job_id} (the error has "
+                                                     "`job_id`, `items_done`, `items_total`, `eta_seconds`)"}}
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=_TIMEOUT)
@@ -45,8 +47,24 @@ async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Sess
                waiter: JobWaiter) -> ScoreResponse | RerankResponse:
     job = await run_in_threadpool(_submit, body, rerank, key, session, request_tokenizer, settings)
     if not await waiter.wait(job.id, settings.score_timeout_seconds):
-        raise ServiceError(504, "timeout", f"job {job.id} is not finished yet; poll GET /jobs/{job.id}", job_id=job.id)
+        raise _timed_out(job, waiter.progress(job.id), settings.score_timeout_seconds)
     return await run_in_threadpool(_response, session, job)
+
+
+def _timed_out(job: Job, seen: JobProgress | None, waited: float) -> ServiceError:
+    """The 504 of a call its job outlasted: the job goes on; how far it got, about how long the rest takes at its
+    pace so far (as the waiter's last poll saw it: no query of its own), and where requests this large belong."""
+    done, total = (seen.items_done, seen.items_total) if seen else (0, job.items_total)
+    eta = eta_seconds(done, total, seen.started_at) if seen else None
+    if seen is None or seen.started_at is None:
+        where = f"not started yet: {total} items"
+    else:
+        where = f"{done} of {total} items scored" + (f", about {eta:.0f} s to go" if eta is not None else "")
+    return ServiceError(
+        504, "timeout", f"job {job.id} did not finish within {waited:g} s ({where}). It goes on: poll GET "
+        f"/jobs/{job.id} for its result. Requests this large belong in POST /jobs, which answers at once (then "
+        "poll it, or give a webhook_url); SCORE_TIMEOUT_SECONDS sets how long /v1/score waits.",
+        job_id=job.id, items_done=done, items_total=total, eta_seconds=eta)
 
 
 def _submit(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Session, request_tokenizer: RequestTokenizer,

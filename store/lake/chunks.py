@@ -35,7 +35,7 @@ from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan,
 from store.models import ApiKey, Batch, Chunk, WebhookDelivery, utcnow
 from store.outbox import enqueue_webhook, vet_webhook_url
 from store.schemas import (BatchCounts, BatchOut, BatchSource, ChunkCounts, ErrorInfo, Progress, RowCounts,
-                           WebhookState, _utc)
+                           WebhookState, _utc, eta_seconds)
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -457,10 +457,7 @@ def _eta(session: Session, batch: Batch, chunks: ChunkCounts, rows_done: int, ca
             Chunk.batch_id == batch.id, Chunk.status == "running", Chunk.rows_done > 0)).all()
         done = chunks.done + sum(min(1.0, r.rows_done / r.rows_total) for r in running if r.rows_total)
         total = batch.chunks_total - chunks.cancelled
-    if started is None or done <= 0 or total <= 0:
-        return None
-    elapsed = (utcnow() - started).total_seconds()
-    return round(max(0.0, elapsed * (total - done) / done), 1)
+    return eta_seconds(done, total, started)
 
 
 def cancel_reference(session: Session, batch: Batch) -> Batch:
