@@ -155,19 +155,23 @@ def test_a_call_its_job_outlasts_says_how_far_it_got_and_where_large_requests_go
             "response", client.post("/v1/score", json=body, headers=headers)))
         thread.start()
         job_id = _queued_job(body["query"])
+        started = utcnow() - timedelta(seconds=10)
         with session_scope() as session:  # the test plays a worker 10 s into the job, 1 of its 5 items done
-            session.execute(update(Job).where(Job.id == job_id).values(
-                status="running", items_done=1, started_at=utcnow() - timedelta(seconds=10)))
+            session.execute(update(Job).where(Job.id == job_id).values(status="running", items_done=1,
+                                                                        started_at=started))
         thread.join(timeout=30)
         response = result["response"]
         assert response.status_code == 504, response.text
         error = response.json()["error"]
         assert (error["code"], error["job_id"], error["items_done"], error["items_total"]) == ("timeout", job_id, 1, 5)
-        assert 40 <= error["eta_seconds"] <= 80, error  # 10-13 s for the first item, 4 left
+        # 4 items left at the pace of the first: 4 x the seconds since the job started, when the 504 was made
+        assert 40 <= error["eta_seconds"] <= 4 * (utcnow() - started).total_seconds(), error
         assert f"1 of 5 items scored, about {error['eta_seconds']:.0f} s to go" in error["message"], error
         assert "POST /jobs" in error["message"] and f"GET /jobs/{job_id}" in error["message"]
+        before = (utcnow() - started).total_seconds()
         job = client.get(f"/jobs/{job_id}", headers=headers).json()
-        assert job["status"] == "running" and 40 <= job["eta_seconds"] <= 80, job
+        after = (utcnow() - started).total_seconds()
+        assert job["status"] == "running" and 4 * before - 0.1 <= job["eta_seconds"] <= 4 * after + 0.1, job
 
 
 def _queued_job(query: str, seconds: float = 10) -> str:
