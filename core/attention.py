@@ -236,8 +236,14 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
 # sums over them are added in the same order whatever the other items are: a plain row sum keeps the 1e-5
 # isolation rule there, and only the item part needs the sums out of its matmul.
 
-PREFIX_TILE_Q = 512  # query rows per tile of both parts (fewer where the pass length needs it)
-PREFIX_WINDOW = 256  # prefix keys per step: short queries (50-500 tokens) waste little of a window
+# Query rows per tile of both parts (fewer where the pass length needs it), and prefix keys per step. A window
+# runs all of its tile's rows against its keys, though only its own sequence's rows see them: with short
+# requests (a 1,024-token pass of 17 lines of a 40-token query and 2 items) 512-row tiles and 256-key windows
+# made the pass 1.6x slower than 3 lines of 20 items. 128 and 64: that pass 2.4-2.8 -> 1.35-1.9 s, and none of
+# five other shapes (long queries, 4,096-token passes, a 64-token call) slower (docs/performance.md, "Short
+# requests": 512/256, 256/128, 128/128 and 64/64 measured too).
+PREFIX_TILE_Q = 128
+PREFIX_WINDOW = 64
 ITEM_TILE = 16  # query rows and keys per item-part sub-tile: a sub-tile of short items reaches back few keys
 ITEM_SLOTS = 4  # key tiles per step: a sub-tile's short items are read in one step (see cascade_attention)
 # Columns of ones after v in the item part's PV matmul, whose first gives the row sums (see cascade_attention).

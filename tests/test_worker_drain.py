@@ -508,16 +508,20 @@ def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
     assert loop._pass_budget([batch_job]) == drain_module.CPU_BATCH_PASS_TOKENS
     loop._interactive_at -= drain_module.INTERACTIVE_RECENT_SECONDS
     assert loop._pass_budget([batch_job]) == 1024
-    # An interactive job of many passes: its first pass is a full one (nothing of it has run), the rest 1,024
-    # tokens long, so that a small call coming meanwhile waits for a short pass; a small call's own pass is short.
+    # An interactive job of many passes runs in 1,024-token passes, its first included, so that a small call
+    # coming meanwhile (or claimed with it) waits for a short pass; a small call's own pass is short.
     big = drain_module.RunningJob(ClaimedJob("big", PRIORITY_SYNC, scorer.model_name, None, None, None, None),
                                   scorer.tokenize("a query", [" item"] * 3000, [5]), 0)
-    assert loop._pass_budget([big]) == 4096
-    big.pending = big.pending[1000:]
-    assert loop._pass_budget([big]) == 1024
     small = drain_module.RunningJob(ClaimedJob("small", PRIORITY_SYNC, scorer.model_name, None, None, None, None),
                                     request, 0)
+    assert loop._pass_budget([big]) == 1024
+    assert loop._pass_budget([big, small]) == 1024
+    big.pending = big.pending[1000:]
+    assert loop._pass_budget([big]) == 1024
     assert loop._pass_budget([big, small]) == 64
+    middling = drain_module.RunningJob(ClaimedJob("m", PRIORITY_SYNC, scorer.model_name, None, None, None, None),
+                                       scorer.tokenize("a query", [" item"] * 300, [5]), 0)
+    assert loop._pass_budget([middling]) == 512  # the shortest pass that holds it (302 tokens)
     # BATCH_ROUND_TOKENS wins; accelerators (passes launched ahead) keep whole passes.
     assert drain_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}), True) == 256
     scorer.launches_ahead = True

@@ -283,18 +283,18 @@ class PassLoop:
         """A pass's tokens: a full pass; or while jobs that have not run yet wait (a /v1/score call holds a
         connection open for its job), the shortest pass length that holds them, older jobs filling the rest:
         they are answered after a short pass instead of a full one. A backlog still fills whole passes. On CPU
-        an interactive job of many passes runs in passes of 2 x CPU_BATCH_PASS_TOKENS, not full ones: a small
-        call that comes meanwhile waits for one such pass (0.7 s on the bundled model), not a full one (3 s)."""
+        interactive passes are at most 2 x CPU_BATCH_PASS_TOKENS long, not full ones: a small call that comes
+        while a job of many passes runs (or with it, in its first pass) waits for one such pass (0.7 s on the
+        bundled model), not a full one (3 s)."""
         if waiting and waiting[0].claimed.priority <= PRIORITY_BATCH:
             recently = time.monotonic() - self._interactive_at < INTERACTIVE_RECENT_SECONDS
             return batch_pass_tokens(self.scorer, self.settings, recently)
+        longest = self.scorer.pass_tokens if self.scorer.launches_ahead else min(2 * CPU_BATCH_PASS_TOKENS,
+                                                                                  self.scorer.pass_tokens)
         fresh = sum(r.pending_tokens for r in waiting
                     if r.claimed.priority > PRIORITY_BATCH and len(r.pending) == r.request.n_items)
         lengths = self.scorer.pass_lengths
-        if fresh:
-            return next((n for n in lengths if n >= fresh), lengths[-1])
-        return self.scorer.pass_tokens if self.scorer.launches_ahead else min(2 * CPU_BATCH_PASS_TOKENS,
-                                                                                self.scorer.pass_tokens)
+        return min(next((n for n in lengths if n >= fresh), lengths[-1]), longest) if fresh else longest
 
     def _launch_next(self) -> _Launched | None:
         window, needed = self._window()

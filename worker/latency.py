@@ -1,6 +1,6 @@
 """Latency benchmark: the embedded service (`make run`) with the real bundled model, as a new user meets it.
 
-    python -m worker.latency [--calls 20] [--lines 400] [--home DIR] [--model smollm2-135m]
+    python -m worker.latency [--calls 20] [--lines 400] [--short-lines 600] [--big-request 3000] [--home DIR]
 
 It starts `packscore serve --embedded` (SQLite, the filesystem broker, the real engine on this machine's CPU)
 in a folder of its own (--home keeps its compile cache between runs), and prints:
@@ -10,6 +10,11 @@ in a folder of its own (--home keeps its compile cache between runs), and prints
   first claim to its end;
 - the same 2-item call --calls times while such a backfill runs (after each answer a pause of 0.2-3 s, so
   that calls come at any point of a batch pass): p50, p95, max;
+- a backfill of --short-lines lines of 2 items alone: items/s and lines/s (0 skips it);
+- a 1-item `/v1/score` sent 50 ms after a --big-request-item `/v1/score` (claimed with it, as a rule), then 7
+  more 0.5-2.5 s apart while the big one runs (it may end in a 504 while its job goes on): the first call's
+  seconds, the others' p50, p95, max, and the big request's items/s from its job's first claim to its end
+  (0 skips it);
 - SIGINT to `packscore serve` during a backfill: seconds until every process exited, whether the worker had
   to be killed, and the jobs left `running` in the database.
 
@@ -38,11 +43,11 @@ SCORE_BODY = {"query": "Is the city in France? Answer yes or no.", "items": ["\n
               "\nCity: Berlin\nAnswer:"], "label_token_ids": [9805, 787], "apply_softmax": True}
 
 
-def backfill_lines(lines: int, tag: str, seed: int = 0) -> bytes:
+def backfill_lines(lines: int, tag: str, seed: int = 0, items: int = 20) -> bytes:
     rng = np.random.default_rng(seed)
     text = lambda n: " ".join(rng.choice(WORDS, size=n))
     return b"".join(json.dumps({"custom_id": f"{tag}-{i}", "query": f"{tag} {i}: {text(30)}",
-                                "items": [text(12) for _ in range(20)], "label_token_ids": [9805, 787]}).encode()
+                                "items": [text(12) for _ in range(items)], "label_token_ids": [9805, 787]}).encode()
                     + b"\n" for i in range(lines))
 
 
@@ -72,9 +77,9 @@ class EmbeddedService:
         found = re.search(r"warmed (\d+) programs in ([\d.]+) s", self.log_path.read_text(errors="replace"))
         return {"programs": int(found[1]), "seconds": float(found[2])} if found else {}
 
-    def score(self) -> float:
+    def score(self, body: dict = SCORE_BODY) -> float:
         start = time.perf_counter()
-        response = self.http.post("/v1/score", json=SCORE_BODY)
+        response = self.http.post("/v1/score", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"/v1/score: {response.status_code} {response.text}")
         return time.perf_counter() - start
@@ -92,11 +97,13 @@ class EmbeddedService:
         with sqlite3.connect(self.home / ".packscore" / "packscore.db") as db:
             return db.execute("SELECT count(*) FROM jobs WHERE status = 'running'").fetchone()[0]
 
-    def batch_window(self, batch_id: str) -> tuple[float, float, int]:
-        """(first claim, last finish, items) of the batch's lines, by the jobs' own timestamps."""
+    def batch_window(self, batch_id: str | None = None, items_total: int | None = None) -> tuple[float, float, int]:
+        """(first claim, last finish, items) of the batch's lines (or of the jobs of `items_total` items), by
+        the jobs' own timestamps."""
+        where, value = ("batch_id", batch_id) if batch_id else ("items_total", items_total)
         with sqlite3.connect(self.home / ".packscore" / "packscore.db") as db:
-            rows = db.execute("SELECT started_at, finished_at, items_done FROM jobs WHERE batch_id = ?",
-                              (batch_id,)).fetchall()
+            rows = db.execute(f"SELECT started_at, finished_at, items_done FROM jobs WHERE {where} = ?",
+                              (value,)).fetchall()
         parse = lambda s: time.mktime(time.strptime(s[:19], "%Y-%m-%d %H:%M:%S")) + float("0" + s[19:26])
         return min(parse(r[0]) for r in rows), max(parse(r[1]) for r in rows), sum(r[2] for r in rows)
 
@@ -120,10 +127,45 @@ def wait_batch(service: EmbeddedService, batch_id: str, seconds: float = 3600) -
     return service.batch(batch_id)
 
 
+def short_lines(service: EmbeddedService, lines: int) -> dict:
+    batch_id = service.upload(backfill_lines(lines, "short", seed=3, items=2))
+    done = wait_batch(service, batch_id)
+    first, last, items = service.batch_window(batch_id)
+    return {"lines": lines, "items": items, "seconds": round(last - first, 1),
+            "items_per_s": round(items / (last - first), 1), "lines_per_s": round(lines / (last - first), 2),
+            "status": done["status"]}
+
+
+def beside_big_request(service: EmbeddedService, items: int) -> dict:
+    rng = np.random.default_rng(4)
+    text = lambda n: " ".join(rng.choice(WORDS, size=n))
+    big = {"query": text(30), "items": [text(12) for _ in range(items)], "label_token_ids": [9805, 787]}
+    answers: list[int] = []
+    sender = threading.Thread(target=lambda: answers.append(service.http.post("/v1/score", json=big).status_code))
+    sender.start()
+    small = {**SCORE_BODY, "items": SCORE_BODY["items"][:1]}
+    time.sleep(0.05)
+    with_it = service.score(small)  # likely claimed with the big one, and so in its first pass
+    _wait(lambda: service.running_jobs() > 0, 120, "the big request's job to start", interval=0.1)
+    calls = []
+    for pause in rng.uniform(0.5, 2.5, 7):
+        time.sleep(pause)
+        calls.append(service.score(small))
+    _wait(lambda: not service.running_jobs(), 900, "the big request's job to end", interval=0.5)
+    sender.join()
+    first, last, done = service.batch_window(items_total=items)
+    return {**percentiles(calls), "seconds": [round(c, 2) for c in calls], "sent_with_it": round(with_it, 2),
+            "big_status": answers[0],
+            "big_items_per_s": round(done / (last - first), 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--lines", type=int, default=400, help="backfill lines (20 items of 12 words each)")
+    parser.add_argument("--short-lines", type=int, default=600, help="backfill lines of 2 items (0: none)")
+    parser.add_argument("--big-request", type=int, default=3000,
+                        help="items of the large /v1/score a 1-item call runs beside (0: none)")
     parser.add_argument("--home", type=Path, help="the service's folder (default: a new temporary one)")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the service (repeatable)")
@@ -165,6 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         figures["stop"] = service.stop()
         print(f"SIGINT during the backfill: {figures['stop']}", flush=True)
+        if args.short_lines or args.big_request:
+            service = EmbeddedService(home, args.model, extra)  # the same folder: its compile cache is warm
+            service.http.post(f"/batches/{batch_id}/cancel")  # the interrupted backfill would go on
+            _wait(lambda: not service.running_jobs(), 120, "the interrupted backfill to stop", interval=0.2)
+        if args.short_lines:
+            figures["short_lines"] = short_lines(service, args.short_lines)
+            print(f"backfill of 2-item lines alone: {figures['short_lines']}", flush=True)
+        if args.big_request:
+            figures["beside_big_request"] = beside_big_request(service, args.big_request)
+            print(f"1-item /v1/score beside a {args.big_request}-item one: {figures['beside_big_request']}", flush=True)
+        if service.proc.poll() is None:
+            service.stop()
     finally:
         if service.proc.poll() is None:
             service.stop()
