@@ -8,7 +8,8 @@ Inputs are random token ids (seeded), so tokenization is not measured.
 
 `--mix`: the service's traffic instead of one big request: 16 requests of 3 to 100 items (5 to 40
 tokens each), each with its own query of 50 to 500 tokens, scored together as a worker's claimed
-jobs are (`Scorer.iter_passes` on all of them: coalesced into shared passes).
+jobs are (`Scorer.iter_passes` on all of them: coalesced into shared passes). `--requests R`: the same
+with R requests of the P/N/L shape (a backfill's short lines: `-R 17 -P 40 -N 2 -L 13`).
 
 `--accelerator-check`: for a host with an accelerator (runs as it is on a TPU VM or a GPU server): the
 P/N/L request scored on the devices with the model on one chip and, where there are several, split over
@@ -124,6 +125,14 @@ def mix_requests(scorer: Scorer, rng: np.random.Generator, n: int = 16) -> list:
                             rng.integers(10, vocab, int(rng.integers(1, 5))).tolist()) for _ in range(n)]
 
 
+def shaped_requests(scorer: Scorer, rng: np.random.Generator, args: argparse.Namespace) -> list:
+    """`--requests R`: R requests of the P/N/L shape, each with its own query (a backfill's lines)."""
+    vocab = scorer.vocab_size
+    token_ids = lambda n: rng.integers(10, vocab, n).tolist()
+    return [scorer.tokenize(token_ids(args.query_tokens), [token_ids(args.item_tokens) for _ in range(args.items)],
+                            token_ids(2)) for _ in range(args.requests)]
+
+
 def packed_mix(scorer: Scorer, requests: list, repeats: int) -> dict:
     """Scores the requests together, as a worker scores its claimed jobs; every query computed in the run."""
     def run():
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--single-items", type=int, default=10, help="items timed in single mode (it is slow)")
     parser.add_argument("--transformers-items", type=int, default=20, help="items timed with transformers (0: skip)")
     parser.add_argument("--mix", action="store_true", help="mixed traffic: 16 requests coalesced (see above)")
+    parser.add_argument("--requests", "-R", type=int, default=1,
+                        help="R requests of the P/N/L shape, each with its own query, scored together as --mix's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator-check", action="store_true", help="scores vs the CPU's, N=1 and N>1")
     parser.add_argument("--cpu-reference", help=argparse.SUPPRESS)  # (the check's subprocess) .npy to write
@@ -177,9 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
     # The peak is measured before and after the timed runs and the better kept: one measurement taken at a
     # slow moment would flatter the fraction.
     peaks = [matmul_peak()]
-    if args.mix:
-        del report["config"]["P"], report["config"]["N"], report["config"]["L"]
-        report["packed_mix"] = packed_mix(scorer, mix_requests(scorer, rng), args.repeats)
+    if args.mix or args.requests > 1:
+        if args.mix:
+            del report["config"]["P"], report["config"]["N"], report["config"]["L"]
+        requests = mix_requests(scorer, rng) if args.mix else shaped_requests(scorer, rng, args)
+        report["packed_mix"] = packed_mix(scorer, requests, args.repeats)
         flops_per_s = report["packed_mix"]["model_gflops_per_s"] * 1e9
     else:
         flops_per_s = one_request(scorer, rng, args, report)

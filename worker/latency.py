@@ -10,7 +10,8 @@ in a folder of its own (--home keeps its compile cache between runs), and prints
   first claim to its end;
 - the same 2-item call --calls times while such a backfill runs (after each answer a pause of 0.2-3 s, so
   that calls come at any point of a batch pass): p50, p95, max;
-- a backfill of --short-lines lines of 2 items alone: items/s and lines/s (0 skips it);
+- a backfill of --short-lines lines of 2 items alone, then one of lines shaped as README's call (a 10-word
+  query, 2 items of 4 words): items/s and lines/s (0 skips them);
 - a 1-item `/v1/score` sent 50 ms after a --big-request-item `/v1/score` (claimed with it, as a rule), then 7
   more 0.5-2.5 s apart while the big one runs (it may end in a 504 while its job goes on): the first call's
   seconds, the others' p50, p95, max, and the big request's items/s from its job's first claim to its end
@@ -127,8 +128,17 @@ def wait_batch(service: EmbeddedService, batch_id: str, seconds: float = 3600) -
     return service.batch(batch_id)
 
 
-def short_lines(service: EmbeddedService, lines: int) -> dict:
-    batch_id = service.upload(backfill_lines(lines, "short", seed=3, items=2))
+def readme_lines(lines: int, seed: int = 0) -> bytes:
+    """Lines shaped as README's 2-item call (about 25 tokens), each with its own query."""
+    rng = np.random.default_rng(seed)
+    city = lambda: "\nCity: " + str(rng.choice(WORDS)).title() + "\nAnswer:"
+    return b"".join(json.dumps({**SCORE_BODY, "custom_id": f"readme-{i}", "query": f"Is it in France ({i})? Answer "
+                                "yes or no.", "items": [city(), city()]}).encode() + b"\n" for i in range(lines))
+
+
+def short_lines(service: EmbeddedService, lines: int, readme_shaped: bool) -> dict:
+    body = readme_lines(lines, seed=3) if readme_shaped else backfill_lines(lines, "short", seed=3, items=2)
+    batch_id = service.upload(body)
     done = wait_batch(service, batch_id)
     first, last, items = service.batch_window(batch_id)
     return {"lines": lines, "items": items, "seconds": round(last - first, 1),
@@ -212,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             service.http.post(f"/batches/{batch_id}/cancel")  # the interrupted backfill would go on
             _wait(lambda: not service.running_jobs(), 120, "the interrupted backfill to stop", interval=0.2)
         if args.short_lines:
-            figures["short_lines"] = short_lines(service, args.short_lines)
+            figures["short_lines"] = short_lines(service, args.short_lines, readme_shaped=False)
             print(f"backfill of 2-item lines alone: {figures['short_lines']}", flush=True)
+            figures["readme_lines"] = short_lines(service, args.short_lines, readme_shaped=True)
+            print(f"backfill of README-shaped 2-item lines alone: {figures['readme_lines']}", flush=True)
         if args.big_request:
             figures["beside_big_request"] = beside_big_request(service, args.big_request)
             print(f"1-item /v1/score beside a {args.big_request}-item one: {figures['beside_big_request']}", flush=True)
