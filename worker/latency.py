@@ -10,8 +10,8 @@ in a folder of its own (--home keeps its compile cache between runs), and prints
   first claim to its end;
 - the same 2-item call --calls times while such a backfill runs (after each answer a pause of 0.2-3 s, so
   that calls come at any point of a batch pass): p50, p95, max;
-- a backfill of --short-lines lines of 2 items alone, then one of lines shaped as README's call (a 10-word
-  query, 2 items of 4 words): items/s and lines/s (0 skips them);
+- a backfill of --short-lines lines of 2 items alone, then one of lines shaped as README's call (a 9-word
+  query, 2 items of 3 words, about 25 tokens a line): items/s and lines/s (0 skips them);
 - a 1-item `/v1/score` sent 50 ms after a --big-request-item `/v1/score` (claimed with it, as a rule), then 7
   more 0.5-2.5 s apart while the big one runs (it may end in a 504 while its job goes on): the first call's
   seconds, the others' p50, p95, max, and the big request's items/s from its job's first claim to its end
