@@ -99,12 +99,12 @@ class EmbeddedService:
             return db.execute("SELECT count(*) FROM jobs WHERE status = 'running'").fetchone()[0]
 
     def batch_window(self, batch_id: str | None = None, items_total: int | None = None) -> tuple[float, float, int]:
-        """(first claim, last finish, items) of the batch's lines (or of the jobs of `items_total` items), by
-        the jobs' own timestamps."""
-        where, value = ("batch_id", batch_id) if batch_id else ("items_total", items_total)
+        """(first claim, last finish, items) of the batch's lines (or of the newest job of `items_total` items),
+        by the jobs' own timestamps."""
+        query = "SELECT started_at, finished_at, items_done FROM jobs WHERE " + (
+            "batch_id = ?" if batch_id else "items_total = ? ORDER BY created_at DESC LIMIT 1")
         with sqlite3.connect(self.home / ".packscore" / "packscore.db") as db:
-            rows = db.execute(f"SELECT started_at, finished_at, items_done FROM jobs WHERE {where} = ?",
-                              (value,)).fetchall()
+            rows = db.execute(query, (batch_id or items_total,)).fetchall()
         parse = lambda s: time.mktime(time.strptime(s[:19], "%Y-%m-%d %H:%M:%S")) + float("0" + s[19:26])
         return min(parse(r[0]) for r in rows), max(parse(r[1]) for r in rows), sum(r[2] for r in rows)
 
