@@ -535,9 +535,9 @@ class Scorer:
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
         each cache length (pass_tokens/8 and pass_tokens), on accelerators each with and without keys/values
         out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder).
-        Returns how many; `on_program(done, total)` is called before the first and after each. The Pallas kernels' table width is
-        a compile key too, one that depends on the traffic, so with attention "pallas" nothing is compiled
-        ahead."""
+        Returns how many; `on_program(done, total)` is called before the first and after each. The Pallas
+        kernels' table width is a compile key too, one that depends on the traffic, so with attention "pallas"
+        nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
             return 0
         block = max(self.block_q, self.block_k)
