@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
                       field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 from sqlalchemy import Row
 
 from core import scores_from_logprobs
@@ -55,11 +56,34 @@ class JobCreate(ScoreInput):
     metadata: dict[str, Any] | None = None
 
 
-class ScoreRequest(ScoreInput):
+# What vLLM's and OpenAI's clients send to /v1/score and /v1/rerank beside the request, none of which changes a
+# score here: accepted and dropped, so those clients work unchanged. Every other unknown field is refused (422,
+# naming it): a typo of one of ours (`apply_sofmax`) must never silently change the answer, so no near miss of
+# our fields may join this list (tests/test_api_jobs.py checks). `truncate_prompt_tokens` only as null: a number
+# asks for truncation, which packscore never does.
+OTHER_ENGINES_FIELDS = ("user", "priority", "request_id", "mm_processor_kwargs", "truncate_prompt_tokens")
+
+
+class _DropInBody(BaseModel):
+    """A body of the routes other engines' clients call (/v1/score, /v1/rerank, and OpenAI Batch lines' bodies)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_other_engines_fields(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        if data.get("truncate_prompt_tokens") is not None:
+            raise PydanticCustomError(
+                "unsupported", "truncate_prompt_tokens: packscore never truncates (send it as null, or leave it out); "
+                "a request over the model's limits is refused with `too_many_tokens`")
+        return {k: v for k, v in data.items() if k not in OTHER_ENGINES_FIELDS}
+
+
+class ScoreRequest(ScoreInput, _DropInBody):
     """/v1/score as in vLLM and SGLang: `text_1` and `text_2` are accepted for `query` and `items`, and a single
     item may be a string."""
-
-    model_config = ConfigDict(extra="ignore")
 
     query: str | list[StrictInt] = Field(validation_alias=AliasChoices("query", "text_1"))
     items: list[str | list[StrictInt]] = Field(validation_alias=AliasChoices("items", "text_2"))
@@ -102,8 +126,8 @@ class RerankInput(_ValidUnicode):
     instruction: str | None = None
 
 
-class RerankRequest(RerankInput):
-    model_config = ConfigDict(extra="ignore")
+class RerankRequest(RerankInput, _DropInBody):
+    pass
 
 
 class RerankResult(BaseModel):
@@ -297,7 +321,8 @@ class BatchSource(BaseModel):
     """The JSON body form of POST /batches that names its data instead of carrying it (a reference batch):
     `input` (a URI, a list of URIs, or a glob; s3://, gs://, az:// or a local path), `output` (a URI prefix),
     `format` (jsonl, parquet, csv; default from the extension), and for pair tables `columns` and
-    `label_token_ids`."""
+    `label_token_ids`. The same body sent again finds its batch (see store.lake.chunks); `overwrite` runs it
+    again instead."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -315,6 +340,7 @@ class BatchSource(BaseModel):
     metadata: dict[str, Any] | None = None
     # The model every row is scored with (default: the deployment's first).
     model: str | None = Field(default=None, max_length=100)
+    overwrite: StrictBool = False
 
 
 class RowCounts(BaseModel):
@@ -327,7 +353,11 @@ class RowCounts(BaseModel):
 
 
 class ChunkCounts(BaseModel):
+    """`total` may grow while the batch runs (a worker on CPU cuts a chunk into pieces: more chunks, the same
+    rows); `total_final` says it no longer can."""
+
     total: int
+    total_final: bool
     done: int
     in_flight: int
     failed: int
@@ -360,6 +390,7 @@ class BatchOut(BaseModel):
     chunks: ChunkCounts | None = None
     rows: RowCounts | None = None
     output: str | None = None
+    manifest: str | None = None  # once the batch has ended: `_manifest.json` under `output`
     eta_seconds: float | None = None
 
 
@@ -387,8 +418,7 @@ def _field_names(schema: object) -> set[str]:
 def describe_errors(schema: object, errors: list[dict], value: object, where: str = "") -> str:
     """Pydantic's errors of `value` read as `schema` (a model or a union of them; None if unknown), at most five,
     as `field: what is wrong`. An unknown field is named with the field it is closest to (`labels`: did you mean
-    `label_token_ids`?), and a missing field with the unknown one beside it that looks like it (for schemas that
-    ignore unknown fields, as /v1/score does for the other fields vLLM's and SGLang's clients send)."""
+    `label_token_ids`?), and a missing field with the unknown one beside it that looks like it."""
     known = _field_names(schema)
     parts = []
     for err in errors[:5]:
@@ -400,7 +430,8 @@ def describe_errors(schema: object, errors: list[dict], value: object, where: st
             message = "unknown field" + (f" (did you mean `{close[0]}`?)" if close else "")
         elif err.get("type") == "missing" and loc:
             beside = _at(value, loc[:-1])
-            unknown = [k for k in beside if isinstance(k, str) and k not in known] if isinstance(beside, dict) else []
+            unknown = ([k for k in beside if isinstance(k, str) and k not in known and k not in OTHER_ENGINES_FIELDS]
+                       if isinstance(beside, dict) else [])
             if close := difflib.get_close_matches(loc[-1], unknown, 1, 0.5):
                 message += f" (the body has `{close[0]}`: did you mean `{loc[-1]}`?)"
         parts.append(f"{field}: {message}" if field else message)

@@ -82,8 +82,8 @@ def test_bad_shapes_are_422(client, make_key, body) -> None:  # type: ignore[no-
 
 
 def test_an_unknown_field_is_named_with_the_field_it_is_closest_to(client, make_key) -> None:  # type: ignore[no-untyped-def]
-    """`labels` for `label_token_ids`: /jobs (unknown fields refused) names both; /v1/score, which ignores the other
-    fields vLLM's and SGLang's clients send, names the one the missing field probably is; so do batch lines."""
+    """`labels` for `label_token_ids`: /jobs and /v1/score name both (the unknown field, and the missing one it
+    probably is); so do batch lines."""
     from store.batches import LineError, parse_line
 
     key, _ = make_key()
@@ -105,6 +105,52 @@ def test_an_unknown_field_is_named_with_the_field_it_is_closest_to(client, make_
         parse_line({"custom_id": "a", "method": "POST", "url": "/v1/score",
                     "body": {"query": "q", "items": ["a"], "label_ids": [1]}})
     assert "body.label_token_ids: Field required (the body has `label_ids`" in refused.value.message
+
+
+def test_a_typo_never_changes_the_answer(client, make_key) -> None:  # type: ignore[no-untyped-def]
+    """Every body refuses a field it does not know, naming it and the field it is closest to (issue 44: a typo'd
+    `apply_sofmax` was ignored and the scores came back unsoftmaxed); the fields other engines' clients send that
+    change no score are accepted and dropped, and none of them is a near miss of one of ours."""
+    import difflib
+
+    from store.batches import LineError, parse_line
+    from store.schemas import OTHER_ENGINES_FIELDS, RerankRequest, ScoreRequest, _field_names
+
+    key, _ = make_key()
+    rerank = {"query": "q", "documents": ["a", "b"]}
+    typos = [("/v1/score", {**QUERY, "apply_sofmax": True}, "apply_sofmax", "apply_softmax"),
+             ("/score", {**QUERY, "item_frist": True}, "item_frist", "item_first"),
+             ("/v1/rerank", {**rerank, "topn": 1}, "topn", "top_n"),
+             ("/rerank", {**rerank, "return_document": False}, "return_document", "return_documents"),
+             ("/jobs", {**QUERY, "apply_sofmax": True}, "apply_sofmax", "apply_softmax"),
+             ("/jobs", {"kind": "rerank", **rerank, "topn": 1}, "topn", "top_n")]
+    for path, body, typo, meant in typos:
+        response = client.post(path, json=body, headers=auth(key))
+        assert_error(response, 422, "invalid_input")
+        assert f"{typo}: unknown field (did you mean `{meant}`?)" in response.json()["error"]["message"], path
+        # The same body in an OpenAI Batch line, and (for scoring) in a native batch line.
+        if path != "/jobs":
+            with pytest.raises(LineError) as refused:
+                parse_line({"custom_id": "a", "method": "POST", "url": path, "body": body})
+            assert f"body.{typo}: unknown field (did you mean `{meant}`?)" in refused.value.message
+    with pytest.raises(LineError) as refused:
+        parse_line({"custom_id": "a", **QUERY, "apply_sofmax": True})
+    assert "apply_sofmax: unknown field (did you mean `apply_softmax`?)" in refused.value.message
+
+    others = {"user": "u-1", "priority": 0, "request_id": "r-1", "mm_processor_kwargs": None,
+              "truncate_prompt_tokens": None}
+    assert set(others) == set(OTHER_ENGINES_FIELDS)
+    assert ScoreRequest.model_validate({"text_1": "q", "text_2": ["a"], "label_token_ids": [1], **others}).items == ["a"]
+    assert RerankRequest.model_validate({**rerank, "top_n": 1, **others}).top_n == 1
+    ours = _field_names(ScoreRequest) | _field_names(RerankRequest)
+    for name in OTHER_ENGINES_FIELDS:
+        assert name not in ours and not difflib.get_close_matches(name, ours, 1, 0.75), name
+    # A number asks for truncation, which packscore never does: refused, not ignored.
+    response = client.post("/v1/score", json={**QUERY, "truncate_prompt_tokens": 8}, headers=auth(key))
+    assert_error(response, 422, "invalid_input")
+    assert "truncate_prompt_tokens" in response.json()["error"]["message"]
+    # /jobs is packscore's own route: other engines' fields are unknown there.
+    assert_error(client.post("/jobs", json={**QUERY, "user": "u-1"}, headers=auth(key)), 422, "invalid_input")
 
 
 def test_malformed_json_and_huge_body(client, make_key) -> None:  # type: ignore[no-untyped-def]

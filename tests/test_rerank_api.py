@@ -72,7 +72,7 @@ def test_rerank_sorted_by_relevance(client, make_key, clean, path: str) -> None:
 def test_rerank_top_n_documents_and_instruction(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     body = {"query": "capital?", "documents": DOCUMENTS, "top_n": 2, "return_documents": False,
-            "instruction": "Find the city.", "truncate_prompt_tokens": None}  # unknown fields are ignored, as vLLM's
+            "instruction": "Find the city.", "truncate_prompt_tokens": None}  # vLLM's clients send it: accepted as null
     response = call_while_draining(client, "/v1/rerank", body, key)
     assert response.status_code == 200, response.text
     results = response.json()["results"]

@@ -32,7 +32,7 @@ def error_code(response: httpx.Response) -> str:
 
 
 BOTH = ("/jobs", "/v1/score")
-# /v1/score follows vLLM and SGLang: a single string item is allowed, and unknown fields are ignored.
+# /v1/score follows vLLM and SGLang: a single string item is allowed (unknown fields are refused on both).
 JOBS = ("/jobs",)
 
 
@@ -50,7 +50,7 @@ JOBS = ("/jobs",)
     (json.dumps({**BODY, "label_token_ids": [True]}).encode(), 422, "invalid_input", BOTH),
     (json.dumps({**BODY, "apply_softmax": "yes"}).encode(), 422, "invalid_input", BOTH),
     (json.dumps({**BODY, "query": {"$ne": 1}}).encode(), 422, "invalid_input", BOTH),
-    (json.dumps({**BODY, "unknown_field": 1}).encode(), 422, "invalid_input", JOBS),
+    (json.dumps({**BODY, "unknown_field": 1}).encode(), 422, "invalid_input", BOTH),
     (json.dumps({**BODY, "metadata": [1, 2]}).encode(), 422, "invalid_input", JOBS),
     (json.dumps({**BODY, "webhook_url": "x" * 5000}).encode(), 422, "invalid_input", JOBS),
     (json.dumps({**BODY, "label_token_ids": [10**30]}).encode(), 400, "label_token_id_out_of_range", BOTH),
