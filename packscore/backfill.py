@@ -14,15 +14,14 @@ in the input's order: join on custom_id.
 `packscore backfill s3://bucket/pairs/ --out s3://bucket/scores/ --input-format parquet --query-column q
 --item-column doc --labels 9805,787` runs a reference batch instead: the data stays in storage (or in a local
 file the service may read: embedded mode), the service reads it in chunks and writes result objects under
---out. Ctrl-C detaches (the batch goes on); the same command re-attaches. A local file that is not JSONL
-(Parquet, CSV, .gz/.zst) goes the same way. A JSONL request file over the upload limit does too, saying so:
+--out. Ctrl-C detaches (the batch goes on); the same command re-attaches, or once the batch has ended reports
+it done (the service finds the key's batch of that input and output; `--overwrite` runs a completed one
+again). A local file that is not JSONL (Parquet, CSV, .gz/.zst) goes the same way. A JSONL request file over the upload limit does too, saying so:
 its result objects go under `OUT.parts/`, and its result lines into --out when the batch ends. One the service
 cannot read is refused before anything is sent.
 """
 
-import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -132,7 +131,8 @@ class ProgressBar:
         self.start_done = done
         self.start = time.monotonic()
 
-    def show(self, done: int, note: str = "", eta: float | None = None) -> None:
+    def show(self, done: int, note: str = "", eta: float | None = None, ended: bool = False) -> None:
+        """`ended`: the batch is over (the note says how); what is left of it will not run, so no rate nor ETA."""
         total = self.total if self.total is not None else 0
         done = min(done, total) if self.total is not None else done
         elapsed = time.monotonic() - self.start
@@ -142,7 +142,8 @@ class ProgressBar:
         eta_text = f"{int(eta) // 60}:{int(eta) % 60:02d}" if eta is not None else "?"
         of = f"/{total}" if self.total is not None else ""
         bar = f"[{'#' * int(30 * done / total)}{'.' * (30 - int(30 * done / total))}] " if total else ""
-        text = f"{bar}{done}{of} {self.unit}  {rate:.1f}/s  ETA {eta_text}  {note}".rstrip()
+        pace = "" if ended else f"  {rate:.1f}/s  ETA {eta_text}"
+        text = f"{bar}{done}{of} {self.unit}{pace}  {note}".rstrip()
         if self.tty:
             self.stream.write("\r" + text.ljust(80))
         elif time.monotonic() - self.last_line >= LOG_EVERY_SECONDS:
@@ -204,7 +205,7 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
             if first:  # what was done before this run (a resume) is not this run's rate
                 bar.rebase(len(done & every))
                 first = False
-        bar.show(len(done & every), batch["status"])  # lines written, not requests finished on the server
+        bar.show(len(done & every), batch["status"], ended=terminal)  # lines written, not requests finished
         if terminal:
             return batch["status"]
         time.sleep(poll)
@@ -298,13 +299,6 @@ def input_kind(spec: str) -> str:
     return "upload"
 
 
-def state_file(input_spec: str, output: str) -> Path:
-    """Where the batch in flight for this (input, output) is remembered, so the same command re-attaches."""
-    home = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "packscore" / "backfills"
-    home.mkdir(parents=True, exist_ok=True)
-    return home / hashlib.sha256(f"{input_spec}\n{output}".encode()).hexdigest()[:20]
-
-
 def _absolute(spec: str) -> str:
     """A local path as the service should see it (absolute: it may run from another folder)."""
     if spec.startswith(REMOTE_SCHEMES) or spec.startswith("file://"):
@@ -315,45 +309,35 @@ def _absolute(spec: str) -> str:
 def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll: float = 1.0,
                            format: str | None = None, columns: dict | None = None,
                            label_token_ids: list[int] | None = None, output_format: str = "parquet",
-                           stderr: IO[str] = sys.stderr) -> dict:
-    """Submits (or re-attaches to) a reference batch and follows it to its end with a progress bar of rows;
-    returns the batch. Interrupted (KeyboardInterrupt), the batch goes on: the same call re-attaches."""
-    state = state_file(input_spec, output)
-    batch = None
-    if state.exists():
-        try:
-            batch = client.get_batch(state.read_text().strip())
-            if batch["status"] in ("failed", "cancelled"):
-                batch = None
-            else:
-                stderr.write(f"re-attached to batch {batch['id']}\n")
-        except PackscoreError as exc:
-            if exc.status != 404:
-                raise
-    if batch is None:
-        try:
-            batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
-                                                  columns=columns, label_token_ids=label_token_ids,
-                                                  output_format=output_format)
-        except PackscoreError as exc:
-            if exc.code in ("local_paths_disabled", "path_outside_root"):
-                raise BackfillError(f"the service cannot read {input_spec} ({exc.code}: {exc.message}); local files "
-                                    "are read by an embedded service from under the folder it runs in") from None
-            raise
-        state.write_text(batch["id"] + "\n")
-        stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
+                           overwrite: bool = False, stderr: IO[str] = sys.stderr) -> dict:
+    """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
+    service finds the batch already sent with this input and output (its key's, running or ended): the same
+    call re-attaches, or reports it done; `overwrite` runs a completed one again. Interrupted
+    (KeyboardInterrupt), the batch goes on."""
+    try:
+        batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
+                                              columns=columns, label_token_ids=label_token_ids,
+                                              output_format=output_format, overwrite=overwrite or None)
+    except PackscoreError as exc:
+        if exc.code in ("local_paths_disabled", "path_outside_root"):
+            raise BackfillError(f"the service cannot read {input_spec} ({exc.code}: {exc.message}); local files "
+                                "are read by an embedded service from under the folder it runs in") from None
+        raise
+    stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
     rows = batch.get("rows") or {}
     bar = ProgressBar(rows.get("total"), rows.get("done", 0), stderr, unit="rows")
     while True:
         rows = batch.get("rows") or {}
         chunks = batch.get("chunks") or {}
-        bar.show(rows.get("done", 0), f"chunks {chunks.get('done', 0)}/{chunks.get('total', 0)} {batch['status']}",
-                 batch.get("eta_seconds"))
-        if batch["status"] in TERMINAL_BATCH:
+        ended = batch["status"] in TERMINAL_BATCH
+        # "+": a worker on CPU may still cut chunks into pieces (the rows stay the same)
+        of = f"{chunks.get('total', 0)}{'' if chunks.get('total_final', True) else '+'}"
+        bar.show(rows.get("done", 0), f"chunks {chunks.get('done', 0)}/{of} {batch['status']}",
+                 batch.get("eta_seconds"), ended=ended)
+        if ended:
             break
         time.sleep(poll)
         batch = client.get_batch(batch["id"])
-    state.unlink(missing_ok=True)
     failed = f", {batch['chunks']['failed']} chunks failed" if batch["chunks"]["failed"] else ""
     bar.finish(f"{batch['status']}: {batch['rows']['done']} rows ({batch['rows']['failed']} errors{failed}); "
                f"results under {batch['output']} (_manifest.json)")

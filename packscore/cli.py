@@ -314,7 +314,8 @@ def backfill(args: argparse.Namespace) -> None:
                           "it ends", file=sys.stderr)
                     try:
                         batch = run_reference_backfill(client, args.input, parts, poll=args.poll,
-                                                       format="jsonl", output_format="jsonl")
+                                                       format="jsonl", output_format="jsonl",
+                                                       overwrite=args.overwrite)
                     except BackfillError:
                         raise CommandError(f"{exc}, and the service cannot read it: split it, or put it where "
                                            "the service can read it (README: Backfills from object storage)") from None
@@ -338,7 +339,7 @@ def backfill(args: argparse.Namespace) -> None:
                                    "pair table")
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
-                label_token_ids=args.labels, output_format=args.output_format)
+                label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite)
             if batch["status"] != "completed":
                 sys.exit(1)
     except BackfillError as exc:
@@ -447,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", type=_token_ids, help="label token ids for a pair table, comma-separated")
     p.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                    help="the result objects written under --out for data the service reads")
+    p.add_argument("--overwrite", action="store_true",
+                   help="for data the service reads: run it again as a new batch, though a completed batch of the "
+                        "same input already wrote to --out (without it, the same command reports that batch)")
     p.set_defaults(func=backfill)
     return parser
 

@@ -143,6 +143,9 @@ class Batch(Base):
     __table_args__ = (
         Index("ix_batches_tenant_list", "api_key_id", "id"),
         Index("ix_batches_status", "status", "last_claimed_at"),
+        # One batch of a key owns an output prefix (migration 0015): a re-run finds it, another input is refused.
+        Index("uq_batches_output", "api_key_id", "output_key", unique=True,
+              postgresql_where=text("output_key IS NOT NULL"), sqlite_where=text("output_key IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))
@@ -161,6 +164,11 @@ class Batch(Base):
     source: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     output_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
     chunks_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # A reference batch's output prefix and what it scores into it (input, options, model), as sha256 digests
+    # (store.lake.chunks): set while the batch owns the prefix (running or completed); NULL once cancelled or
+    # replaced by an overwrite, and for uploads.
+    output_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    source_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # When a worker last claimed from this batch: the batch lane serves the tenant waiting longest.
     last_claimed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)

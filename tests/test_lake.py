@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from unittest.mock import patch
 
@@ -24,7 +25,7 @@ from store.db import session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, Location
 from store.lake.tables import Columns, InputError, Options, plan, read_chunk
-from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery
+from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery, utcnow
 from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
 from tests.object_stores import Azurite, FakeGCS
@@ -428,7 +429,7 @@ def test_pair_table_from_s3_matches_jobs(client, make_key, empty_queue, s3_store
     done = wait_batch(client, key, batch["id"])
     assert done["status"] == "completed", done
     assert done["rows"] == {"done": 96, "failed": 0, "total": 96} and done["progress"]["items_done"] == 96
-    assert done["chunks"] == {"total": 4, "done": 4, "in_flight": 0, "failed": 0, "cancelled": 0}
+    assert done["chunks"] == {"total": 4, "total_final": True, "done": 4, "in_flight": 0, "failed": 0, "cancelled": 0}
     # The output: one object per chunk, typed columns, then the manifest and _SUCCESS.
     folder = f"lake/out/match/{batch['id']}"
     manifest = json.loads(fs.cat(f"{folder}/_manifest.json"))
@@ -517,7 +518,8 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
         for fmt, name in FORMATS.items():
             folder = f"matrix/in/{fmt.replace(' ', '-')}"
             uri = put(store, root, f"{folder}/{name}", encoded(fmt, table))
-            body = {"input": uri, "output": "matrix/out" if store == "local" else f"{store}://lake/matrix/out/"}
+            out = f"matrix/out/{fmt.replace(' ', '-')}"  # an output takes one input
+            body = {"input": uri, "output": out if store == "local" else f"{store}://lake/{out}/"}
             if fmt != "jsonl requests":
                 body |= {"columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "label_token_ids": LABELS}
             if fmt == "parquet":
@@ -767,7 +769,7 @@ def test_store_outage_retries_chunks_without_loss_or_duplicates(client, make_key
     s3_store.stop()
     started = time.monotonic()
     # Meanwhile a batch cannot be planned: a 503 that names the object (try again), not a 500.
-    refused = client.post("/batches", json={"input": "s3://lake/in/outage/pairs.parquet", "output": "s3://lake/out/",
+    refused = client.post("/batches", json={"input": "s3://lake/in/outage/pairs.parquet", "output": "s3://lake/o2/",
                                             "columns": {"query": "q", "item": "doc"}, "label_token_ids": LABELS},
                           headers=auth(key))
     assert (refused.status_code, refused.json()["error"]["code"]) == (503, "storage_unreachable"), refused.text
@@ -816,3 +818,102 @@ def test_jsonl_lines_in_both_formats_as_a_reference_batch(client, make_key, empt
     with session_scope() as session:  # the chunk rows are the record: no row per line, nor per pass
         assert session.scalar(select(func.count()).select_from(Job)) == 0
         assert session.scalar(select(func.count()).select_from(Pass)) == 0
+
+
+# ---- the same request again (issue 44, item 3) and progress totals (item 5) -------------------------------------
+
+
+def test_the_same_request_again_finds_its_batch(client, make_key, empty_queue, lake_settings,  # type: ignore[no-untyped-def]
+                                                monkeypatch) -> None:
+    from store.lake import chunks as lake
+
+    key, _ = make_key()
+    other, _ = make_key("other")
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(4, 10), root / "p.parquet", row_group_size=20)  # 2 chunks
+    body = {"input": "p.parquet", "output": "out", "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+            "label_token_ids": LABELS}
+    first = client.post("/batches", json=body, headers=auth(key))
+    assert first.status_code == 201, first.text
+    batch_id = first.json()["id"]
+    # The same input and output (spelled otherwise): the batch running, 200, nothing planned again.
+    again = client.post("/batches", json={**body, "input": [str(root / "p.parquet")], "output": "out/"},
+                        headers=auth(key))
+    assert again.status_code == 200 and again.headers["Location"] == f"/batches/{batch_id}", again.text
+    assert {k: again.json()[k] for k in ("id", "status", "chunks", "rows")} == \
+        {k: first.json()[k] for k in ("id", "status", "chunks", "rows")}
+    # Another input, other options, or an overwrite while it runs: refused, naming the batch that holds it.
+    for change in ({"input": "q.parquet"}, {"apply_softmax": True}, {"overwrite": True}):
+        refused = client.post("/batches", json={**body, **change}, headers=auth(key))
+        error = refused.json()["error"]
+        assert (refused.status_code, error["code"], error["batch_id"]) == (409, "output_in_use", batch_id), change
+        assert batch_id in error["message"]
+    # Another key's batch is not found: it gets a batch of its own.
+    theirs = client.post("/batches", json=body, headers=auth(other))
+    assert theirs.status_code == 201 and theirs.json()["id"] != batch_id
+    client.post(f"/batches/{theirs.json()['id']}/cancel", headers=auth(other))
+    done = wait_batch(client, key, batch_id)
+    assert done["status"] == "completed" and done["manifest"].endswith(f"/out/{batch_id}/_manifest.json")
+    rerun = client.post("/batches", json=body, headers=auth(key))
+    assert rerun.status_code == 200 and rerun.json()["id"] == batch_id and rerun.json()["status"] == "completed"
+    assert Path(Location.parse(rerun.json()["manifest"]).path).exists()
+    # Redoing it is asked for: a new batch, which the same request finds from then on.
+    redo = client.post("/batches", json={**body, "overwrite": True}, headers=auth(key))
+    assert redo.status_code == 201 and redo.json()["id"] != batch_id and redo.json()["manifest"] is None
+    assert client.post("/batches", json=body, headers=auth(key)).json()["id"] == redo.json()["id"]
+    # A cancelled batch gives its output up.
+    client.post(f"/batches/{redo.json()['id']}/cancel", headers=auth(key))
+    fresh = client.post("/batches", json=body, headers=auth(key))
+    assert fresh.status_code == 201 and fresh.json()["id"] not in (batch_id, redo.json()["id"])
+    # Two requests at once: the one that finds the output taken as it inserts is answered with the first's batch.
+    client.post(f"/batches/{fresh.json()['id']}/cancel", headers=auth(key))
+    winner = client.post("/batches", json={**body, "output": "raced"}, headers=auth(key)).json()
+    looked = []
+    holder = lake._output_holder
+
+    def late(*args, **kwargs):  # type: ignore[no-untyped-def]
+        looked.append(1)  # the first look happened before the winner's commit
+        return None if len(looked) == 1 else holder(*args, **kwargs)
+
+    monkeypatch.setattr(lake, "_output_holder", late)
+    raced = client.post("/batches", json={**body, "output": "raced"}, headers=auth(key))
+    assert (raced.status_code, raced.json()["id"], len(looked)) == (200, winner["id"], 2), raced.text
+    client.post(f"/batches/{winner['id']}/cancel", headers=auth(key))
+
+
+def test_progress_totals_are_stable_and_say_so(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    from store.lake import chunks as lake
+
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(4, 10), root / "p.parquet", row_group_size=20)
+    created = client.post("/batches", json={"input": "p.parquet", "output": "out", "columns": {
+        "query": "q", "item": "doc"}, "label_token_ids": LABELS}, headers=auth(key)).json()
+    # Known rows are items to score (a pair table's row is one item); the chunks may still be cut into pieces.
+    assert created["progress"] == {"items_done": 0, "items_total": 40} and created["rows"]["total"] == 40
+    assert created["chunks"]["total_final"] is False and created["manifest"] is None
+    done = wait_batch(client, key, created["id"])
+    assert done["progress"] == {"items_done": 40, "items_total": 40} and done["chunks"]["total_final"] is True
+    assert done["eta_seconds"] is None
+    # Rows planned by size (JSONL): the ETA is by the input's bytes, so cutting a chunk into pieces leaves it.
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "query": f"question {i}?", "items": ["a", "b"],
+                                "label_token_ids": LABELS}) + "\n" for i in range(80))
+    (root / "lines.jsonl").write_text(lines)
+    created = client.post("/batches", json={"input": "lines.jsonl", "output": "out-lines"}, headers=auth(key)).json()
+    planned = -(-len(lines) // lake_settings.batch_chunk_bytes)
+    assert created["chunks"]["total"] == planned >= 3 and created["progress"]["items_total"] == 0  # unknown yet
+    first = lake.claim_chunk("by-hand", lake_settings)
+    assert first is not None and first.batch_id == created["id"] and lake.commit_chunk("by-hand", first, 20, 0, 40)
+    with session_scope() as session:  # as if the batch had started 10 s ago
+        session.execute(update(Chunk).where(Chunk.batch_id == created["id"], Chunk.index == first.index)
+                        .values(started_at=utcnow() - timedelta(seconds=10)))
+    before = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
+    second = lake.claim_chunk("by-hand", lake_settings)
+    assert second is not None
+    middle = lines.encode().index(b"\n", second.start + 100) + 1
+    assert lake.split_chunk("by-hand", second, [(middle, None)], None) is not None
+    after = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
+    assert after["chunks"]["total"] == planned + 1 and after["chunks"]["total_final"] is False
+    assert before["eta_seconds"] == pytest.approx(after["eta_seconds"], abs=0.5)
+    cancelled = client.post(f"/batches/{created['id']}/cancel", headers=auth(key)).json()
+    assert cancelled["status"] == "cancelling" and cancelled["chunks"]["total_final"] is True

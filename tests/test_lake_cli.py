@@ -6,14 +6,16 @@ import gzip
 import io
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packscore.backfill import LOG_EVERY_SECONDS, ProgressBar, input_kind
+from packscore.backfill import LOG_EVERY_SECONDS, ProgressBar, input_kind, run_reference_backfill
 from tests.service_harness import REPO, free_port
+from tests.test_lake import LABELS, lake_settings, pair_table  # noqa: F401  (a fixture)
 
 
 def backfill(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -77,3 +79,89 @@ def test_progress_without_a_terminal_is_plain_lines() -> None:
     text = stream.getvalue()
     assert "\r" not in text
     assert text.splitlines()[0].startswith("[") and len(text.splitlines()) == 3  # first, after 10 s, the end
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class Scripted:
+    """A client whose batch goes through these states (GET /batches/{id} answers the next one)."""
+
+    def __init__(self, states: list[dict]) -> None:
+        self.states = states
+
+    def create_reference_batch(self, *args: object, **kwargs: object) -> dict:
+        return self.states.pop(0)
+
+    def get_batch(self, batch_id: str) -> dict:
+        return self.states.pop(0)
+
+
+def test_progress_line_marks_growing_chunks_and_ends_without_an_eta() -> None:
+    def state(status: str, done: int, chunks: int, final: bool, eta: float | None) -> dict:
+        return {"id": "batch_x", "status": status, "output": "file:///out/batch_x", "eta_seconds": eta,
+                "rows": {"done": done, "failed": 0, "total": 50_000},
+                "chunks": {"total": chunks, "total_final": final, "done": 1, "in_flight": 1, "failed": 0,
+                           "cancelled": 0}}
+
+    stream = Terminal()
+    batch = run_reference_backfill(Scripted([state("in_progress", 0, 28, False, None),
+                                             state("in_progress", 1200, 35, False, 10_556.0),
+                                             state("cancelled", 1300, 35, True, None)]),  # type: ignore[arg-type]
+                                   "pairs.parquet", "out", poll=0, stderr=stream)
+    assert batch["status"] == "cancelled"
+    drawn = [line.strip() for line in stream.getvalue().replace("\n", "\r").split("\r") if line.strip()]
+    assert drawn[1].endswith("chunks 1/28+ in_progress") and "ETA 175:56" in drawn[2], drawn
+    assert drawn[-2] == "[..............................] 1300/50000 rows  chunks 1/35 cancelled", drawn
+    assert drawn[-1].startswith("cancelled: 1300 rows"), drawn
+
+
+def test_the_same_backfill_command_again_reports_its_batch(client, make_key, empty_queue, lake_settings,  # type: ignore[no-untyped-def]
+                                                           monkeypatch) -> None:
+    from packscore.client import Client, PackscoreError
+    from worker import drain as drain_module
+    from worker.scorer import get_scorer
+
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pair_table(4, 10), root / "p.parquet", row_group_size=20)
+    cli = Client("http://testserver", key, max_retries=0)
+    cli._http.close()
+    cli._http = client  # the app in this process
+    monkeypatch.setitem(client.headers, "Authorization", f"Bearer {key}")
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            drain_module.drain(get_scorer(), "cli-worker", lake_settings)
+            time.sleep(0.05)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+
+    def run(**options: object) -> tuple[dict, str]:
+        stream = io.StringIO()
+        options = {"columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, **options}
+        batch = run_reference_backfill(cli, str(root / "p.parquet"), str(root / "scores"), poll=0.05,
+                                       label_token_ids=LABELS, stderr=stream, **options)  # type: ignore[arg-type]
+        return batch, stream.getvalue()
+
+    try:
+        first, _ = run()
+        again, said = run()  # the same command after it completed: that batch, reported done
+        assert again["id"] == first["id"] and again["status"] == "completed", said
+        assert f"batch {first['id']}" in said and said.splitlines()[-1].startswith("completed: 40 rows (0 errors)")
+        assert [p.name for p in (root / "scores").iterdir()] == [first["id"]]  # nothing scored again
+        try:
+            run(columns={"query": "q", "item": "doc"})
+            raise AssertionError("another input to that output was accepted")
+        except PackscoreError as exc:
+            assert exc.code == "output_in_use" and first["id"] in exc.message and "--overwrite" in exc.message
+        redone, _ = run(overwrite=True)
+        assert redone["id"] != first["id"] and redone["status"] == "completed"
+        assert sorted(p.name for p in (root / "scores").iterdir()) == sorted([first["id"], redone["id"]])
+    finally:
+        stop.set()
+        worker.join(60)

@@ -261,20 +261,27 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     stop_processes(service.live_workers())
     table = pair_table(30, 10)
     pq.write_table(table, root / "cli.parquet")
-    env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key,
-           "XDG_CONFIG_HOME": str(root / "config")}
+    env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key}
     args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"), "--out", str(root / "cli-out"),
             "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
             "--poll", "0.2"]
     first = subprocess.Popen(args, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_until(lambda: list((root / "config" / "packscore" / "backfills").glob("*")), 60, "the CLI's resume record")
+
+    def sent() -> dict | None:
+        with service.http() as client:
+            listed = client.get("/batches").json()["data"]
+        return next((b for b in listed if "/cli-out/" in (b["output"] or "")), None)
+
+    wait_until(sent, 60, "the CLI's batch")
+    created = sent()
     first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130 and "goes on" in err and "Traceback" not in err, err
     service.start_worker()
     second = subprocess.run(args, env=env, cwd=REPO, text=True, capture_output=True, timeout=600)
     assert second.returncode == 0, second.stderr
-    assert "re-attached to batch" in second.stderr and "\r" not in second.stderr  # no terminal: plain lines
+    # The service finds the batch of that input and output: the same one, followed to its end.
+    assert f"batch {created['id']}" in second.stderr and "\r" not in second.stderr  # no terminal: plain lines
     assert "completed: 300 rows (0 errors)" in second.stderr
     [folder] = (root / "cli-out").iterdir()
     manifest = json.loads((folder / "_manifest.json").read_text())

@@ -180,7 +180,8 @@ def test_a_cancelled_batch_settles_when_its_worker_stops_or_dies(client, make_ke
     wait_for(lambda: feed_module.sweep(lake_settings) is not None and client.get(
         f"/batches/{created['id']}", headers=auth(key)).json()["status"] == "cancelled", "the sweeper to settle it")
     batch = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
-    assert batch["chunks"] == {"total": 4, "done": 0, "in_flight": 0, "failed": 0, "cancelled": 4}
+    assert batch["chunks"] == {"total": 4, "total_final": True, "done": 0, "in_flight": 0, "failed": 0,
+                               "cancelled": 4}
     assert batch["finished_at"] is not None
     manifest = manifest_of(root, "cancelled", created["id"])
     assert manifest["status"] == "cancelled" and len(manifest["cancelled_chunks"]) == 4

@@ -58,7 +58,8 @@ async def _json_body(request: Request, limit: int) -> BatchCreate | BatchSource:
     return await run_in_threadpool(batches.parse_batch_body, bytes(body))
 
 
-@router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC)
+@router.post("", status_code=201, response_model=BatchOut, openapi_extra=_UPLOAD_DOC,
+             responses={200: {"model": BatchOut, "description": "A reference batch sent again: the one there"}})
 async def create_batch(request: Request, key: CurrentKey, session: SessionDep, models: ModelsDep,
                        settings: SettingsDep, response: Response,
                        webhook_url: Annotated[str | None, Query(max_length=2048)] = None,
@@ -75,7 +76,9 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
 
     A JSON body naming `input` and `output` instead is a reference batch: the data stays in storage (s3://,
     gs://, az://, or a local path under BATCH_LOCAL_ROOT) and is run in chunks; see README "Backfills from
-    object storage"."""
+    object storage". Sent again with the same input and options to the same output, it answers 200 with the
+    batch already there (running, or ended with its `manifest`); another input to that output is a 409
+    `output_in_use`; `"overwrite": true` runs a completed one again as a new batch."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > settings.batch_max_bytes:
         raise ServiceError(413, "batch_too_large", f"a batch file is at most {settings.batch_max_bytes} bytes")
@@ -86,8 +89,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     if content_type == "application/json":
         body = await _json_body(request, settings.max_body_bytes)
         if isinstance(body, BatchSource):
-            batch = await run_in_threadpool(_create_reference, session, key, body, models, settings)
-            kick_drain(batch.model)
+            batch, created = await run_in_threadpool(_create_reference, session, key, body, models, settings)
+            if created:
+                kick_drain(batch.model)
+            else:  # the same input and output again: its batch, running or ended
+                response.status_code = 200
             response.headers["Location"] = f"/batches/{batch.id}"
             return await run_in_threadpool(read, session, batch)
         webhook_url, meta, model = body.webhook_url, body.metadata, body.model
@@ -129,7 +135,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
 
 
 def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: ModelCatalog,
-                      settings: Settings) -> Batch:
+                      settings: Settings) -> tuple[Batch, bool]:
     try:
         return lake.create_reference_batch(session, key, body, models.get(body.model).tokenizer, settings)
     except Exception:

@@ -12,10 +12,16 @@ unreachable waits a little longer each attempt (`not_before`). Once no chunk is 
 `_manifest.json` (then `_SUCCESS` if completed) is written, the status changes in a conditional UPDATE (so the
 webhook is queued once), and objects of lost attempts are removed.
 
+Outputs: a key's batch holds its output prefix while it runs and once completed (`batches.output_key`, unique
+per key), with a digest of what it scores (`source_key`: the input's URIs, the options, the model). The same
+request again is answered with that batch and plans nothing; another input to the prefix is refused naming it.
+A cancelled batch, or a completed one replaced by an `overwrite`, gives the prefix up.
+
 Turns: reference batches take turns a chunk at a time, the batch whose chunk started least recently first
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
 """
 
+import hashlib
 import json
 import logging
 import posixpath
@@ -24,6 +30,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core import RequestTokenizer, ScoringError
@@ -54,15 +61,16 @@ def access_for(key: ApiKey, settings: Settings) -> Access:
 
 
 def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer,
-                           settings: Settings) -> Batch:
+                           settings: Settings) -> tuple[Batch, bool]:
     """Checks access, plans the chunks from metadata and commits the batch with its chunk rows (status
-    in_progress); any refusal is a ServiceError and leaves nothing behind."""
+    in_progress); any refusal is a ServiceError and leaves nothing behind. Returns (batch, created): the same
+    input sent again to an output this key's batch holds gets that batch (running or completed) and nothing is
+    planned; another input, or `overwrite` while it runs, is a 409 `output_in_use`."""
     vet_webhook_url(body.webhook_url, settings.webhook_allowlist)
     access = access_for(key, settings)
     output = access.location(body.output, "output")
     if any(c in output.path for c in "*?["):
         raise ServiceError(400, "invalid_uri", "output is a prefix, not a glob")
-    objects = access.expand(body.input)
     columns = Columns(body.columns.query, body.columns.item, tuple(body.columns.ids), body.columns.label) \
         if body.columns else None
     if columns is not None and columns.label is None and not body.label_token_ids:
@@ -75,10 +83,26 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
                 raise ServiceError(400, exc.code, exc.message) from None
     options = Options(body.format or "", columns, tuple(body.label_token_ids) if body.label_token_ids else None,
                       body.apply_softmax, body.item_first, body.return_logprobs, body.output_format)
+    inputs = [access.location(uri).uri for uri in ([body.input] if isinstance(body.input, str) else body.input)]
+    output_key = _digest(output.uri.rstrip("/"))
+    source_key = _digest(json.dumps([inputs, options.to_json(), tokenizer.model_name], sort_keys=True))
+    held = _output_holder(session, key, output_key, source_key, body.overwrite, output.uri)
+    if held is not None:
+        return held, False
+    objects = access.expand(body.input)
     batch = Batch(api_key_id=key.id, model=tokenizer.model_name, webhook_url=body.webhook_url,
-                  metadata_=body.metadata, status="in_progress", in_progress_at=utcnow())
+                  metadata_=body.metadata, status="in_progress", in_progress_at=utcnow(), output_key=output_key,
+                  source_key=source_key)
     session.add(batch)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError:  # a concurrent request took the output first: answer as if it had come before
+        session.rollback()
+        held = _output_holder(session, key, output_key, source_key, False, output.uri)
+        if held is None:
+            raise ServiceError(409, "output_in_use", f"another batch was being created for {output.uri}; "
+                                                     "send it again") from None
+        return held, False
     # Each object's format is checked as it is planned (format_of); the batch keeps the one given, if any.
     batch.source = {**options.to_json(), "input": body.input}
     batch.output_uri = output.child(batch.id).uri
@@ -104,7 +128,31 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     batch.total = rows if known else 0
     session.commit()
     session.refresh(batch)
-    return batch
+    return batch, True
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: str, overwrite: bool,
+                   uri: str) -> Batch | None:
+    """The key's batch holding this output if the request is its re-run, else None (the output is free; with
+    `overwrite` a completed holder gives it up, in the caller's transaction). Another input, or an overwrite
+    of a running batch, is refused naming the holder."""
+    holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == output_key))
+    if holder is None:
+        return None
+    if holder.source_key == source_key and not overwrite:
+        return holder
+    if overwrite and holder.status == "completed":
+        holder.output_key = None
+        session.flush()  # before the new batch takes it
+        return None
+    message = f"batch {holder.id} is still running into {uri}: cancel it first" if overwrite else \
+        f"{uri} is the output of batch {holder.id}, which has another input or options: choose another output, " \
+        "or overwrite it (`overwrite`, the CLI's --overwrite) once that batch has ended"
+    raise ServiceError(409, "output_in_use", message, batch_id=holder.id)
 
 
 def _chunk_row(batch_id: str, index: int, chunk: PlannedChunk) -> dict:
@@ -415,48 +463,65 @@ def remove_lost_attempts(chunk: ClaimedChunk) -> None:
 def read_reference(session: Session, batch: Batch) -> BatchOut:
     """The batch with its chunks' progress: rows and items done (running chunks' so far, as their workers last
     wrote it), chunks done and in flight, an ETA."""
-    by_status = {status: (n, rows, failed, items) for status, n, rows, failed, items in session.execute(
-        select(Chunk.status, func.count(), func.coalesce(func.sum(Chunk.rows_done), 0),
-               func.coalesce(func.sum(Chunk.rows_failed), 0), func.coalesce(func.sum(Chunk.items_done), 0))
+    by_status = {row.status: row for row in session.execute(
+        select(Chunk.status, func.count().label("n"), func.coalesce(func.sum(Chunk.rows_done), 0).label("rows"),
+               func.coalesce(func.sum(Chunk.rows_failed), 0).label("failed"),
+               func.coalesce(func.sum(Chunk.items_done), 0).label("items"),
+               func.coalesce(func.sum(Chunk.rows_total), 0).label("rows_total"),
+               func.coalesce(func.sum(Chunk.stop - Chunk.start), 0).label("span"))
         .where(Chunk.batch_id == batch.id).group_by(Chunk.status))}
-    n = {s: v[0] for s, v in by_status.items()}
-    rows_done = sum(v[1] for v in by_status.values())
-    rows_failed = sum(v[2] for v in by_status.values())
-    items_done = sum(v[3] for v in by_status.values())
-    chunks = ChunkCounts(total=batch.chunks_total, done=n.get("succeeded", 0) + n.get("failed", 0),
-                         in_flight=n.get("running", 0), failed=n.get("failed", 0), cancelled=n.get("cancelled", 0))
+
+    def summed(field: str, *statuses: str) -> int:  # over these statuses, or all; int(): Postgres sums as numeric
+        return sum(int(getattr(row, field)) for status, row in by_status.items() if status in (statuses or by_status))
+
+    rows_done, rows_failed, items_done = summed("rows"), summed("failed"), summed("items")
+    cancelled_rows = summed("rows_total", "cancelled")
+    live = batch.status in ("in_progress", "cancelling")
+    # Only a batch in progress has chunks cut into pieces (split_chunk).
+    chunks = ChunkCounts(total=batch.chunks_total, total_final=batch.status != "in_progress",
+                         done=summed("n", "succeeded", "failed"), in_flight=summed("n", "running"),
+                         failed=summed("n", "failed"), cancelled=summed("n", "cancelled"))
+    if not live:
+        items_total = items_done
+    elif batch.total:  # known rows (Parquet) are a pair table's, one item each: those not failed nor cancelled
+        items_total = batch.total - rows_failed - summed("rows_total", "failed", "cancelled")
+    else:
+        items_total = 0  # unknown until every chunk has been read
     delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
                               .order_by(WebhookDelivery.created_at.desc()).limit(1))
-    cancelled_rows = session.scalar(select(func.coalesce(func.sum(Chunk.rows_total), 0)).where(
-        Chunk.batch_id == batch.id, Chunk.status == "cancelled")) or 0
-    eta = _eta(session, batch, chunks, rows_done, cancelled_rows) \
-        if batch.status in ("in_progress", "cancelling") else None
+    eta = _eta(session, batch, rows_done, cancelled_rows, summed("span", "succeeded", "failed"),
+               summed("span") - summed("span", "cancelled")) if live else None
+    output = Location.parse(batch.output_uri)
     return BatchOut(
         id=batch.id, status=batch.status, model=batch.model,
         counts=BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
                            cancelled=cancelled_rows),
-        progress=Progress(items_done=items_done, items_total=items_done if batch.status == "completed" else 0),
+        progress=Progress(items_done=items_done, items_total=items_total),
         created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
         finished_at=_utc(batch.finished_at),
         error=ErrorInfo(code=batch.error_code, message=batch.error_message or "") if batch.error_code else None,
         webhook_url=batch.webhook_url,
         webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
         metadata=batch.metadata_, chunks=chunks, output=batch.output_uri, eta_seconds=eta,
+        manifest=None if live else output.child("_manifest.json").uri,
         rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
 
 
-def _eta(session: Session, batch: Batch, chunks: ChunkCounts, rows_done: int, cancelled_rows: int) -> float | None:
+def _eta(session: Session, batch: Batch, rows_done: int, cancelled_rows: int, span_done: int,
+         span_total: int) -> float | None:
     """Seconds left at the rate so far, over the time since the batch's first chunk started: by rows where the
-    batch's rows are known (Parquet), else by the share of its chunks done (a running chunk by its rows done
-    of its rows). None until some rows are done."""
+    batch's rows are known (Parquet), else by the share of the input's bytes done (a running chunk by its rows
+    done of its rows): totals that cutting chunks into pieces leaves as they are. None until some rows are
+    done."""
     started = session.scalar(select(func.min(Chunk.started_at)).where(Chunk.batch_id == batch.id))
     if batch.total:
         done, total = float(rows_done), batch.total - cancelled_rows
     else:
-        running = session.execute(select(Chunk.rows_done, Chunk.rows_total).where(
+        running = session.execute(select(Chunk.start, Chunk.stop, Chunk.rows_done, Chunk.rows_total).where(
             Chunk.batch_id == batch.id, Chunk.status == "running", Chunk.rows_done > 0)).all()
-        done = chunks.done + sum(min(1.0, r.rows_done / r.rows_total) for r in running if r.rows_total)
-        total = batch.chunks_total - chunks.cancelled
+        done = span_done + sum((r.stop - r.start) * min(1.0, r.rows_done / r.rows_total) for r in running
+                               if r.rows_total)
+        total = span_total
     return eta_seconds(done, total, started)
 
 
@@ -466,8 +531,9 @@ def cancel_reference(session: Session, batch: Batch) -> Batch:
     manifest of what was done."""
     if batch.status not in ("in_progress", "cancelling"):
         raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
+    # A cancelled batch gives its output up: the same command run again starts a new batch.
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
-                    .values(status="cancelling"))
+                    .values(status="cancelling", output_key=None))
     cancelled = session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id == batch.id, _CHUNKS.status == "queued")
                                 .values(status="cancelled", finished_at=utcnow())).rowcount
     count(session, "chunks_finished", cancelled, label="cancelled")
