@@ -164,6 +164,15 @@ def device_groups(chips: Chips, tensor_parallel: int, devices: int | None = None
     return groups, left
 
 
+def describe(chips: Chips, tensor_parallel: int, groups: list[DeviceGroup], left: tuple[str, ...]) -> list[str]:
+    """The plan as `worker --devices` prints it: a summary line, then each worker's chips and variables."""
+    lines = [f"{len(chips.ids)} {chips.platform} chips, TENSOR_PARALLEL={tensor_parallel}: {len(groups)} workers ("
+             f"{', '.join(group.name for group in groups)})" + (f"; chips {','.join(left)} left idle" if left else "")]
+    lines += [f"worker {i}: {group.name}  " + " ".join(f"{k}={v}" for k, v in group.env.items())
+              for i, group in enumerate(groups)]
+    return lines
+
+
 @dataclass
 class _Child:
     group: DeviceGroup
