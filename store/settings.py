@@ -1,7 +1,9 @@
 """All configuration, from environment variables (one place, pydantic-settings)."""
 
 import json
+import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -39,7 +41,8 @@ class Settings(BaseSettings):
     max_tokens: int = 4_000_000
     # Tokens per packed pass (None: the engine's default for the backend).
     pass_tokens: int | None = None
-    # bfloat16 on accelerators (contract: within 5e-2 of float32); float32 on CPU, where bfloat16 is not faster.
+    # bfloat16 on accelerators (no further from float32 than transformers' own bfloat16: docs/score-semantics.md);
+    # float32 on CPU, where bfloat16 is not faster.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # auto: Pallas kernels on TPU and GPU (the XLA path where a kernel does not compile), XLA on CPU.
     attention: Literal["auto", "xla", "pallas"] = "auto"
@@ -52,7 +55,10 @@ class Settings(BaseSettings):
     # largest pass (core.scorer.device_prefix_cache_bytes).
     prefix_cache_bytes: int | None = None
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
-    compile_cache_dir: str | None = None
+    # One folder per host by default, which that host's workers share (a program compiled by one is loaded by the
+    # others); empty: no cache.
+    compile_cache_dir: str = Field(default_factory=lambda: str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packscore" / "compile"))
     # ladder: a starting worker compiles (or loads from COMPILE_CACHE_DIR) every program of the pass-shape
     # ladder before it takes work, and /readyz says "warming" meanwhile; none: programs compile when first met.
     warmup: Literal["ladder", "none"] = "ladder"
