@@ -271,20 +271,23 @@ def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> Non
             _fallback_cost(report, section, config, model, contract)
         if options.profile:
             profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot load or run here is this host's failure
+        report.add(section, "fail", f"{type(exc).__name__}: {str(exc)[:2000]}")
     finally:
         logging.getLogger("core.attention").removeHandler(warnings)
 
 
 def _fit(report: Report, section: str, scorer: Scorer, weight_bytes: int, budget: int, where: str) -> None:
-    """Weights, the prefix cache and the largest pass's buffers (Scorer.pass_bytes, per chip as much as the
-    whole: activations are not all split) against the group's memory."""
+    """Weights, the prefix cache and the largest pass's buffers against the group's memory. Each chip of a
+    split model is counted the whole pass's buffers (Scorer.pass_bytes): not all of them split."""
+    n = scorer.tensor_parallel
     cache, pass_bytes = scorer.prefix_cache_bytes, scorer.pass_bytes()
-    total = weight_bytes + cache + pass_bytes
+    total = weight_bytes + cache + n * pass_bytes
     fits = total <= budget
     report.add(section, "ok" if fits else "fail",
                f"{'fits' if fits else 'does not fit'}: weights {_gb(weight_bytes)} + prefix cache {_gb(cache)} + "
-               f"largest pass {_gb(pass_bytes)} ({scorer.pass_tokens} tokens) = {_gb(total)} of {_gb(budget)} "
-               f"({where}); TENSOR_PARALLEL={scorer.tensor_parallel}, {scorer.dtype.name}",
+               f"largest pass {_gb(pass_bytes)} ({scorer.pass_tokens} tokens){f' x {n} chips' if n > 1 else ''} = "
+               f"{_gb(total)} of {_gb(budget)} ({where}); TENSOR_PARALLEL={n}, {scorer.dtype.name}",
                fits=fits, weight_bytes=weight_bytes, prefix_cache_bytes=cache, pass_bytes=pass_bytes,
                total_bytes=total, budget_bytes=budget)
 
@@ -408,9 +411,13 @@ def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> Non
         files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
         events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     ops = [e for e in events if e.get("ph") == "X" and e.get("dur")
            and (e.get("args", {}).get("hlo_op") or processes.get(e["pid"], "").startswith("/device:"))]
-    on_device = [e for e in ops if processes.get(e["pid"], "").startswith("/device:")]
+    # A device's module and step lines span its ops: only the op lines count.
+    on_device = [e for e in ops if processes.get(e["pid"], "").startswith("/device:")
+                 and not re.search(r"Module|Step|Framework|TraceMe|Source", threads.get((e["pid"], e.get("tid")), ""))]
     source = "trace: device ops" if on_device else "trace: XLA's CPU ops on the host's threads (no device ops)"
     per_kind: dict[str, float] = defaultdict(float)
     spans = []

@@ -78,7 +78,8 @@ def test_check_reports_a_good_host_and_fails_for_each_reason() -> None:
     assert good["code"] == 0, text
     assert "[  ok] plan: 4 cpu chips, TENSOR_PARALLEL=2: 2 workers (cpu:0,1, cpu:2,3)" in text
     assert "[  ok] devices: 4 x cpu (cpu)" in text
-    assert "model tiny-random: fits: weights" in text and "(host RAM / 2 workers); TENSOR_PARALLEL=2" in text
+    assert "model tiny-random: fits: weights" in text and "x 2 chips" in text
+    assert "(host RAM / 2 workers); TENSOR_PARALLEL=2" in text
     assert "model tiny-random: attention: xla" in text
     scores = next(line for line in text.splitlines() if "scores: max |log-prob - CPU float32|" in line)
     assert scores.startswith("[  ok]") and float(scores.split("CPU float32| ")[1].split()[0]) <= 1e-5, scores
