@@ -214,6 +214,8 @@ class CheckOptions:
 
 
 def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> None:
+    """The model on the first TENSOR_PARALLEL devices, as a worker would load it: its fit, attention path,
+    scores and speed (and profile), as findings of its own section."""
     section = f"model {model.name}"
     config = ModelSource.resolve(model.source, model.cache_dir).config()
     n = model.tensor_parallel

@@ -52,6 +52,7 @@ NOTES = {
     "test_webhook_dns_live.py": "a live worker and a DNS server of the test",
     "test_first_hour.py": "the bundled model's tokenizer; a subprocess start",
     "test_lake_turns.py": "reference and uploaded batches run by in-process workers",
+    "test_check.py": "one subprocess on 4 host devices: packscore check four times (compiles, a CPU reference)",
     "test_tensor_parallel.py": "one subprocess on 4 host devices: compiles at N = 1, 2, 4 for three families",
     "test_worker_supervisor.py": "a supervisor's two worker processes: start-ups, a kill and a restart",
 }
