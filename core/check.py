@@ -136,7 +136,13 @@ def check_caches(report: Report, compile_cache_dir: str | None, model_cache_dir:
         # As a worker does (worker/scorer.py): the check's programs are the workers', so they start warm.
         jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    ggufs = [s for s in sources if ModelSource.resolve(s).kind == "gguf"]
+    ggufs = []
+    for source in sources:
+        try:
+            if ModelSource.resolve(source).kind == "gguf":
+                ggufs.append(source)
+        except Exception:  # noqa: BLE001 - a source that cannot be read fails in its model's check
+            pass
     if not ggufs:
         report.add("caches", "ok", "MODEL_CACHE_DIR: no GGUF model, nothing to convert")
     elif not model_cache_dir:
@@ -217,6 +223,17 @@ def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> Non
     """The model on the first TENSOR_PARALLEL devices, as a worker would load it: its fit, attention path,
     scores and speed (and profile), as findings of its own section."""
     section = f"model {model.name}"
+    warnings = _Warnings()
+    logging.getLogger("core.attention").addHandler(warnings)
+    try:
+        _check_model(report, section, model, options, warnings)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot load or run here is this host's failure
+        report.add(section, "fail", f"{type(exc).__name__}: {str(exc)[:2000]}")
+    finally:
+        logging.getLogger("core.attention").removeHandler(warnings)
+
+
+def _check_model(report: Report, section: str, model: ModelCheck, options: CheckOptions, warnings: _Warnings) -> None:
     config = ModelSource.resolve(model.source, model.cache_dir).config()
     n = model.tensor_parallel
     devices = jax.devices()
@@ -243,40 +260,33 @@ def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> Non
                    weight_bytes=weight_bytes, budget_bytes=budget)
         return
 
-    warnings = _Warnings()
-    logging.getLogger("core.attention").addHandler(warnings)
-    try:
-        reference, transformers = cpu_reference(model.source, model.cache_dir, SCORE_SHAPE, options.seed,
-                                                options.tolerance is None and model.dtype == "bfloat16")
-        scorer = Scorer.from_pretrained(model.source, model.cache_dir, name=model.name, dtype=model.dtype,
-                                        attention=model.attention, tensor_parallel=n, pass_tokens=model.pass_tokens,
-                                        prefix_cache_bytes=model.prefix_cache_bytes, max_programs=model.max_programs)
-        _fit(report, section, scorer, weight_bytes, budget, where)
-        logprobs = scorer.logprobs(*seeded_request(scorer.vocab_size, SCORE_SHAPE, options.seed))
-        fallback = _path(report, section, scorer, warnings.messages)
-        diff = float(np.abs(logprobs - reference).max())
-        if options.tolerance is not None:
-            tolerance, rule = options.tolerance, "--tolerance"
-        elif transformers is not None:
-            tolerance, rule = float(np.abs(transformers - reference).max()), "transformers' bfloat16 on this request"
-        else:
-            tolerance, rule = BF16_TOLERANCE, "the bfloat16 bound of docs/score-semantics.md"
-        report.add(section, "ok" if diff <= tolerance else "fail",
-                   f"scores: max |log-prob - CPU float32| {diff:.2e} on a seeded request (P,N,L = "
-                   f"{','.join(map(str, SCORE_SHAPE))}; {model.dtype}), tolerance {tolerance:.2e} ({rule})",
-                   max_abs_diff=diff, tolerance=tolerance, tolerance_from=rule, shape=SCORE_SHAPE)
-        contract = CONTRACT if options.full_contract or not on_cpu else CPU_SHAPE
-        shapes = [("contract", contract)] + ([("given", options.shape)] if options.shape else [])
-        for label, shape in shapes:
-            _speed(report, section, scorer, label, shape, options, on_cpu)
-        if fallback:
-            _fallback_cost(report, section, config, model, contract)
-        if options.profile:
-            profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed))
-    except Exception as exc:  # noqa: BLE001 - a model that cannot load or run here is this host's failure
-        report.add(section, "fail", f"{type(exc).__name__}: {str(exc)[:2000]}")
-    finally:
-        logging.getLogger("core.attention").removeHandler(warnings)
+    reference, transformers = cpu_reference(model.source, model.cache_dir, SCORE_SHAPE, options.seed,
+                                            options.tolerance is None and model.dtype == "bfloat16")
+    scorer = Scorer.from_pretrained(model.source, model.cache_dir, name=model.name, dtype=model.dtype,
+                                    attention=model.attention, tensor_parallel=n, pass_tokens=model.pass_tokens,
+                                    prefix_cache_bytes=model.prefix_cache_bytes, max_programs=model.max_programs)
+    _fit(report, section, scorer, weight_bytes, budget, where)
+    logprobs = scorer.logprobs(*seeded_request(scorer.vocab_size, SCORE_SHAPE, options.seed))
+    fallback = _path(report, section, scorer, warnings.messages)
+    diff = float(np.abs(logprobs - reference).max())
+    if options.tolerance is not None:
+        tolerance, rule = options.tolerance, "--tolerance"
+    elif transformers is not None:
+        tolerance, rule = float(np.abs(transformers - reference).max()), "transformers' bfloat16 on this request"
+    else:
+        tolerance, rule = BF16_TOLERANCE, "the bfloat16 bound of docs/score-semantics.md"
+    report.add(section, "ok" if diff <= tolerance else "fail",
+               f"scores: max |log-prob - CPU float32| {diff:.2e} on a seeded request (P,N,L = "
+               f"{','.join(map(str, SCORE_SHAPE))}; {model.dtype}), tolerance {tolerance:.2e} ({rule})",
+               max_abs_diff=diff, tolerance=tolerance, tolerance_from=rule, shape=SCORE_SHAPE)
+    contract = CONTRACT if options.full_contract or not on_cpu else CPU_SHAPE
+    shapes = [("contract", contract)] + ([("given", options.shape)] if options.shape else [])
+    for label, shape in shapes:
+        _speed(report, section, scorer, label, shape, options, on_cpu)
+    if fallback:
+        _fallback_cost(report, section, config, model, contract)
+    if options.profile:
+        profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed))
 
 
 def _fit(report: Report, section: str, scorer: Scorer, weight_bytes: int, budget: int, where: str) -> None:
