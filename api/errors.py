@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # Documented on every authenticated route, so the OpenAPI schema lists the statuses and body clients will see.
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorBody, "description": description} for status, description in (
-        (400, "Invalid request: the engine's error codes (score-semantics.md) or `invalid_webhook_url`"),
+        (400, "Invalid request: the engine's error codes (docs/score-semantics.md) or `invalid_webhook_url`"),
         (401, "Missing or wrong API key"),
         (404, "No such resource for this key"),
         (409, "Conflict: `idempotency_conflict`, `job_finished`..."),

@@ -14,12 +14,14 @@ with R requests of the P/N/L shape (a backfill's short lines: `-R 17 -P 40 -N 2 
 `--accelerator-check`: for a host with an accelerator (runs as it is on a TPU VM or a GPU server): the
 P/N/L request scored on the devices with the model on one chip and, where there are several, split over
 the fewest more that it splits into (2 for most models; see core.sharding), each against the same
-request scored in float32 on this host's CPU (a subprocess), with the bfloat16 tolerance of
-score-semantics.md (5e-2); items/s of the packed request with its query computed. Exits 1 if a
-check fails.
+request scored in float32 on this host's CPU (a subprocess), with the bfloat16 rule of
+docs/score-semantics.md: no further from it than transformers' own bfloat16 model, scored on the CPU in
+the same subprocess where PyTorch is installed, else than the bound measured there (BF16_TOLERANCE);
+items/s of the packed request with its query computed. Exits 1 if a check fails.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.requests import ModelSource, bundled_model_path
+from core.requests import ModelSource
 from core.scorer import Scorer
 
 
@@ -92,14 +94,24 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return float(np.median(times)), result
 
 
-def transformers_prefix_cache(query: list[int], items: list[list[int]], labels: list[int]) -> tuple[float, np.ndarray]:
-    """What a user would write with transformers: prefill the query once, then each item on its KV cache."""
+def transformers_model(source: ModelSource, dtype: str):  # type: ignore[no-untyped-def]
+    """transformers' PyTorch model of a GGUF file or a Hugging Face folder, in `dtype`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = bundled_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    if source.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                     dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def transformers_prefix_cache(query: list[int], items: list[list[int]], labels: list[int]) -> tuple[float, np.ndarray]:
+    """What a user would write with transformers: prefill the query once, then each item on its KV cache."""
+    import torch
+
+    model = transformers_model(ModelSource.resolve("smollm2-135m"), "float32")
 
     def run():
         out = np.zeros((len(items), len(labels)))
@@ -168,7 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.cpu_reference:
         scorer = Scorer.from_pretrained(args.model, dtype="float32")
-        np.save(args.cpu_reference, scorer.logprobs(*check_request(scorer.vocab_size, args)))
+        request = check_request(scorer.vocab_size, args)
+        np.save(args.cpu_reference, scorer.logprobs(*request))
+        del scorer  # its weights go before transformers' model loads
+        source = ModelSource.resolve(args.model)
+        if source.kind != "tiny-random" and importlib.util.find_spec("torch") is not None:
+            np.save(transformers_file(args.cpu_reference),
+                    transformers_logprobs(transformers_model(source, "bfloat16"), *request))
         return {}
     if args.accelerator_check:
         report = accelerator_check(args)
@@ -247,7 +265,28 @@ def one_request(scorer: Scorer, rng: np.random.Generator, args: argparse.Namespa
     return flops / packed_s
 
 
-BF16_TOLERANCE = 5e-2  # score-semantics.md: bfloat16 against float32
+# docs/score-semantics.md's bfloat16 rule where PyTorch is not installed to measure transformers' bfloat16 on the
+# request itself: the least distance from float32 that transformers' bfloat16 showed on the bundled model for the
+# 300-token queries measured there (0.145 to 0.219).
+BF16_TOLERANCE = 0.145
+
+
+def transformers_file(reference: str) -> str:
+    return reference.removesuffix(".npy") + "-transformers-bfloat16.npy"
+
+
+def transformers_logprobs(model, query: list[int], items: list[list[int]],  # type: ignore[no-untyped-def]
+                          labels: list[int]) -> np.ndarray:
+    """log P(label | query + item) from transformers' model. The check's items have one length: no padding."""
+    import torch
+
+    out = np.zeros((len(items), len(labels)))
+    with torch.inference_mode():
+        for start in range(0, len(items), 8):
+            batch = torch.tensor([query + item for item in items[start: start + 8]])
+            logits = model(batch, logits_to_keep=1).logits[:, -1].double()
+            out[start: start + len(batch)] = torch.log_softmax(logits, -1)[:, labels].numpy()
+    return out
 
 
 def check_request(vocab: int, args: argparse.Namespace) -> tuple[list[int], list[list[int]], list[int]]:
@@ -270,9 +309,14 @@ def accelerator_check(args: argparse.Namespace) -> dict:
                         str(args.query_tokens), "--items", str(args.items), "--item-tokens", str(args.item_tokens),
                         "--seed", str(args.seed), "--cpu-reference", reference_file], check=True, env=env)
         reference = np.load(reference_file)
+        measured = os.path.exists(transformers_file(reference_file))
+        tolerance = (float(np.abs(np.load(transformers_file(reference_file)) - reference).max()) if measured
+                     else BF16_TOLERANCE)
     report: dict = {"machine": {"backend": jax.default_backend(), "devices": [str(d) for d in devices]},
                     "config": {"model": args.model, "dtype": args.dtype, "P": args.query_tokens, "N": args.items,
-                               "L": args.item_tokens}, "tolerance": BF16_TOLERANCE, "runs": []}
+                               "L": args.item_tokens}, "tolerance": tolerance,
+                    "tolerance_from": ("transformers' bfloat16 on this host's CPU" if measured else
+                                       "the bound of docs/score-semantics.md (no PyTorch here)"), "runs": []}
     splits = sharding.valid_sizes(ModelSource.resolve(args.model).config(), len(devices))
     sizes = [1] + [n for n in splits if n > 1][:1]
     logprobs = {}
@@ -289,7 +333,7 @@ def accelerator_check(args: argparse.Namespace) -> dict:
         diff = float(np.abs(logprobs[n] - reference).max())
         report["runs"].append({"tensor_parallel": n, "attention_path": scorer.attention_path,
                                "items_per_s": round(args.items / seconds, 1), "seconds": round(seconds, 4),
-                               "max_abs_diff_vs_cpu_float32": diff, "ok": diff <= BF16_TOLERANCE})
+                               "max_abs_diff_vs_cpu_float32": diff, "ok": diff <= tolerance})
     if len(sizes) > 1:
         report["max_abs_diff_n1_vs_n"] = float(np.abs(logprobs[sizes[0]] - logprobs[sizes[1]]).max())
     report["ok"] = all(run["ok"] for run in report["runs"])

@@ -1,4 +1,4 @@
-"""The one exception type of the scoring contract (see score-semantics.md, Errors)."""
+"""The one exception type of the scoring contract (see docs/score-semantics.md, Errors)."""
 
 ERROR_CODES = (
     "empty_query",

@@ -268,7 +268,7 @@ _PROGRAMS = _Programs()
 
 
 class Scorer:
-    """Scores (query, items, label_token_ids) with one model. See README and score-semantics.md."""
+    """Scores (query, items, label_token_ids) with one model. See README and docs/score-semantics.md."""
 
     def __init__(self, config: ModelConfig, weights: dict | CausalLM, tokenizer, *, name: str, dtype: str = "float32",
                  attention: str = "auto", pass_tokens: int | None = None, block_q: int | None = None, block_k: int = 64,
@@ -389,7 +389,7 @@ class Scorer:
         return self._prefix_bytes
 
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
-        """Validates a request and tokenizes it as score-semantics.md says; raises ScoringError."""
+        """Validates a request and tokenizes it as docs/score-semantics.md says; raises ScoringError."""
         return self.requests.tokenize(query, items, label_token_ids, item_first)
 
     # ---- passes -------------------------------------------------------------------------
@@ -615,7 +615,7 @@ class Scorer:
 
     def score(self, query, items, label_token_ids, apply_softmax: bool = False, item_first: bool = False,
               mode: str = "packed") -> list[list[float]]:
-        """Scores as the reference engines' Score API returns them (see score-semantics.md)."""
+        """Scores as the reference engines' Score API returns them (see docs/score-semantics.md)."""
         lp = self.logprobs(query, items, label_token_ids, item_first, mode)
         return scores_from_logprobs(lp, apply_softmax).tolist()
 

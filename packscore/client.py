@@ -119,7 +119,7 @@ class _Calls(Generic[R]):
         return self._call("POST", "/v1/rerank", {**body, **({"instruction": instruction} if instruction else {})})
 
     def submit_job(self, request: dict, *, idempotency_key: str | None = None) -> R:
-        """POST /jobs with the body of score-semantics.md (plus return_logprobs, webhook_url, metadata), or a
+        """POST /jobs with the body of docs/score-semantics.md (plus return_logprobs, webhook_url, metadata), or a
         rerank body with `"kind": "rerank"`."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._call("POST", "/jobs", request, headers=headers)

@@ -25,7 +25,7 @@ class RerankTemplate:
     instruction: str  # used when a request gives none
     labels: tuple[str, ...] = ("yes", "no")  # the relevant answer first; one label: its probability
     # What comes between the prefix and the document, put at the start of each item, not at the end of the
-    # prefix: the query and each item are tokenized apart and joined in token space (score-semantics.md), and
+    # prefix: the query and each item are tokenized apart and joined in token space (docs/score-semantics.md), and
     # byte-level BPE tokenizers (SmolLM2's, Qwen3's) attach a word's leading space to the word ("ĠParis"). A
     # prefix ending in "Document: " would end in a lone "Ġ" token and the document would start with "Paris",
     # a split that tokenizing the whole prompt never makes; "Document:" + " Paris..." is the whole prompt's.

@@ -35,7 +35,7 @@ class _ValidUnicode(BaseModel):
 
 
 class ScoreInput(_ValidUnicode):
-    """The scoring request of score-semantics.md. Types are loose on purpose where the engine gives the
+    """The scoring request of docs/score-semantics.md. Types are loose on purpose where the engine gives the
     precise error code (mixed text/ids, empty lists, out-of-range ids)."""
 
     query: str | list[StrictInt]

@@ -1,5 +1,5 @@
 """The bundled SmolLM2 model: packed vs single mode vs Hugging Face transformers (PyTorch), with the
-tolerances of score-semantics.md, on text and token inputs."""
+tolerances of docs/score-semantics.md, on text and token inputs."""
 
 import os
 
@@ -55,7 +55,7 @@ def hf_logprobs(model, sequences: list[list[int]], labels: list[int]) -> np.ndar
 
 
 def sequences_of(scorer: Scorer, query, items, item_first=False) -> list[list[int]]:
-    """The scored sequences, built as score-semantics.md says (token space, piece by piece)."""
+    """The scored sequences, built as docs/score-semantics.md says (token space, piece by piece)."""
     req = scorer.tokenize(query, items, [0], item_first)
     return [list(i + req.query) if item_first else list(req.query + i) for i in req.items]
 
@@ -133,10 +133,27 @@ def test_chunked_request_reuses_prefix(hf_model):
     assert np.abs(lp - reference).max() <= ENGINE_VS_HF
 
 
-def test_bfloat16_close_to_float32(scorer):
+def test_bfloat16_no_further_from_float32_than_transformers(scorer, hf_model):
+    """docs/score-semantics.md's bfloat16 rule, on a request drawn as `core.bench -P 60 -N 6 -L 10` draws it: the
+    engine's bfloat16 is no further from its float32 than transformers' own bfloat16 model from its float32 one;
+    isolation stays exact in bfloat16."""
+    from core.bench import transformers_model
+    from core.requests import ModelSource
+
+    rng = np.random.default_rng(0)
+    query = rng.integers(10, 49152, 60).tolist()
+    items = [rng.integers(10, 49152, 10).tolist() for _ in range(6)]
+    labels = rng.integers(10, 49152, 4).tolist()
+    hf_bf16 = transformers_model(ModelSource.resolve("smollm2-135m"), "bfloat16")
+    sequences = [query + item for item in items]
+    transformers = np.abs(hf_logprobs(hf_bf16, sequences, labels) - hf_logprobs(hf_model, sequences, labels)).max()
     bf16 = Scorer.from_pretrained("smollm2-135m", CACHE, dtype="bfloat16")
-    args = ("Question: which city is the capital of France? Answer:", [" Paris", " Rome", ""], [PARIS, 314])
-    assert np.abs(bf16.logprobs(*args) - scorer.logprobs(*args)).max() <= 5e-2
+    lp = bf16.logprobs(query, items, labels)
+    assert np.abs(lp - scorer.logprobs(query, items, labels)).max() <= transformers
+    other = list(items)
+    other[2] = rng.integers(10, 49152, 17).tolist()  # other content and length
+    keep = np.arange(len(items)) != 2
+    assert np.abs(bf16.logprobs(query, other, labels)[keep] - lp[keep]).max() <= 1e-5
 
 
 def test_isolation_on_the_real_model(scorer):

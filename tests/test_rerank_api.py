@@ -170,7 +170,7 @@ def test_templates(tmp_path: Path) -> None:
 @pytest.mark.parametrize("document", ["Paris is the capital of France.", "(aside) text", "1984 was a year.", "",
                                       "  spaced  ", "Ünïcode café"])
 def test_prompt_tokens_are_the_whole_prompts(document: str) -> None:
-    """tokens(query) + tokens(item), joined in token space as score-semantics.md says, are the tokens of the
+    """tokens(query) + tokens(item), joined in token space as docs/score-semantics.md says, are the tokens of the
     whole prompt: no lone space token at the end of the prefix, none missing at the start of the document."""
     from store.schemas import RerankInput
 

@@ -12,7 +12,7 @@ from tests.service_harness import Service
 
 CASES = int(os.environ.get("PACKSCORE_FUZZ_CASES", 1000))
 # Schema-valid is not always valid: an empty query, empty label list or token id past the vocabulary passes the
-# JSON schema and gets the engine's typed 400 (score-semantics.md), which this check would call a rejection.
+# JSON schema and gets the engine's typed 400 (docs/score-semantics.md), which this check would call a rejection.
 # And for schema-invalid requests, "must be rejected" misfires twice over: our Authorization header replaces
 # schemathesis's mutation of it, and unknown query parameters are ignored (as most HTTP APIs do). Invalid bodies
 # are checked for rejection by test_security_inputs.py; here they must still get no 5xx and a documented answer.
