@@ -35,8 +35,8 @@ from core.scorer import _PROGRAMS, Scorer
 # shape takes minutes there, and the check is meant to take two.
 CONTRACT = (aot.CONTRACT["query_tokens"], aot.CONTRACT["items"], aot.CONTRACT["item_tokens"])
 CPU_SHAPE = (500, 100, 20)
-# The request whose scores are compared with the CPU's float32 ones: small, because the reference runs on
-# the host's CPU even for a model meant for accelerators.
+# The request whose scores are compared with the CPU's float32 ones, unless a shape is given: small, because the
+# reference runs on the host's CPU even for a model meant for accelerators.
 SCORE_SHAPE = (500, 32, 20)
 # JAX device kinds -> core.aot's targets, for the Pallas kernels' roofline estimate (the cost of a fallback).
 AOT_TARGETS = (("v6", "tpu-v6e"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("h100", "cuda-h100"))
@@ -260,13 +260,14 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
                    weight_bytes=weight_bytes, budget_bytes=budget)
         return
 
-    reference, transformers = cpu_reference(model.source, model.cache_dir, SCORE_SHAPE, options.seed,
+    score_shape = options.shape or SCORE_SHAPE
+    reference, transformers = cpu_reference(model.source, model.cache_dir, score_shape, options.seed,
                                             options.tolerance is None and model.dtype == "bfloat16")
     scorer = Scorer.from_pretrained(model.source, model.cache_dir, name=model.name, dtype=model.dtype,
                                     attention=model.attention, tensor_parallel=n, pass_tokens=model.pass_tokens,
                                     prefix_cache_bytes=model.prefix_cache_bytes, max_programs=model.max_programs)
     _fit(report, section, scorer, weight_bytes, budget, where)
-    logprobs = scorer.logprobs(*seeded_request(scorer.vocab_size, SCORE_SHAPE, options.seed))
+    logprobs = scorer.logprobs(*seeded_request(scorer.vocab_size, score_shape, options.seed))
     fallback = _path(report, section, scorer, warnings.messages)
     diff = float(np.abs(logprobs - reference).max())
     if options.tolerance is not None:
@@ -277,8 +278,8 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
         tolerance, rule = BF16_TOLERANCE, "the bfloat16 bound of docs/score-semantics.md"
     report.add(section, "ok" if diff <= tolerance else "fail",
                f"scores: max |log-prob - CPU float32| {diff:.2e} on a seeded request (P,N,L = "
-               f"{','.join(map(str, SCORE_SHAPE))}; {model.dtype}), tolerance {tolerance:.2e} ({rule})",
-               max_abs_diff=diff, tolerance=tolerance, tolerance_from=rule, shape=SCORE_SHAPE)
+               f"{','.join(map(str, score_shape))}; {model.dtype}), tolerance {tolerance:.2e} ({rule})",
+               max_abs_diff=diff, tolerance=tolerance, tolerance_from=rule, shape=score_shape)
     contract = CONTRACT if options.full_contract or not on_cpu else CPU_SHAPE
     shapes = [("contract", contract)] + ([("given", options.shape)] if options.shape else [])
     for label, shape in shapes:
@@ -450,9 +451,10 @@ def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> Non
     per_kind["host gaps"] = max(wall_us - busy, 0.0)
     table = {k: round(per_kind.get(k, 0.0) / 1e3, 2)
              for k in ("matmuls", "attention kernel", "element-wise", "copies", "host gaps")}
-    lines = "; ".join(f"{k} {v:.1f} ms" for k, v in table.items())
-    report.add(section, "info", f"profile ({source}; ms over one request of {wall_us / 1e3:.0f} ms, ops on "
-               f"parallel threads add up): {lines}", profile_ms=table, source=source, wall_ms=round(wall_us / 1e3, 2))
+    total = sum(table.values()) or 1.0
+    rows = "".join(f"\n         {k:<18}{v:>12.1f} ms {100 * v / total:>6.1f}%" for k, v in table.items())
+    report.add(section, "info", f"profile ({source}; one request, {wall_us / 1e3:.0f} ms; ops on parallel threads "
+               f"add up):{rows}", profile_ms=table, source=source, wall_ms=round(wall_us / 1e3, 2))
 
 
 def main(argv: list[str] | None = None) -> None:
