@@ -153,6 +153,52 @@ def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settin
         release("lanes-worker", lake_settings, held, None)
 
 
+def test_a_reference_batch_behind_a_running_upload_is_taken_at_once(client, make_key, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    """Issue 44: with no chunk to run, each claim of an upload's rounds began a new uploads' turn of
+    BATCH_CHUNK_SECONDS, so a reference batch submitted then waited that long (82 s against 15 s alone)."""
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    upload = client.post("/batches", json={"requests": [
+        {"custom_id": f"u{i}", "query": f"uploaded question {i}?", "items": ["a", "b"], "label_token_ids": LABELS}
+        for i in range(40)]}, headers=auth(key))
+    assert upload.status_code == 201, upload.text
+    feed = ChunkFeed(get_scorer(), "behind-upload-worker", lake_settings)
+    claimer = drain_module.Claimer("behind-upload-worker", lake_settings, 64, feed)
+    try:
+        for _ in range(2):  # the upload alone: its rounds, no chunk
+            claimed = claimer(False)
+            assert claimed and not isinstance(claimed[0], ChunkRequest)
+        reference = submit(client, key, root, "behind-running-upload", pair_table(4, 10))  # 2 chunks
+
+        def claim_until_chunk() -> tuple[list[str], list[ChunkRequest]]:
+            kinds: list[str] = []
+            for _ in range(4):  # the reader reads a chunk at one claim's look, a later one takes it
+                claimed = claimer(False)
+                if isinstance(claimed[0], ChunkRequest):
+                    return kinds, claimed
+                kinds.append("upload")
+                wait_for(lambda: feed._ready or not feed.busy(), "the reader")
+            raise AssertionError(f"no chunk taken: {kinds}")
+
+        _, first = claim_until_chunk()
+        assert batch_of(first) == reference["id"]
+        # The upload's rounds go on while the chunk runs; its turn after the chunk lasts as long as the chunk took
+        # (here: nothing), counted from when the chunk is done (counted from its take, it knew no chunk time yet
+        # and waited BATCH_CHUNK_SECONDS).
+        for _ in range(2):
+            assert not isinstance(claimer(False)[0], ChunkRequest)
+        score_all(first)
+        kinds, second = claim_until_chunk()
+        assert batch_of(second) == reference["id"] and kinds[0] == "upload", kinds  # the uploads had their turn
+    finally:
+        feed.close()
+        from store.jobqueue import release
+
+        with session_scope() as session:
+            held = list(session.scalars(text("SELECT id FROM jobs WHERE lease_owner = 'behind-upload-worker'")))
+        release("behind-upload-worker", lake_settings, held, None)
+
+
 def manifest_of(root: Path, name: str, batch_id: str) -> dict:
     return json.loads((root / f"out-{name}" / batch_id / "_manifest.json").read_text())
 

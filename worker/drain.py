@@ -381,8 +381,10 @@ class PassLoop:
                 if should_stop():
                     break
                 # Claims run ahead by a few passes: a claim and its decoding take longer than a pass on an
-                # accelerator, and the device must not run dry meanwhile.
-                short = self._pending_tokens() < CLAIM_AHEAD_PASSES * self.scorer.pass_tokens
+                # accelerator, and the device must not run dry meanwhile. Batch passes, not full ones: held
+                # work runs first, so a chunk (or another batch's round) claimed after 16 full passes' worth of
+                # 1,024-token batch passes waited all of them (a reference batch 82 s behind an upload).
+                short = self._pending_tokens() < CLAIM_AHEAD_PASSES * batch_pass_tokens(self.scorer, self.settings)
                 if claiming is None and (wake.is_set() or (short and not exhausted)):
                     wake.clear()
                     # With work in hand, or interactive jobs running (batch rounds wait for them, claims
@@ -461,8 +463,10 @@ class Claimer:
 
     def __init__(self, owner: str, settings: Settings, round_tokens: int, feed: lake.ChunkFeed | None = None) -> None:
         self.owner, self.settings, self.round_tokens, self.feed = owner, settings, round_tokens, feed
-        # When a chunk is due (monotonic); None: after a chunk, until the uploads' turn begins.
+        # When a chunk is due (monotonic); None: after a chunk, until the uploads' turn begins (at the first
+        # round claimed once that chunk is done: the turn lasts as long as the chunk took).
         self._chunk_due_at: float | None = 0.0
+        self._chunk_taken_at = 0.0
 
     def _uploads_turn(self) -> float:
         last = self.feed.last_chunk_seconds if self.feed else None
@@ -478,13 +482,14 @@ class Claimer:
         now = time.monotonic()
         due = self.feed is not None and self._chunk_due_at is not None and now >= self._chunk_due_at
         if due and (chunk := self.feed.take()):
-            self._chunk_due_at = None
+            self._chunk_due_at, self._chunk_taken_at = None, now
             return chunk
         if jobs := jobqueue.claim_batch_round(self.owner, settings, self.round_tokens):
-            # A chunk being read is the one whose turn it is: it stays due, taken at the next claim. Otherwise the
-            # uploads' turn begins after a chunk, or when one was due but there was none to run.
-            reading = due and self.feed.busy()
-            if not reading and (self._chunk_due_at is None or due):
+            # The uploads' turn begins once the chunk taken is done (begun at its take, the turn had no chunk time
+            # to go by and took BATCH_CHUNK_SECONDS). A chunk due but not there (being read, or none waiting) stays
+            # due: the next claim looks again (a new turn here left a batch submitted behind an upload a whole
+            # BATCH_CHUNK_SECONDS behind it: 82 s against 15 s alone).
+            if self._chunk_due_at is None and self.feed.last_chunk_done_at >= self._chunk_taken_at:
                 self._chunk_due_at = now + self._uploads_turn()
             return jobs
         self._chunk_due_at = now  # no upload waits: chunks run back to back

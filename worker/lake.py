@@ -163,6 +163,7 @@ class ChunkFeed:
         self._held: dict[tuple[str, int], lake.ClaimedChunk] = {}
         self._running: dict[tuple[str, int], ChunkWork] = {}  # taken by the pass loop: their progress is written
         self.last_chunk_seconds: float | None = None  # from take to the last request's scores
+        self.last_chunk_done_at = float("-inf")  # when a chunk taken was last done or handed back (monotonic)
         self._changed = threading.Condition()
         self._want = threading.Event()
         self._reading = False
@@ -342,11 +343,14 @@ class ChunkFeed:
     # ---- committing -------------------------------------------------------------------------------------
 
     def complete(self, work: ChunkWork) -> None:
+        self.last_chunk_done_at = time.monotonic()
         if work.taken_at:
-            self.last_chunk_seconds = time.monotonic() - work.taken_at
+            self.last_chunk_seconds = self.last_chunk_done_at - work.taken_at
         self._commits.put(work)
 
     def hand_back(self, work: ChunkWork, error: str | None) -> None:
+        if work.taken_at:
+            self.last_chunk_done_at = time.monotonic()
         self._commits.put(ChunkWork(work.chunk, None, self, over=True,
                                     input_error=None if error is None else InputError("", error)))
         # (a ChunkWork with no rows and an InputError with no code: handed back, see _commit)
