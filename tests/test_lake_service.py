@@ -220,6 +220,33 @@ def test_a_small_batch_behind_a_big_one_starts_within_a_chunk(service: Service, 
     wait_until(lambda: batch(service, big["id"])["status"] == "cancelled", 120, "the big batch to settle")
 
 
+def test_a_small_batch_behind_an_upload_starts_within_a_chunk(service: Service, root: Path) -> None:
+    """Issue 44: a 200-row reference batch behind a 2,000-line upload took 82 s, 15 s alone: with no chunk to
+    run, each claim of the upload's rounds began a new uploads' turn of BATCH_CHUNK_SECONDS (60 s); and the loop
+    held 16 full passes of upload lines ahead of anything it claimed next."""
+    if not service.live_workers():
+        service.start_worker()
+    lines = [{"custom_id": f"u{i}", "query": f"Uploaded question {i}: which one?", "items": ["a", "b", "c"],
+              "label_token_ids": LABELS} for i in range(3000)]
+    with service.http() as client:
+        response = client.post("/batches", json={"requests": lines})
+        assert response.status_code == 201, response.text
+        upload = response.json()
+    wait_until(lambda: batch(service, upload["id"])["counts"]["succeeded"] >= 50, 300, "the upload to be running")
+    started = time.monotonic()
+    small = submit(service, root, "small-behind-upload", pair_table(2, 20))  # 2 chunks
+    wait_until(lambda: batch(service, small["id"])["rows"]["done"] > 0, 300, "the small batch's first rows")
+    waited = time.monotonic() - started
+    behind = batch(service, upload["id"])
+    with service.http() as client:
+        client.post(f"/batches/{upload['id']}/cancel")
+    # Its first chunk within about a chunk's time (25 rows: a second or two, much more on a loaded host), the upload
+    # still running; not after a BATCH_CHUNK_SECONDS turn.
+    assert behind["status"] == "in_progress" and waited < 45, (waited, behind["counts"])
+    wait_until(lambda: batch(service, small["id"])["status"] == "completed", 300, "the small batch to complete")
+    wait_until(lambda: batch(service, upload["id"])["status"] in ("cancelled", "completed"), 300, "the upload to settle")
+
+
 @pytest.mark.alone  # an absolute bound: run with nothing beside it (Makefile: test)
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
     from worker.capacity import stop_processes
