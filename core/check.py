@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     scorer = Scorer.from_pretrained(args.source, args.cache_dir, dtype="float32")
     request = seeded_request(scorer.vocab_size, tuple(int(x) for x in args.shape.split(",")), args.seed)
     np.save(args.cpu_reference, scorer.logprobs(*request))
+    del scorer  # its weights go before transformers' model loads
     source = ModelSource.resolve(args.source, args.cache_dir)
     if args.transformers and source.kind != "tiny-random" and importlib.util.find_spec("torch") is not None:
         np.save(transformers_file(args.cpu_reference),
