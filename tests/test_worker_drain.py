@@ -522,6 +522,16 @@ def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
     middling = drain_module.RunningJob(ClaimedJob("m", PRIORITY_SYNC, scorer.model_name, None, None, None, None),
                                        scorer.tokenize("a query", [" item"] * 300, [5]), 0)
     assert loop._pass_budget([middling]) == 512  # the shortest pass that holds it (302 tokens)
+    # A host whose passes ran at the AVX2-only kind's pace (2.3 s per 1,024 tokens) cuts the passes a small call
+    # may wait for to what it runs in about CPU_WAIT_SECONDS; one at the AVX-512 kind's (0.7 s) keeps them.
+    loop._seconds_per_token = 2.3 / 1024
+    assert loop._pass_budget([big]) == 256
+    loop._interactive_at = time.monotonic()
+    assert loop._pass_budget([batch_job]) == 256
+    loop._interactive_at -= drain_module.INTERACTIVE_RECENT_SECONDS  # a backfill alone keeps its passes
+    assert loop._pass_budget([batch_job]) == 1024
+    loop._seconds_per_token = 0.7 / 1024
+    assert loop._pass_budget([big]) == 1024
     # BATCH_ROUND_TOKENS wins; accelerators (passes launched ahead) keep whole passes.
     assert drain_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}), True) == 256
     scorer.launches_ahead = True

@@ -45,6 +45,12 @@ URGENT_CLAIM_WAIT_SECONDS = 1.0
 # in 1,024-token passes than in 512 (`python -m worker.latency`: README, Performance).
 CPU_BATCH_PASS_TOKENS = 512
 INTERACTIVE_RECENT_SECONDS = 30.0
+# Hosts of one machine type differ 2-3x: on the AVX2-only kind a 1-item call beside a 3,000-item job waited 1.9 s
+# (p50) for 1,024-token passes. So on CPU the passes a small call may wait for (interactive ones, and batch ones
+# while interactive jobs come) are cut to what this host runs in about CPU_WAIT_SECONDS at the pace its passes
+# showed, down to MIN_CPU_PASS_TOKENS (shorter ones cost more in per-pass overhead than they save).
+CPU_WAIT_SECONDS = 0.8
+MIN_CPU_PASS_TOKENS = 256
 
 
 class ActiveJobs:
@@ -148,6 +154,8 @@ class PassLoop:
         self._urgent_busy = False  # a wake-up's claim is queued or running in the writer
         self._claim_again = False  # a wake-up came while it ran: it may have read the queue before that job
         self._interactive_at = float("-inf")  # when an interactive job was last admitted (monotonic)
+        self._seconds_per_token: float | None = None  # the recent passes' pace (CPU: see CPU_WAIT_SECONDS)
+        self._timed_shapes: set[tuple] = set()
 
     def _claim_now(self) -> None:
         with self._urgent_lock:
@@ -288,13 +296,23 @@ class PassLoop:
         bundled model), not a full one (3 s)."""
         if waiting and waiting[0].claimed.priority <= PRIORITY_BATCH:
             recently = time.monotonic() - self._interactive_at < INTERACTIVE_RECENT_SECONDS
-            return batch_pass_tokens(self.scorer, self.settings, recently)
-        longest = self.scorer.pass_tokens if self.scorer.launches_ahead else min(2 * CPU_BATCH_PASS_TOKENS,
-                                                                                  self.scorer.pass_tokens)
+            tokens = batch_pass_tokens(self.scorer, self.settings, recently)
+            return self._within_wait(tokens) if recently and self.settings.batch_round_tokens is None else tokens
+        longest = self.scorer.pass_tokens if self.scorer.launches_ahead else self._within_wait(
+            min(2 * CPU_BATCH_PASS_TOKENS, self.scorer.pass_tokens))
         fresh = sum(r.pending_tokens for r in waiting
                     if r.claimed.priority > PRIORITY_BATCH and len(r.pending) == r.request.n_items)
         lengths = self.scorer.pass_lengths
         return min(next((n for n in lengths if n >= fresh), lengths[-1]), longest) if fresh else longest
+
+    def _within_wait(self, tokens: int) -> int:
+        """On CPU, the longest pass length up to `tokens` that runs within CPU_WAIT_SECONDS at the recent pace
+        (at least MIN_CPU_PASS_TOKENS); `tokens` until a pass was timed, and on accelerators."""
+        pace = self._seconds_per_token
+        if self.scorer.launches_ahead or pace is None:
+            return tokens
+        fits = [n for n in self.scorer.pass_lengths if MIN_CPU_PASS_TOKENS <= n <= tokens and n * pace <= CPU_WAIT_SECONDS]
+        return max(fits, default=min(tokens, MIN_CPU_PASS_TOKENS))
 
     def _launch_next(self) -> _Launched | None:
         window, needed = self._window()
@@ -322,6 +340,12 @@ class PassLoop:
         """Waits for a launched pass, keeps its scores and queues its boundary writes."""
         result = launched.flight.result()
         lake.record_pass(result.tokens, result.seconds)
+        # A shape's first pass may have compiled its program; short passes are mostly per-pass overhead.
+        if result.shape_key in self._timed_shapes and result.tokens >= MIN_CPU_PASS_TOKENS:
+            pace = result.seconds / result.tokens
+            self._seconds_per_token = pace if self._seconds_per_token is None else \
+                0.7 * self._seconds_per_token + 0.3 * pace
+        self._timed_shapes.add(result.shape_key)
         touched: dict[str, RunningJob] = {}
         for part in result.scores:
             run, taken = launched.owners[part.request]
