@@ -64,6 +64,15 @@ def submit(client, key: str, root: Path, name: str, table: pa.Table, **extra) ->
     return response.json()
 
 
+def upload_lines(client, key: str, lines: int) -> dict:  # type: ignore[no-untyped-def]
+    """An uploaded batch (the JSON body form) of so many 2-item lines."""
+    response = client.post("/batches", json={"requests": [
+        {"custom_id": f"u{i}", "query": f"uploaded question {i}?", "items": ["a", "b"], "label_token_ids": LABELS}
+        for i in range(lines)]}, headers=auth(key))
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
 def wait_for(check: Callable[[], object], what: str, seconds: float = 60) -> object:
     deadline = time.monotonic() + seconds
     while not (value := check()):
@@ -118,10 +127,7 @@ def test_reference_batches_take_turns_chunk_by_chunk(client, make_key, lake_sett
 def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settings, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     root = Path(lake_settings.batch_local_root)
-    upload = client.post("/batches", json={"requests": [
-        {"custom_id": f"u{i}", "query": f"uploaded question {i}?", "items": ["a", "b"], "label_token_ids": LABELS}
-        for i in range(40)]}, headers=auth(key))
-    assert upload.status_code == 201, upload.text
+    upload = upload_lines(client, key, 40)
     reference = submit(client, key, root, "behind-upload", pair_table(6, 10))
     feed = ChunkFeed(get_scorer(), "lanes-worker", lake_settings)
     claimer = drain_module.Claimer("lanes-worker", lake_settings, 64, feed)
@@ -141,7 +147,7 @@ def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settin
                 assert batch_of(claimed) == reference["id"]
                 score_all(claimed)
             else:
-                assert {job.batch_id for job in claimed} == {upload.json()["id"]}
+                assert {job.batch_id for job in claimed} == {upload["id"]}
         # Before, every round of the upload went first: the reference batch waited for the whole upload.
         assert kinds == ["chunk", "upload", "chunk", "upload", "chunk"]
     finally:
@@ -158,10 +164,7 @@ def test_a_reference_batch_behind_a_running_upload_is_taken_at_once(client, make
     BATCH_CHUNK_SECONDS, so a reference batch submitted then waited that long (82 s against 15 s alone)."""
     key, _ = make_key()
     root = Path(lake_settings.batch_local_root)
-    upload = client.post("/batches", json={"requests": [
-        {"custom_id": f"u{i}", "query": f"uploaded question {i}?", "items": ["a", "b"], "label_token_ids": LABELS}
-        for i in range(40)]}, headers=auth(key))
-    assert upload.status_code == 201, upload.text
+    upload = upload_lines(client, key, 40)
     feed = ChunkFeed(get_scorer(), "behind-upload-worker", lake_settings)
     claimer = drain_module.Claimer("behind-upload-worker", lake_settings, 64, feed)
     try:
