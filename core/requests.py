@@ -134,6 +134,11 @@ class ModelSource:
             return TINY_CONFIG
         if self.kind == "hf":
             return ModelConfig.from_hf(json.loads((self.path / "config.json").read_text()))
+        # What a worker saved with the converted weights (core.weights.load_gguf), if one did: GGUFReader reads
+        # every field, the vocabulary's too, which made most of the API's start on a restart.
+        saved = self.cached("weights")
+        if saved is not None and (saved / "config.json").is_file():
+            return ModelConfig.from_dict(json.loads((saved / "config.json").read_text()))
         import gguf
 
         return ModelConfig.from_gguf_reader(gguf.GGUFReader(str(self.path)))

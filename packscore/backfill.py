@@ -320,8 +320,9 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                                               output_format=output_format, overwrite=overwrite or None)
     except PackscoreError as exc:
         if exc.code in ("local_paths_disabled", "path_outside_root"):
-            raise BackfillError(f"the service cannot read {input_spec} ({exc.code}: {exc.message}); local files "
-                                "are read by an embedded service from under the folder it runs in") from None
+            # The message says which of input and output, and where local files may be.
+            raise BackfillError(f"{exc.message} ({exc.code}): an embedded service reads and writes local files "
+                                "only under the folder it runs in") from None
         raise
     stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
     rows = batch.get("rows") or {}

@@ -33,6 +33,13 @@ def _embedded_environment() -> None:
     # Reference batches may read and write local files under the folder the service was started in.
     os.environ.setdefault("BATCH_LOCAL_ROOT", str(Path.cwd().resolve()))
 
+    # No accelerator on this host: the worker's JAX need not try a TPU backend (libtpu, installed by `make test`,
+    # prints errors, then JAX logs "Unable to initialize backend 'tpu'"). A JAX_PLATFORMS given wins.
+    if "JAX_PLATFORMS" not in os.environ:
+        from packscore.supervisor import detect
+
+        if detect().platform == "cpu":
+            os.environ["JAX_PLATFORMS"] = "cpu"
 
 def migrate(args: argparse.Namespace | None = None) -> None:
     from migrations import upgrade
@@ -106,11 +113,11 @@ def worker(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    # SIGINT too: a background job of a script starts with SIGINT ignored, and uvicorn, once it has shut down,
-    # re-raises the signal that stopped it with the handler it found (SIGTERM's default would end this process
-    # without the `finally` below, and an ignored SIGINT would not end it at all).
+    # uvicorn, once it has shut down, re-raises the signal that stopped it with the handler it found (SIGTERM's
+    # default would end this process without the `finally` below). A stop asked for is a clean end, exit 0, as
+    # `worker` ends: `make run` runs this without a shell, so make prints no "Error 130" after a Ctrl-C.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signum, lambda signum, frame: sys.exit(0))
     child = None
     try:
         if args.embedded:
@@ -485,3 +492,6 @@ def _fail(message: str, status: int = 1) -> None:
 
 if __name__ == "__main__":
     main()
+    # A script's background job (`packscore backfill ... &`, `setsid`) starts with SIGINT ignored: Ctrl-C and
+    # `kill -INT` must still stop every command as from a terminal (`serve` and `worker` set their own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)

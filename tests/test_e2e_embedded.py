@@ -68,8 +68,14 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert time.monotonic() - signalled < 10, (tmp_path / "serve.log").read_text()[-3000:]
+    logged = (tmp_path / "serve.log").read_text(errors="replace")
+    assert time.monotonic() - signalled < 10, logged[-3000:]
+    assert proc.returncode == 0, logged[-3000:]  # a stop asked for ends cleanly: no "Error 130" from `make run`
     assert not running_jobs(tmp_path), "a clean stop left jobs running"
+    # Quiet: the readiness polls (wait_ready's, every 0.5 s) leave no access-log line, the requests do; nor does
+    # Celery warn about root (these tests run as root in the project's containers).
+    assert '"POST /v1/score HTTP/1.1" 200' in logged and '"POST /jobs HTTP/1.1" 202' in logged, logged[-3000:]
+    assert "GET /readyz" not in logged and "superuser privileges" not in logged, logged[-3000:]
     # The worker child went away with the server.
     marker = f"packscore-{proc.pid}@".encode()
     leftovers = []
@@ -134,3 +140,40 @@ def test_embedded_broker_messages_are_never_read_half_written(tmp_path: Path) ->
         done.set()
         thread.join(timeout=60)
     assert not errors and sorted(m["n"] for m in read) == list(range(300))
+
+
+def test_health_polls_leave_no_access_log_line() -> None:
+    import logging
+
+    from api.main import HealthPollFilter
+
+    def line(method: str, path: str, status: int) -> logging.LogRecord:  # as uvicorn logs a request
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5000", method, path, "1.1", status), None)
+
+    kept = [r.getMessage() for r in [line("GET", "/readyz", 503), line("GET", "/readyz?verbose=1", 200),
+                                     line("GET", "/healthz", 200), line("GET", "/readyzz", 404),
+                                     line("POST", "/readyz", 405), line("GET", "/jobs/job_1", 200)]
+            if HealthPollFilter().filter(r)]
+    assert kept == ['127.0.0.1:5000 - "GET /readyzz HTTP/1.1" 404', '127.0.0.1:5000 - "POST /readyz HTTP/1.1" 405',
+                    '127.0.0.1:5000 - "GET /jobs/job_1 HTTP/1.1" 200']
+
+
+@pytest.mark.parametrize(("given", "platform", "expected"), [(None, "cpu", "cpu"), (None, "cuda", None),
+                                                              (None, "tpu", None), ("tpu", "cpu", "tpu")])
+def test_embedded_jax_platforms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str | None, platform: str,
+                                expected: str | None) -> None:
+    """On a host with no accelerator the embedded worker's JAX starts on the CPU without trying a TPU backend;
+    on a GPU or TPU host, or with JAX_PLATFORMS given, JAX chooses as it would."""
+    from packscore import cli, supervisor
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "EMBEDDED_DIR", tmp_path / ".packscore")
+    monkeypatch.setattr(supervisor, "detect", lambda: supervisor.Chips(platform, ("0",)))
+    for name in ("DATABASE_URL", "BROKER_URL", "BROKER_DIR", "COMPILE_CACHE_DIR", "MODEL_CACHE_DIR",
+                 "BATCH_LOCAL_ROOT", "JAX_PLATFORMS"):
+        monkeypatch.delenv(name, raising=False)  # and restored after the test, as each was
+    if given:
+        monkeypatch.setenv("JAX_PLATFORMS", given)
+    cli._embedded_environment()
+    assert os.environ.get("JAX_PLATFORMS") == expected

@@ -680,6 +680,11 @@ def test_refusals(client, make_key, empty_queue, lake_settings, tmp_path: Path) 
             ({**base, "input": "p.parquet", "columns": {"query": "q", "item": "nope"}}, 400, "unknown_column")]:
         response = client.post("/batches", json=body, headers=auth(key))
         assert (response.status_code, response.json()["error"]["code"]) == (status, code), body
+    # Which of input and output is refused, and the root they must be under.
+    for body, refused in [({**base, "input": str(tmp_path / "secret.parquet")}, f"input {tmp_path}/secret.parquet"),
+                          ({**base, "input": "p.parquet", "output": str(tmp_path / "out")}, f"output {tmp_path}/out")]:
+        message = client.post("/batches", json=body, headers=auth(key)).json()["error"]["message"]
+        assert message.startswith(f"{refused} is not under BATCH_LOCAL_ROOT ({root.resolve()};"), message
     created = client.post("/batches", json={**base, "input": "p.parquet"}, headers=auth(key)).json()
     assert client.get(f"/batches/{created['id']}", headers=auth(other)).status_code == 404
     assert client.get(f"/batches/{created['id']}/results", headers=auth(other)).status_code == 404

@@ -292,7 +292,10 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"), "--out", str(root / "cli-out"),
             "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
             "--poll", "0.2"]
-    first = subprocess.Popen(args, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Started as a script's background job is (`packscore backfill ... &`): with SIGINT ignored, which Ctrl-C or
+    # `kill -INT` must still end.
+    first = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$@"', "bash", *args], env=env, cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def sent() -> dict | None:
         with service.http() as client:
@@ -301,7 +304,7 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
 
     wait_until(sent, 60, "the CLI's batch")
     created = sent()
-    first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on
+    first.send_signal(signal.SIGINT)  # Ctrl-C: detaches, the batch goes on (bash exec'ed: the CLI's own pid)
     _, err = first.communicate(timeout=60)
     assert first.returncode == 130 and "goes on" in err and "Traceback" not in err, err
     service.start_worker()

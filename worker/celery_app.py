@@ -1,11 +1,18 @@
 """The workers' Celery app (store/broker.py configures it; the API sends its kicks through the same settings)."""
 
 import os
+import warnings
+
+from celery.exceptions import SecurityWarning
 
 from store.broker import drain_queue, make_celery
 from store.settings import get_settings
 
 app = make_celery(get_settings(), include=("worker.tasks",))
+# Celery warns at each start of a worker run as root (a container's default user, `make run` in a root shell).
+# The danger it means is a message unpickled as root; these workers accept JSON only (Celery's default, which
+# the broker settings keep), and Celery itself refuses to start as root if pickle is accepted.
+warnings.filterwarnings("ignore", "You're running the worker with superuser privileges", SecurityWarning)
 
 
 def worker_argv(loglevel: str = "INFO", node: str | None = None) -> list[str]:

@@ -144,7 +144,10 @@ class Access:
         # The part before a wildcard is resolved (symlinks followed) and must stay under the root.
         static = _static_part(str(path))
         if not _within(Path(static).resolve(), self.local_root):
-            raise refusal("path_outside_root", f"{what} is outside BATCH_LOCAL_ROOT")
+            # Which of input and output, and the root: a local service's root is the folder it was started in,
+            # which the user may not have in mind.
+            raise refusal("path_outside_root", f"{what} {path} is not under BATCH_LOCAL_ROOT ({self.local_root}; "
+                                               "symlinks followed)")
         folder = "/" if uri.endswith("/") and not str(path).endswith("/") else ""  # "a folder's objects"
         return Location("file", str(Path(static).resolve()) + str(path)[len(static):] + folder)
 
