@@ -69,7 +69,7 @@ class TokenizedRequest:
 
 
 def scores_from_logprobs(logprobs: np.ndarray, apply_softmax: bool) -> np.ndarray:
-    """Host-side scores of score-semantics.md: probabilities, or a softmax over the labels."""
+    """Host-side scores of docs/score-semantics.md: probabilities, or a softmax over the labels."""
     logprobs = np.asarray(logprobs, np.float64)
     return softmax(logprobs, axis=-1) if apply_softmax else np.exp(logprobs)
 
@@ -205,7 +205,7 @@ def _is_int(value) -> bool:
 
 
 class RequestTokenizer:
-    """Turns (query, items, label_token_ids, item_first) into a TokenizedRequest as score-semantics.md says,
+    """Turns (query, items, label_token_ids, item_first) into a TokenizedRequest as docs/score-semantics.md says,
     or raises ScoringError with a stable code."""
 
     def __init__(self, tokenizer, vocab_size: int, *, model_name: str, max_items: int = 100_000,
