@@ -32,7 +32,6 @@ def _embedded_environment() -> None:
     os.environ.setdefault("MODEL_CACHE_DIR", str((EMBEDDED_DIR / "model-cache").resolve()))
     # Reference batches may read and write local files under the folder the service was started in.
     os.environ.setdefault("BATCH_LOCAL_ROOT", str(Path.cwd().resolve()))
-
     # No accelerator on this host: the worker's JAX need not try a TPU backend (libtpu, installed by `make test`,
     # prints errors, then JAX logs "Unable to initialize backend 'tpu'"). A JAX_PLATFORMS given wins.
     if "JAX_PLATFORMS" not in os.environ:
@@ -40,6 +39,7 @@ def _embedded_environment() -> None:
 
         if detect().platform == "cpu":
             os.environ["JAX_PLATFORMS"] = "cpu"
+
 
 def migrate(args: argparse.Namespace | None = None) -> None:
     from migrations import upgrade
@@ -323,9 +323,10 @@ def backfill(args: argparse.Namespace) -> None:
                         batch = run_reference_backfill(client, args.input, parts, poll=args.poll,
                                                        format="jsonl", output_format="jsonl",
                                                        overwrite=args.overwrite)
-                    except BackfillError:
-                        raise CommandError(f"{exc}, and the service cannot read it: split it, or put it where "
-                                           "the service can read it (README: Backfills from object storage)") from None
+                    except BackfillError as refused:  # its message names the input or the output refused
+                        raise CommandError(f"{exc}, and the service refused it as a reference batch ({refused}): "
+                                           "split it, or put it where the service can read it (README: Backfills "
+                                           "from object storage)") from None
                     lines = 0
                     with open(args.out, "w") as out:  # the result lines, as an upload's would be
                         for line in client.iter_batch_results(batch["id"], format=args.format):
@@ -470,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.parser = parser
+    # A script's background job (`packscore backfill ... &`, `setsid`) starts with SIGINT ignored: Ctrl-C and
+    # `kill -INT` must still stop every command as from a terminal (`serve` and `worker` set their own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     name = f"packscore {args.command}"
     try:
         args.func(args)
@@ -492,6 +496,3 @@ def _fail(message: str, status: int = 1) -> None:
 
 if __name__ == "__main__":
     main()
-    # A script's background job (`packscore backfill ... &`, `setsid`) starts with SIGINT ignored: Ctrl-C and
-    # `kill -INT` must still stop every command as from a terminal (`serve` and `worker` set their own).
-    signal.signal(signal.SIGINT, signal.default_int_handler)

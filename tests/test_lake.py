@@ -692,6 +692,21 @@ def test_refusals(client, make_key, empty_queue, lake_settings, tmp_path: Path) 
     client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
 
 
+
+def test_backfill_passes_on_which_path_was_refused() -> None:
+    """`packscore backfill` said "the service cannot read INPUT" whichever of input and output was refused."""
+    from packscore.backfill import BackfillError, run_reference_backfill
+    from packscore.client import PackscoreError
+
+    class Refusing:
+        def create_reference_batch(self, *args: object, **kwargs: object) -> dict:
+            raise PackscoreError(400, "path_outside_root",
+                                 "output /elsewhere/out is not under BATCH_LOCAL_ROOT (/srv/work; symlinks followed)")
+
+    with pytest.raises(BackfillError) as refused:
+        run_reference_backfill(Refusing(), "pairs.parquet", "/elsewhere/out")  # type: ignore[arg-type]
+    assert str(refused.value).startswith("output /elsewhere/out is not under BATCH_LOCAL_ROOT (/srv/work;"), refused.value
+
 def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     root = Path(lake_settings.batch_local_root)
