@@ -1,7 +1,7 @@
 """Packed multi-item attention.
 
 Every token of a pass carries metadata (sequence id, item id, position). The rule of
-score-semantics.md: query token q sees key k iff both belong to the same sequence,
+docs/score-semantics.md: query token q sees key k iff both belong to the same sequence,
 k is in that sequence's shared prefix (item id -1) or in q's own item, and
 pos(k) <= pos(q); in a layer with a sliding window W, also pos(q) - pos(k) < W (positions
 within the item's own sequence, query + item, as the single-sequence model counts them).
@@ -748,7 +748,7 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
             acc, m_i, l_i = carry
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.transpose((1, 0)))
                 return acc_ref[...]
             if interpret:  # GPU interpret mode's wgmma takes no transposed operand
                 s = jax.lax.dot_general(qo_smem[...], k_smem[...], _NT, preferred_element_type=jnp.float32) * scale
