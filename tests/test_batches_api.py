@@ -284,8 +284,8 @@ def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, cle
         if len(calls) == 1:
             wake.set()  # a kick during the first round
         if interactive_only:
-            return jobqueue.claim_interactive("worker-a", settings)
-        return jobqueue.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens)
+            return drain_module.job_sinks(jobqueue.claim_interactive("worker-a", settings))
+        return drain_module.job_sinks(jobqueue.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens))
 
     drain_module._run_loop(scorer, "worker-a", settings, claim, lambda: False, wake)
     assert calls[:2] == [False, True]  # the path under test: a round, then an interactive-only claim

@@ -31,8 +31,7 @@ import numpy as np
 
 from core import Scorer, TokenizedRequest
 from store.broker import kick_drain
-from store.jobqueue import ClaimedJob
-from store.lake import chunks as lake
+from store.lake import chunks
 from store.lake.tables import (ChunkRows, InputError, chunk_requests, format_of, read_input, result_table,
                                write_table)
 from store.models import PRIORITY_BATCH
@@ -88,18 +87,39 @@ def request_cost(request: TokenizedRequest) -> int:
     return items + len(request.query) * (request.n_items if request.item_first else 1)
 
 
-@dataclass(frozen=True, eq=False)
-class ChunkRequest(ClaimedJob):
-    """A request of a chunk, as the pass loop holds it (it has no job row: its results go to `work`)."""
+@dataclass(eq=False)
+class ChunkRequest:
+    """A request of a chunk, as the pass loop holds it (worker/drain.py's ResultSink): it has no job row, its
+    results go to its chunk (`work`), which commits them as one object."""
 
-    work: "ChunkWork | None" = None
-    k: int = 0  # its index among the chunk's requests
-    tokenized: TokenizedRequest | None = None
+    id: str
+    work: "ChunkWork"
+    k: int  # its index among the chunk's requests
+    tokenized: TokenizedRequest
+    priority: int = PRIORITY_BATCH
+
+    def request_for(self, scorer: Scorer) -> TokenizedRequest:
+        return self.tokenized  # the reader tokenized it
+
+    def hold(self, jobs: object) -> None:
+        pass  # its chunk is held by the feed (its lease kept by the keeper)
+
+    def advance(self, done: int) -> None:
+        self.work.advance(self.k, done)
+
+    def finish(self, logprobs: np.ndarray) -> None:
+        self.work.done(self.k, logprobs)
+
+    def fail(self, error: tuple[str, str]) -> None:
+        self.work.abandon(error[1])
+
+    def abandon(self, error: str | None) -> None:
+        self.work.abandon(error)
 
 
 @dataclass(eq=False)
 class ChunkWork:
-    chunk: lake.ClaimedChunk
+    chunk: chunks.ClaimedChunk
     rows: ChunkRows | None
     feed: "ChunkFeed"
     logprobs: list[np.ndarray | None] = field(default_factory=list)
@@ -140,12 +160,12 @@ class ChunkWork:
             self.items_partial += items - self.partial.get(k, 0)
             self.partial[k] = items
 
-    def progress(self) -> lake.ChunkProgress:
+    def progress(self) -> chunks.ChunkProgress:
         rows = self.rows
         under_way = self.items_partial if rows.pair_table else 0
-        return lake.ChunkProgress(rows_done=len(rows.errors) + self.rows_scored + under_way,
-                                  rows_failed=len(rows.errors), items_done=self.items_scored + self.items_partial,
-                                  rows_total=rows.n_rows)
+        return chunks.ChunkProgress(rows_done=len(rows.errors) + self.rows_scored + under_way,
+                                    rows_failed=len(rows.errors), items_done=self.items_scored + self.items_partial,
+                                    rows_total=rows.n_rows)
 
     def abandon(self, error: str | None) -> None:
         """The pass loop gave up on the chunk's requests: it is handed back (the attempt counts after an error)."""
@@ -160,7 +180,7 @@ class ChunkFeed:
         self.scorer, self.owner, self.settings = scorer, owner, settings
         self.pass_tokens = pass_tokens or scorer.pass_tokens
         self._ready: deque[ChunkWork] = deque()
-        self._held: dict[tuple[str, int], lake.ClaimedChunk] = {}
+        self._held: dict[tuple[str, int], chunks.ClaimedChunk] = {}
         self._running: dict[tuple[str, int], ChunkWork] = {}  # taken by the pass loop: their progress is written
         self.last_chunk_seconds: float | None = None  # from take to the last request's scores
         self.last_chunk_done_at = float("-inf")  # when a chunk taken was last done or handed back (monotonic)
@@ -178,7 +198,7 @@ class ChunkFeed:
 
     # ---- the pass loop's side ---------------------------------------------------------------------------
 
-    def take(self) -> list[ClaimedJob]:
+    def take(self) -> list[ChunkRequest]:
         """The requests of the next chunk read, if one is (waiting a little for one being read) and its batch's
         turn is now (else it goes back, and the reader reads the one whose turn it is); asks the reader for
         the one after it."""
@@ -193,7 +213,7 @@ class ChunkFeed:
         self._want.set()
         chunk = work.chunk
         try:
-            turn = lake.take_turn(chunk, self.settings)
+            turn = chunks.take_turn(chunk, self.settings)
         except Exception:
             work.abandon(None)
             raise
@@ -203,8 +223,7 @@ class ChunkFeed:
         work.taken_at = time.monotonic()
         with self._changed:
             self._running[chunk.key] = work
-        return [ChunkRequest(f"{chunk.batch_id}:{chunk.index}:{k}", PRIORITY_BATCH, self.scorer.model_name, None, None,
-                             chunk.batch_id, None, work=work, k=k, tokenized=request)
+        return [ChunkRequest(f"{chunk.batch_id}:{chunk.index}:{k}", work, k, request)
                 for k, (_, request, _) in enumerate(work.rows.requests)]
 
     def busy(self) -> bool:
@@ -244,7 +263,7 @@ class ChunkFeed:
                 self._changed.notify_all()
 
     def _read_next(self) -> ChunkWork | None:
-        chunk = lake.claim_chunk(self.owner, self.settings)
+        chunk = chunks.claim_chunk(self.owner, self.settings)
         if chunk is None:
             return None
         with self._changed:
@@ -284,7 +303,7 @@ class ChunkFeed:
             return None
         return work
 
-    def _fit(self, chunk: lake.ClaimedChunk, data, rows: ChunkRows) -> tuple[lake.ClaimedChunk, ChunkRows] | None:  # type: ignore[no-untyped-def]
+    def _fit(self, chunk: chunks.ClaimedChunk, data, rows: ChunkRows) -> tuple[chunks.ClaimedChunk, ChunkRows] | None:  # type: ignore[no-untyped-def]
         """Cuts a chunk longer than BATCH_CHUNK_SECONDS of this worker's passes (Parquet rows, or plain JSONL
         lines: CSV and compressed JSONL chunks run whole); returns the piece to run, or None if the chunk went
         back (its batch was cancelled meanwhile)."""
@@ -310,8 +329,8 @@ class ChunkFeed:
         else:
             return chunk, rows
         bounds = [*cut_rows, rows.n_rows]
-        piece = lake.split_chunk(self.owner, chunk, [(at, bounds[k + 1] - bounds[k]) for k, at in
-                                                     enumerate(positions)], cut_rows[0])
+        piece = chunks.split_chunk(self.owner, chunk, [(at, bounds[k + 1] - bounds[k]) for k, at in
+                                                       enumerate(positions)], cut_rows[0])
         if piece is None:
             self._release(chunk, None)
             return None
@@ -322,7 +341,7 @@ class ChunkFeed:
         return piece, _first_rows(rows, cut_rows[0])
 
     @staticmethod
-    def _line_offsets(chunk: lake.ClaimedChunk, lines: list[bytes], cut_rows: list[int]) -> list[int]:
+    def _line_offsets(chunk: chunks.ClaimedChunk, lines: list[bytes], cut_rows: list[int]) -> list[int]:
         """The byte offsets of these rows (non-blank lines) of a JSONL chunk read with their line ends."""
         begin = 0
         if chunk.start > 0:  # where the chunk's first line starts, as read_input found it
@@ -369,7 +388,7 @@ class ChunkFeed:
         if work.rows is None:
             error = work.input_error
             if error is not None and error.code:
-                lake.commit_chunk(self.owner, chunk, 0, 0, 0, (error.code, error.message))
+                chunks.commit_chunk(self.owner, chunk, 0, 0, 0, (error.code, error.message))
             else:
                 self._release(chunk, error.message if error is not None else None)
                 return
@@ -382,10 +401,10 @@ class ChunkFeed:
             self.stats["write_cpu_s"] += time.thread_time() - started
             self.stats["rows"] += work.rows.n_rows
             rows = work.rows
-            if lake.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
+            if chunks.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
                     len(covered) for (covered, _, _), lp in zip(rows.requests, work.logprobs) if lp is None),
                     rows.items):
-                lake.remove_lost_attempts(chunk)
+                chunks.remove_lost_attempts(chunk)
             else:
                 log.warning("chunk %s/%s is no longer leased to %s; removing its object", chunk.batch_id,
                             chunk.index, self.owner)
@@ -397,9 +416,9 @@ class ChunkFeed:
             self._held.pop(chunk.key, None)
             self._running.pop(chunk.key, None)
             self._changed.notify_all()
-        lake.settle(chunk.batch_id)
+        chunks.settle(chunk.batch_id)
 
-    def _write(self, chunk: lake.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
+    def _write(self, chunk: chunks.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + WRITE_RETRY_SECONDS
         wait = 0.5
         while True:
@@ -413,14 +432,14 @@ class ChunkFeed:
                 time.sleep(wait)
                 wait = min(wait * 2, 5.0)
 
-    def _release(self, chunk: lake.ClaimedChunk, error: str | None) -> None:
+    def _release(self, chunk: chunks.ClaimedChunk, error: str | None) -> None:
         with self._changed:
             self._held.pop(chunk.key, None)
             self._running.pop(chunk.key, None)
             self._changed.notify_all()
         try:
-            lake.release_chunk(self.owner, self.settings, chunk, error)
-            lake.settle(chunk.batch_id)  # a cancelled batch's chunk that went back may have been its last
+            chunks.release_chunk(self.owner, self.settings, chunk, error)
+            chunks.settle(chunk.batch_id)  # a cancelled batch's chunk that went back may have been its last
         except Exception:  # noqa: BLE001  (its lease expires)
             log.exception("handing chunk %s/%s back failed", chunk.batch_id, chunk.index)
 
@@ -437,7 +456,7 @@ class ChunkFeed:
                     self._ready = deque(w for w in self._ready if w not in stale)
                 for work in stale:  # not started soon: another worker may start it
                     work.abandon(None)
-                lake.extend_leases(self.owner, self.settings, held)
+                chunks.extend_leases(self.owner, self.settings, held)
                 if self._ready:  # a chunk read and not taken (the pass loop had ended): a pass loop takes it
                     kick_drain(self.settings.worker_model)
             except Exception as exc:  # noqa: BLE001  (the database is down: keep trying)
@@ -474,11 +493,11 @@ def sweep(settings: Settings) -> bool:
     """The worker's maintenance round: re-queues chunks whose worker died and settles the batches that are
     over. Whether a chunk waits to be claimed that this process's feeds are not reading (then a pass loop
     should claim it: the caller wakes one)."""
-    for batch_id in lake.sweep_chunks(settings):
-        lake.settle(batch_id)
+    for batch_id in chunks.sweep_chunks(settings):
+        chunks.settle(batch_id)
     with _feeds_lock:
         feeds = list(_feeds.values())
-    return not any(feed.busy() for feed in feeds) and lake.live_chunks(settings)
+    return not any(feed.busy() for feed in feeds) and chunks.live_chunks(settings)
 
 
 def close_feeds() -> None:
@@ -496,33 +515,3 @@ def _first_rows(rows: ChunkRows, n: int) -> ChunkRows:
                      rows.passthrough_types, [r for r in rows.requests if r[0][0] < n],
                      {i: e for i, e in rows.errors.items() if i < n},
                      {i: v for i, v in rows.return_logprobs.items() if i < n})
-
-
-def advance(claimed: ClaimedJob, items: int) -> None:
-    """For the pass loop, after a pass: a chunk's request has this many items scored."""
-    if isinstance(claimed, ChunkRequest):
-        claimed.work.advance(claimed.k, items)
-
-
-def finish(claimed: ClaimedJob, logprobs: np.ndarray) -> bool:
-    """For the pass loop: a finished request that is a chunk's goes back to its chunk (True)."""
-    if isinstance(claimed, ChunkRequest):
-        claimed.work.done(claimed.k, logprobs)
-        return True
-    return False
-
-
-def abandon(claimed: ClaimedJob, error: str | None) -> bool:
-    if isinstance(claimed, ChunkRequest):
-        claimed.work.abandon(error)
-        return True
-    return False
-
-
-def handles(claimed: ClaimedJob) -> bool:
-    """Whether the pass loop's request is a chunk's (no job row behind it)."""
-    return isinstance(claimed, ChunkRequest)
-
-
-def request_of(claimed: ClaimedJob) -> TokenizedRequest | None:
-    return claimed.tokenized if isinstance(claimed, ChunkRequest) else None
