@@ -1,4 +1,5 @@
-"""`packscore serve | worker | migrate | create-key | wait-ready | score | rerank | submit | wait-batch | backfill`."""
+"""`packscore serve | worker | check | migrate | create-key | wait-ready | score | rerank | submit | wait-batch |
+backfill`."""
 
 import argparse
 import json
@@ -89,25 +90,116 @@ def worker_command(loglevel: str = "INFO", node: str | None = None) -> list[str]
     return [sys.executable, "-m", "celery", "-A", "worker.tasks", *worker_argv(loglevel, node)]
 
 
+def _worker_plan(args: argparse.Namespace, tensor_parallel: int):  # type: ignore[no-untyped-def]
+    """The chips, their groups and the chips left idle of `worker --devices` (also `check`'s plan)."""
+    from packscore.supervisor import DeviceError, detect, device_groups
+
+    try:
+        chips = detect(args.platform, args.chips)
+        count = None if args.devices in (None, "all") else int(args.devices)
+        groups, left = device_groups(chips, tensor_parallel, count)
+    except DeviceError as exc:
+        raise CommandError(str(exc)) from None
+    return chips, groups, left
+
+
 def worker(args: argparse.Namespace) -> None:
     if args.devices is None:
-        if args.platform or args.chips:
-            args.parser.error("--platform and --chips go with --devices")
+        if args.platform or args.chips or args.dry_run:
+            args.parser.error("--platform, --chips and --dry-run go with --devices")
         command = worker_command(args.loglevel)
         os.execv(command[0], command)
-    from packscore.supervisor import DeviceError, WorkerSupervisor, detect, device_groups
+    from packscore.supervisor import WorkerSupervisor, describe
     from store.settings import get_settings
 
     tensor_parallel = get_settings().tensor_parallel
-    try:
-        chips = detect(args.platform, args.chips)
-        groups, left = device_groups(chips, tensor_parallel, None if args.devices == "all" else int(args.devices))
-    except DeviceError as exc:
-        raise CommandError(str(exc)) from None
-    print(f"packscore: {len(chips.ids)} {chips.platform} chips, TENSOR_PARALLEL={tensor_parallel}: "
-          f"{len(groups)} workers ({', '.join(group.name for group in groups)})"
-          + (f"; chips {','.join(left)} left idle" if left else ""), file=sys.stderr, flush=True)
+    chips, groups, left = _worker_plan(args, tensor_parallel)
+    plan = describe(chips, tensor_parallel, groups, left)
+    if args.dry_run:
+        print("\n".join(plan))
+        return
+    print(f"packscore: {plan[0]}", file=sys.stderr, flush=True)
     WorkerSupervisor(groups, lambda i: worker_command(args.loglevel, f"packscore-{os.getpid()}-{i}")).run()
+
+
+def check(args: argparse.Namespace) -> None:
+    """`packscore check`: this host before serving (core/check.py); the plan and a job through the service here."""
+    from packscore.supervisor import describe
+    from store.settings import get_settings
+
+    settings = get_settings()
+    try:
+        chips, groups, left = _worker_plan(args, settings.tensor_parallel)
+        plan = describe(chips, settings.tensor_parallel, groups, left)
+    except CommandError as exc:
+        chips, groups, plan = None, [], [str(exc)]
+    if chips and chips.platform == "cpu" and "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # as the plan's CPU workers get it: no probing for a TPU
+    from core import check as engine  # JAX starts here, after the plan (which must not open the chips)
+
+    report = engine.Report(echo=not args.json)
+    report.add("plan", "ok" if chips else "fail", plan[0],
+               groups=[{"name": g.name, "env": g.env} for g in groups], left=list(left) if chips else [])
+    for line in plan[1:]:
+        report.add("plan", "info", line)
+    engine.check_devices(report)
+    if chips:
+        engine.check_plan_platform(report, chips.platform)
+    engine.check_caches(report, settings.compile_cache_dir, settings.model_cache_dir,
+                        list(settings.served_models.values()))
+    shape = None
+    if any(v is not None for v in (args.query_tokens, args.items, args.item_tokens)):
+        shape = tuple(v if v is not None else d for v, d in zip((args.query_tokens, args.items, args.item_tokens),
+                                                                 engine.CPU_SHAPE))
+    options = engine.CheckOptions(
+        workers_per_host=max(len(groups), 1), shape=shape, full_contract=args.full_contract, seed=args.seed,
+        profile=args.profile, memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb else None,
+        tolerance=args.tolerance)
+    for name, source in settings.served_models.items():
+        engine.check_model(report, engine.ModelCheck(
+            name, source, settings.model_cache_dir, settings.dtype, settings.attention, settings.tensor_parallel,
+            settings.pass_tokens, settings.prefix_cache_bytes, settings.max_programs), options)
+    _check_job(report, args, list(settings.served_models))
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        print(report.summary())
+    if not report.ok:
+        sys.exit(1)
+
+
+def _check_job(report, args: argparse.Namespace, models: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """One small job per model through the service at --url, end to end; no service is a skip, not a failure."""
+    import httpx
+
+    from packscore.client import Client
+
+    if not args.url:
+        report.add("service", "skip", "no service: --url or $PACKSCORE_URL not given (no job sent)")
+        return
+    try:
+        httpx.get(f"{args.url.rstrip('/')}/healthz", timeout=5).raise_for_status()
+    except httpx.HTTPError as exc:
+        report.add("service", "skip", f"no service at {args.url} ({type(exc).__name__}: {exc}); no job sent")
+        return
+    key, where = api_key(args)
+    if key is None:
+        report.add("service", "skip", f"no API key ({where}): no job sent to {args.url}")
+        return
+    items = [[11, 12, 13], [14, 15], [16]]
+    for model in models:
+        try:
+            with Client(args.url, key, max_retries=3, retry_seconds=30) as client:
+                start = time.monotonic()
+                job = client.submit_job({"model": model, "query": list(range(20, 40)), "items": items,
+                                         "label_token_ids": [5, 6]})
+                job = client.wait_job(job["id"], timeout=120)
+        except Exception as exc:  # noqa: BLE001 - any failure of the round trip is the finding
+            report.add("service", "fail", f"{model}: a job through {args.url} failed ({type(exc).__name__}: {exc})")
+            continue
+        ok = job["status"] == "succeeded" and len(job.get("scores") or []) == len(items)
+        report.add("service", "ok" if ok else "fail", f"{model}: job {job['id']} {job['status']} through {args.url} "
+                   f"in {time.monotonic() - start:.1f} s" + ("" if ok else f": {json.dumps(job)[:500]}"))
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -376,7 +468,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--platform", choices=("tpu", "cuda", "cpu"), help="with --devices: the chips' platform "
                    "(default: found from the host's device files)")
     p.add_argument("--chips", type=int, help="with --devices: how many chips the host has (default: found)")
+    p.add_argument("--dry-run", action="store_true", help="with --devices: print the workers and their chips' "
+                   "variables; start nothing")
     p.set_defaults(func=worker)
+
+    p = commands.add_parser("check", help="check this host before serving: devices, the worker plan, and per model "
+                            "fit, attention path, scores against the CPU's float32, speed; exits 1 on a failure")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    p.add_argument("--profile", action="store_true", help="device time per op kind (JAX's profiler)")
+    p.add_argument("--query-tokens", "-P", type=int, help="a request shape (as core.bench's; unset ones from "
+                   "500,100,20): the scored request, and timed besides the contract's")
+    p.add_argument("--items", "-N", type=int)
+    p.add_argument("--item-tokens", "-L", type=int)
+    p.add_argument("--full-contract", action="store_true", help="time the contract's 2,000-token query and 500 "
+                   "items on a CPU too (minutes; a CPU times 500,100,20 by default)")
+    p.add_argument("--tolerance", type=float, help="max |log-prob difference| from the CPU's float32 (default: "
+                   "docs/score-semantics.md's bfloat16 rule)")
+    p.add_argument("--memory-gb", type=float, help="a worker's memory, instead of what its chips (or the host) say")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--platform", choices=("tpu", "cuda", "cpu"), help="as worker --devices")
+    p.add_argument("--chips", type=int, help="as worker --devices")
+    p.add_argument("--url", default=os.environ.get("PACKSCORE_URL"),
+                   help="a service to send one job through (default $PACKSCORE_URL; none: skipped)")
+    p.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the embedded service's key file")
+    p.set_defaults(func=check, devices="all")
 
     p = commands.add_parser("migrate", help="apply database migrations")
     p.add_argument("--embedded", action="store_true", help="the embedded SQLite database under ./.packscore")
