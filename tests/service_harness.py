@@ -22,10 +22,22 @@ from sqlalchemy import create_engine, make_url, text
 
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
-from worker.capacity import stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def stop_processes(procs: list[subprocess.Popen], seconds: float = 20) -> None:
+    """SIGTERM to those still running, then SIGKILL to those that did not exit within `seconds`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:

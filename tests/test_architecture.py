@@ -18,12 +18,12 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_import_rules_hold() -> None:
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
 
 
 def test_import_rules_catch_an_api_module_importing_the_worker(tmp_path: Path) -> None:
     # A copy of the tree with one forbidden import added: the same contracts must refuse it.
-    for name in ("pyproject.toml", "api", "worker", "store", "core", "packscore"):
+    for name in ("pyproject.toml", "api", "worker", "store", "core", "packscore", "migrations", "benchmarks", "tests"):
         source = REPO / name
         if source.is_dir():
             subprocess.run(["cp", "-r", str(source), str(tmp_path / name)], check=True)
@@ -34,3 +34,7 @@ def test_import_rules_catch_an_api_module_importing_the_worker(tmp_path: Path) -
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert "api is not allowed to import worker" in result.stdout
+    # A shipped module importing a benchmark is refused too.
+    deps.write_text(deps.read_text().replace("from worker.drain import heartbeat", "from benchmarks import capacity"))
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0 and "api is not allowed to import benchmarks" in result.stdout, result.stdout

@@ -18,7 +18,7 @@ import pytest
 from core import Scorer
 from tests.load_runner import SCORE_RTOL
 from tests.service_harness import free_port, wait_ready
-from worker.latency import EmbeddedService
+from benchmarks.latency import EmbeddedService
 
 
 def running_jobs(folder: Path) -> list[str]:

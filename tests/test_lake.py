@@ -29,7 +29,7 @@ from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery, utcnow
 from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
 from tests.object_stores import Azurite, FakeGCS
-from worker.local_s3 import SeaweedS3
+from tests.object_stores import SeaweedS3
 from worker import drain as drain_module
 from worker.scorer import get_scorer
 

@@ -249,7 +249,7 @@ def test_a_small_batch_behind_an_upload_starts_within_a_chunk(service: Service, 
 
 @pytest.mark.alone  # an absolute bound: run with nothing beside it (Makefile: test)
 def test_interactive_score_answered_within_its_bound_during_a_backfill(service: Service, root: Path) -> None:
-    from worker.capacity import stop_processes
+    from tests.service_harness import stop_processes
 
     stop_processes(service.live_workers())
     service.start_worker(env={"WARMUP": "ladder"})  # the bound is for warm programs (the suite's default: none)
@@ -283,7 +283,7 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     import sys
 
     from tests.service_harness import REPO
-    from worker.capacity import stop_processes
+    from tests.service_harness import stop_processes
 
     stop_processes(service.live_workers())
     table = pair_table(30, 10)

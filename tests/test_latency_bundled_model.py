@@ -2,7 +2,7 @@
 machine's CPU), not the tiny random one, whose every pass is cheap.
 
 The bounds are several times the goals (README, Capacity: p50 0.25 s alone and 1.5 s beside a backfill, on
-this project's 2-core machine type), so that a slow host does not fail them; `python -m worker.latency`
+this project's 2-core machine type), so that a slow host does not fail them; `python -m benchmarks.latency`
 measures the goals themselves. At bd8540e these calls took 2.0 s alone and 11-15 s beside a backfill, and
 Ctrl-C during a backfill killed the worker."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.service_harness import wait_until
-from worker.latency import SCORE_BODY, EmbeddedService, backfill_lines
+from benchmarks.latency import SCORE_BODY, EmbeddedService, backfill_lines
 
 pytestmark = pytest.mark.alone  # absolute wall-time bounds: nothing runs beside it (Makefile: test)
 

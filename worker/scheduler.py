@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # batch pass on the engine: on a 2-core AVX2 host a pass of the bundled model took 10 s at 4,096 tokens, 2.3 s
 # at 1,024 and 1 s at 512. So batch passes are CPU_BATCH_PASS_TOKENS long while interactive jobs came in the
 # last INTERACTIVE_RECENT_SECONDS, twice that otherwise: on an AVX-512 host a backfill alone ran 7-12% faster
-# in 1,024-token passes than in 512 (`python -m worker.latency`: README, Performance).
+# in 1,024-token passes than in 512 (`python -m benchmarks.latency`: README, Performance).
 CPU_BATCH_PASS_TOKENS = 512
 INTERACTIVE_RECENT_SECONDS = 30.0
 # Hosts of one machine type differ 2-3x: on the AVX2-only kind a 1-item call beside a 3,000-item job waited 1.9 s

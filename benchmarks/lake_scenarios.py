@@ -1,11 +1,11 @@
 """Reference-batch scenarios on the real service: a big Parquet pair table, a small batch behind it, and a cancel
 that has to survive a hard stop.
 
-    python -m worker.lake_scenarios [--deployments embedded,postgres] [--rows 200000] [--small-rows 200]
+    python -m benchmarks.lake_scenarios [--deployments embedded,postgres] [--rows 200000] [--small-rows 200]
                                     [--home DIR] [--model smollm2-135m] [--json PATH]
 
 Each deployment runs the model on this machine's CPU: `embedded` is `packscore serve --embedded` as
-worker/latency.py starts it (SQLite, the filesystem broker, one worker child); `postgres` is `packscore serve`
+benchmarks/latency.py starts it (SQLite, the filesystem broker, one worker child); `postgres` is `packscore serve`
 and one `packscore worker` on a new database of the local PostgreSQL (dropped at the end) and the local Redis
 under a key prefix of their own (removed at the end). Both read and write the pair tables under --home
 (BATCH_LOCAL_ROOT). For each it prints:
@@ -48,8 +48,9 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from worker.capacity import REPO, Bench, _wait, host_cpu, stop_processes
-from worker.latency import EmbeddedService
+from benchmarks.capacity import REPO, Bench, host_cpu
+from benchmarks.latency import EmbeddedService
+from tests.service_harness import stop_processes, wait_until
 
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -151,7 +152,7 @@ def watch(batches: list[Followed], check: Callable[[], bool], seconds: float, wh
             followed.poll()
         return check()
 
-    _wait(step, seconds, what, interval=POLL_SECONDS)
+    wait_until(step, seconds, what, interval=POLL_SECONDS)
 
 
 def chunk_rows(database_url: str, batch_id: str) -> list:
@@ -192,7 +193,7 @@ def _processes_in(folder: Path) -> list[int]:
 
 
 class Embedded:
-    """`packscore serve --embedded` in `home/embedded` (worker/latency.py's EmbeddedService), restartable there."""
+    """`packscore serve --embedded` in `home/embedded` (benchmarks/latency.py's EmbeddedService), restartable there."""
 
     name = "embedded"
 
@@ -240,7 +241,7 @@ class Embedded:
 
 
 class Postgres:
-    """`packscore serve` and one `packscore worker` on a new database (worker/capacity.py's Bench makes and drops
+    """`packscore serve` and one `packscore worker` on a new database (benchmarks/capacity.py's Bench makes and drops
     it, and starts the processes), Redis keys under a prefix of their own."""
 
     name = "postgres"
@@ -266,10 +267,10 @@ class Postgres:
         else:
             self.api = self.bench._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port",
                                           self.base.rsplit(":", 1)[1]], self.env, f"{self.tag}-api.log")
-            _wait(lambda: httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200, 120, "the API")
+            wait_until(lambda: httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200, 120, "the API")
         self.worker = self.bench._spawn(["packscore.cli", "worker"], self.env, self.worker_log_path.name)
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.key}"}, timeout=300)
-        _wait(lambda: httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200, 900, "a ready worker")
+        wait_until(lambda: httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200, 900, "a ready worker")
         self.ready_seconds = time.monotonic() - started
 
     def worker_log(self) -> str:
@@ -389,7 +390,7 @@ def run_scenarios(service: Embedded | Postgres, big_table: Path, small_table: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.lake_scenarios", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lake_scenarios", description=__doc__.split("\n\n")[0])
     parser.add_argument("--deployments", default="embedded,postgres")
     parser.add_argument("--rows", type=int, default=200_000, help="the big batch's pair-table rows")
     parser.add_argument("--small-rows", type=int, default=200, help="the small batch's pair-table rows")

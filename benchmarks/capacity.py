@@ -1,9 +1,9 @@
 """Capacity benchmark: how busy the service keeps an accelerator, with the device simulated.
 
-    python -m worker.capacity [--target tpu-v6e|tpu-v5e|cuda-h100 | --device-tokens-per-s R]
+    python -m benchmarks.capacity [--target tpu-v6e|tpu-v5e|cuda-h100 | --device-tokens-per-s R]
                               [--shapes contract,small,backfill] [--workers 1,2] [--device-seconds 10]
-    python -m worker.capacity --runs datalake:1,datalake:2 [--pairs 1000000]
-    python -m worker.capacity --runs two-models:2
+    python -m benchmarks.capacity --runs datalake:1,datalake:2 [--pairs 1000000]
+    python -m benchmarks.capacity --runs two-models:2
 
 It starts the real service on a fresh Postgres database (with Redis): one API process and N workers whose
 device step is simulated. A simulated pass takes (real tokens of the pass) / R seconds of a device timeline
@@ -32,7 +32,7 @@ two queues and two workers, of one checkpoint so that both workers load in the s
 simulated worker per model (MODEL=a, MODEL=b). Each worker's duty is its own: its device seconds / the wall of
 its model's jobs (first claim to last finish).
 
-The simulated workers are started by this module only (`python -m worker.capacity simulated-worker`), never by
+The simulated workers are started by this module only (`python -m benchmarks.capacity simulated-worker`), never by
 a setting of a serving deployment; their heartbeat and /metrics say attention="simulated".
 """
 
@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from tests.service_harness import free_port, stop_processes, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SIMULATED = "simulated"
@@ -304,13 +306,13 @@ class Bench:
         created = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bench"],
                                  env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
         key = created.split("api_key=", 1)[1].split()[0]
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         api = self._spawn(["packscore.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env,
                           f"{tag}-api.log")
         try:
-            _wait(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
-        except TimeoutError:
+            wait_until(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 120, "the API")
+        except AssertionError:
             stop_processes([api])
             raise
         return key, base, api
@@ -344,20 +346,20 @@ class Bench:
                 queued = conn.scalar(select(func.count()).select_from(Job).where(Job.status == "queued"))
             assert queued == n_jobs, f"{queued} of {n_jobs} jobs queued; see {self.logs}"
             # With several models, worker i serves model i (modulo their number).
-            worker_procs = [self._spawn(["worker.capacity", "simulated-worker", "--device-tokens-per-s",
+            worker_procs = [self._spawn(["benchmarks.capacity", "simulated-worker", "--device-tokens-per-s",
                                          str(self.rate)], env | ({"MODEL": names[i % len(names)]} if names else {}),
                                         f"{tag}-worker{i}.log") for i in range(workers)]
             procs += worker_procs
             # Their CPU counts from the first claim: loading the model is not the pass loop's work.
             with engine.connect() as conn:
-                _wait(lambda: conn.scalar(select(func.count()).select_from(Job).where(Job.status != "queued")),
+                wait_until(lambda: conn.scalar(select(func.count()).select_from(Job).where(Job.status != "queued")),
                       300, "the first claim", interval=0.02)
             worker_cpu, pg_cpu = cpu_seconds([p.pid for p in worker_procs]), postgres_cpu()
             with engine.connect() as conn:
                 # This polling's own backend is not the service's cost.
                 poller = conn.scalar(text("SELECT pg_backend_pid()")) if url.startswith("postgresql") else None
                 polling = cpu_seconds([poller]) if poller else 0.0
-                _wait(lambda: not conn.scalar(select(func.count()).select_from(Job)
+                wait_until(lambda: not conn.scalar(select(func.count()).select_from(Job)
                                               .where(Job.status.in_(("queued", "running")))), 3600, "the jobs")
                 polling = (cpu_seconds([poller]) if poller else 0.0) - polling
             run.worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
@@ -408,7 +410,7 @@ class Bench:
         from sqlalchemy import create_engine, func, select, text
 
         from store.models import Batch, Chunk, CounterRow
-        from worker.local_s3 import CREDENTIALS, SeaweedS3
+        from tests.object_stores import CREDENTIALS, SeaweedS3
 
         tag = f"capacity_{os.getpid()}_{uuid.uuid4().hex[:6]}"
         store = SeaweedS3(self.logs / f"{tag}-s3")
@@ -441,18 +443,18 @@ class Bench:
             assert response.status_code == 201, response.text
             batch_id = response.json()["id"]
             api_submit_cpu, pg_submit_cpu = cpu_seconds([api.pid]) - api_cpu, postgres_cpu() - pg_cpu
-            worker_procs = [self._spawn(["worker.capacity", "simulated-worker", "--device-tokens-per-s",
+            worker_procs = [self._spawn(["benchmarks.capacity", "simulated-worker", "--device-tokens-per-s",
                                          str(self.rate)], env, f"{tag}-worker{i}.log") for i in range(workers)]
             procs += worker_procs
             engine = create_engine(url)
             with engine.connect() as conn:
-                _wait(lambda: conn.scalar(select(func.count()).select_from(Chunk).where(Chunk.status != "queued")),
+                wait_until(lambda: conn.scalar(select(func.count()).select_from(Chunk).where(Chunk.status != "queued")),
                       300, "the first chunk claim", interval=0.02)
                 worker_cpu, pg_cpu, api_cpu = cpu_seconds([p.pid for p in worker_procs]), postgres_cpu(), \
                     cpu_seconds([api.pid])
                 poller = conn.scalar(text("SELECT pg_backend_pid()"))
                 polling = cpu_seconds([poller])
-                _wait(lambda: conn.scalar(select(Batch.status).where(Batch.id == batch_id)) == "completed", 7200,
+                wait_until(lambda: conn.scalar(select(Batch.status).where(Batch.id == batch_id)) == "completed", 7200,
                       "the batch", interval=0.5)
                 polling = cpu_seconds([poller]) - polling
             worker_cpu = cpu_seconds([p.pid for p in worker_procs]) - worker_cpu
@@ -505,41 +507,6 @@ def _rss_mib(pid: int) -> float:
     except OSError:
         return 0.0
     return round(int(status.split("VmRSS:", 1)[1].split()[0]) / 1024, 1)
-
-def stop_processes(procs: list[subprocess.Popen], seconds: float = 20) -> None:
-    """SIGTERM to those still running, then SIGKILL to those that did not exit within `seconds`."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(check, seconds: float, what: str, interval: float = 0.2) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    failure = None
-    while True:
-        try:
-            if check():
-                return
-        except Exception as exc:  # not up yet (refused connections and the like)
-            failure = exc
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {seconds:.0f} s for {what} (last error: {failure!r})")
-        time.sleep(interval)
-
 
 def _submit_jobs(base: str, key: str, bodies: list[dict]) -> None:
     import httpx
@@ -598,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the roofline needs no device (nor libtpu's start-up)
     from core.aot import TARGETS
 
-    parser = argparse.ArgumentParser(prog="python -m worker.capacity", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.capacity", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     simulated = sub.add_parser("simulated-worker", help="(started by the benchmark) a worker with a simulated device")
     simulated.add_argument("--device-tokens-per-s", type=float, required=True)

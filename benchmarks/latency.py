@@ -1,6 +1,6 @@
 """Latency benchmark: the embedded service (`make run`) with the real bundled model, as a new user meets it.
 
-    python -m worker.latency [--calls 20] [--lines 400] [--short-lines 600] [--big-request 3000] [--home DIR]
+    python -m benchmarks.latency [--calls 20] [--lines 400] [--short-lines 600] [--big-request 3000] [--home DIR]
 
 It starts `packscore serve --embedded` (SQLite, the filesystem broker, the real engine on this machine's CPU)
 in a folder of its own (--home keeps its compile cache between runs), and prints:
@@ -38,7 +38,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from worker.capacity import WORDS, _free_port, _wait, host_cpu
+from benchmarks.capacity import WORDS, host_cpu
+from tests.service_harness import free_port, wait_until
 
 SCORE_BODY = {"query": "Is the city in France? Answer yes or no.", "items": ["\nCity: Lyon\nAnswer:",
               "\nCity: Berlin\nAnswer:"], "label_token_ids": [9805, 787], "apply_softmax": True}
@@ -60,7 +61,7 @@ def percentiles(seconds: list[float]) -> dict:
 
 class EmbeddedService:
     def __init__(self, home: Path, model: str, extra_env: dict[str, str]) -> None:
-        self.home, self.port = home, _free_port()
+        self.home, self.port = home, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
         env.update({"PACKSCORE_HOME": str(home / ".packscore"), "MODEL": model, **extra_env})
@@ -69,7 +70,7 @@ class EmbeddedService:
         self.proc = subprocess.Popen([sys.executable, "-m", "packscore.cli", "serve", "--embedded", "--port",
                                       str(self.port)], cwd=home, env=env, stdout=open(self.log_path, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(lambda: httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200, 900, "the service's /readyz")
+        wait_until(lambda: httpx.get(f"{self.base}/readyz", timeout=5).status_code == 200, 900, "the service's /readyz")
         self.ready_seconds = time.monotonic() - self.started
         self.key = (home / ".packscore" / "api_key").read_text().split()[0]
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {self.key}"}, timeout=300)
@@ -123,7 +124,7 @@ class EmbeddedService:
 
 
 def wait_batch(service: EmbeddedService, batch_id: str, seconds: float = 3600) -> dict:
-    _wait(lambda: service.batch(batch_id)["status"] in ("completed", "failed", "cancelled"), seconds,
+    wait_until(lambda: service.batch(batch_id)["status"] in ("completed", "failed", "cancelled"), seconds,
           "the backfill", interval=0.5)
     return service.batch(batch_id)
 
@@ -156,12 +157,12 @@ def beside_big_request(service: EmbeddedService, items: int) -> dict:
     small = {**SCORE_BODY, "items": SCORE_BODY["items"][:1]}
     time.sleep(0.05)
     with_it = service.score(small)  # likely claimed with the big one, and so in its first pass
-    _wait(lambda: service.running_jobs() > 0, 120, "the big request's job to start", interval=0.1)
+    wait_until(lambda: service.running_jobs() > 0, 120, "the big request's job to start", interval=0.1)
     calls = []
     for pause in rng.uniform(0.5, 2.5, 7):
         time.sleep(pause)
         calls.append(service.score(small))
-    _wait(lambda: not service.running_jobs(), 900, "the big request's job to end", interval=0.5)
+    wait_until(lambda: not service.running_jobs(), 900, "the big request's job to end", interval=0.5)
     sender.join()
     first, last, done = service.batch_window(items_total=items)
     return {**percentiles(calls), "seconds": [round(c, 2) for c in calls], "sent_with_it": round(with_it, 2),
@@ -170,7 +171,7 @@ def beside_big_request(service: EmbeddedService, items: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.latency", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--lines", type=int, default=400, help="backfill lines (20 items of 12 words each)")
     parser.add_argument("--short-lines", type=int, default=600, help="backfill lines of 2 items (0: none)")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backfill alone: {figures['backfill']}", flush=True)
 
         batch_id = service.upload(backfill_lines(args.lines, "beside", seed=1))
-        _wait(lambda: service.batch(batch_id)["counts"]["succeeded"] > 0, 600, "the backfill to start")
+        wait_until(lambda: service.batch(batch_id)["counts"]["succeeded"] > 0, 600, "the backfill to start")
         busy = []
         pauses = np.random.default_rng(2).uniform(0.2, 3.0, args.calls)  # calls land anywhere in a batch pass
         for pause in pauses:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.short_lines or args.big_request:
             service = EmbeddedService(home, args.model, extra)  # the same folder: its compile cache is warm
             service.http.post(f"/batches/{batch_id}/cancel")  # the interrupted backfill would go on
-            _wait(lambda: not service.running_jobs(), 120, "the interrupted backfill to stop", interval=0.2)
+            wait_until(lambda: not service.running_jobs(), 120, "the interrupted backfill to stop", interval=0.2)
         if args.short_lines:
             figures["short_lines"] = short_lines(service, args.short_lines, readme_shaped=False)
             print(f"backfill of 2-item lines alone: {figures['short_lines']}", flush=True)
