@@ -11,23 +11,13 @@ tokens each), each with its own query of 50 to 500 tokens, scored together as a 
 jobs are (`Scorer.iter_passes` on all of them: coalesced into shared passes). `--requests R`: the same
 with R requests of the P/N/L shape (a backfill's short lines: `-R 17 -P 40 -N 2 -L 13`).
 
-`--accelerator-check`: for a host with an accelerator (runs as it is on a TPU VM or a GPU server): the
-P/N/L request scored on the devices with the model on one chip and, where there are several, split over
-the fewest more that it splits into (2 for most models; see core.sharding), each against the same
-request scored in float32 on this host's CPU (a subprocess), with the bfloat16 rule of
-docs/score-semantics.md: no further from it than transformers' own bfloat16 model, scored on the CPU in
-the same subprocess where PyTorch is installed, else than the bound measured there (BF16_TOLERANCE);
-items/s of the packed request with its query computed. Exits 1 if a check fails.
+The check of a host before serving (scores against the CPU's float32, items/s, the attention path,
+memory) is `packscore check` (core/check.py).
 """
 
 import argparse
-import importlib.util
 import json
-import os
 import platform
-import subprocess
-import sys
-import tempfile
 import time
 
 import jax
@@ -175,26 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", "-R", type=int, default=1,
                         help="R requests of the P/N/L shape, each with its own query, scored together as --mix's")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--accelerator-check", action="store_true", help="scores vs the CPU's, N=1 and N>1")
-    parser.add_argument("--cpu-reference", help=argparse.SUPPRESS)  # (the check's subprocess) .npy to write
     args = parser.parse_args(argv)
-    if args.cpu_reference:
-        scorer = Scorer.from_pretrained(args.model, dtype="float32")
-        request = check_request(scorer.vocab_size, args)
-        np.save(args.cpu_reference, scorer.logprobs(*request))
-        del scorer  # its weights go before transformers' model loads
-        source = ModelSource.resolve(args.model)
-        if source.kind != "tiny-random" and importlib.util.find_spec("torch") is not None:
-            np.save(transformers_file(args.cpu_reference),
-                    transformers_logprobs(transformers_model(source, "bfloat16"), *request))
-        return {}
-    if args.accelerator_check:
-        report = accelerator_check(args)
-        print(json.dumps(report, indent=2))
-        if not report["ok"]:
-            sys.exit(1)
-        return report
-
     scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     rng = np.random.default_rng(args.seed)
     report = {
@@ -263,81 +234,6 @@ def one_request(scorer: Scorer, rng: np.random.Generator, args: argparse.Namespa
             report["packed"]["items_per_s"] / report["transformers_prefix_cache"]["items_per_s"], 2)
         report["max_abs_logprob_diff"]["packed_vs_transformers"] = float(np.abs(packed_lp[: len(hf_items)] - hf_lp).max())
     return flops / packed_s
-
-
-# docs/score-semantics.md's bfloat16 rule where PyTorch is not installed to measure transformers' bfloat16 on the
-# request itself: the least distance from float32 that transformers' bfloat16 showed on the bundled model for the
-# 300-token queries measured there (0.145 to 0.219).
-BF16_TOLERANCE = 0.145
-
-
-def transformers_file(reference: str) -> str:
-    return reference.removesuffix(".npy") + "-transformers-bfloat16.npy"
-
-
-def transformers_logprobs(model, query: list[int], items: list[list[int]],  # type: ignore[no-untyped-def]
-                          labels: list[int]) -> np.ndarray:
-    """log P(label | query + item) from transformers' model. The check's items have one length: no padding."""
-    import torch
-
-    out = np.zeros((len(items), len(labels)))
-    with torch.inference_mode():
-        for start in range(0, len(items), 8):
-            batch = torch.tensor([query + item for item in items[start: start + 8]])
-            logits = model(batch, logits_to_keep=1).logits[:, -1].double()
-            out[start: start + len(batch)] = torch.log_softmax(logits, -1)[:, labels].numpy()
-    return out
-
-
-def check_request(vocab: int, args: argparse.Namespace) -> tuple[list[int], list[list[int]], list[int]]:
-    """The P/N/L request of random token ids (seeded): query, items, 4 labels."""
-    rng = np.random.default_rng(args.seed)
-    query = rng.integers(10, vocab, args.query_tokens).tolist()
-    items = [rng.integers(10, vocab, args.item_tokens).tolist() for _ in range(args.items)]
-    return query, items, rng.integers(10, vocab, 4).tolist()
-
-
-def accelerator_check(args: argparse.Namespace) -> dict:
-    """See the module's doc (`--accelerator-check`)."""
-    from core import sharding
-
-    devices = jax.devices()
-    with tempfile.TemporaryDirectory() as tmp:
-        reference_file = os.path.join(tmp, "cpu.npy")
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        subprocess.run([sys.executable, "-m", "core.bench", "--model", args.model, "--query-tokens",
-                        str(args.query_tokens), "--items", str(args.items), "--item-tokens", str(args.item_tokens),
-                        "--seed", str(args.seed), "--cpu-reference", reference_file], check=True, env=env)
-        reference = np.load(reference_file)
-        measured = os.path.exists(transformers_file(reference_file))
-        tolerance = (float(np.abs(np.load(transformers_file(reference_file)) - reference).max()) if measured
-                     else BF16_TOLERANCE)
-    report: dict = {"machine": {"backend": jax.default_backend(), "devices": [str(d) for d in devices]},
-                    "config": {"model": args.model, "dtype": args.dtype, "P": args.query_tokens, "N": args.items,
-                               "L": args.item_tokens}, "tolerance": tolerance,
-                    "tolerance_from": ("transformers' bfloat16 on this host's CPU" if measured else
-                                       "the bound of docs/score-semantics.md (no PyTorch here)"), "runs": []}
-    splits = sharding.valid_sizes(ModelSource.resolve(args.model).config(), len(devices))
-    sizes = [1] + [n for n in splits if n > 1][:1]
-    logprobs = {}
-    for n in sizes:
-        scorer = None  # the previous size's weights go before the next one's load
-        scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention, tensor_parallel=n)
-        query, items, labels = check_request(scorer.vocab_size, args)
-
-        def packed_cold():
-            scorer.clear_prefix_cache()
-            return scorer.logprobs(query, items, labels)
-
-        seconds, logprobs[n] = timed(packed_cold, args.repeats)
-        diff = float(np.abs(logprobs[n] - reference).max())
-        report["runs"].append({"tensor_parallel": n, "attention_path": scorer.attention_path,
-                               "items_per_s": round(args.items / seconds, 1), "seconds": round(seconds, 4),
-                               "max_abs_diff_vs_cpu_float32": diff, "ok": diff <= tolerance})
-    if len(sizes) > 1:
-        report["max_abs_diff_n1_vs_n"] = float(np.abs(logprobs[sizes[0]] - logprobs[sizes[1]]).max())
-    report["ok"] = all(run["ok"] for run in report["runs"])
-    return report
 
 
 if __name__ == "__main__":
