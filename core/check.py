@@ -119,6 +119,7 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 
 
 def check_devices(report: Report) -> None:
+    """What JAX sees here: platform, kind, count and memory (the host's RAM on a CPU), and the CPU's flags."""
     devices = jax.devices()
     memory = device_memory_bytes(devices[0])
     where = f"{_gb(memory)} each" if memory else f"host RAM {_gb(host_ram_bytes())}"
