@@ -244,6 +244,11 @@ def _tile_loop(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, bl
 # requests": 512/256, 256/128, 128/128 and 64/64 measured too).
 PREFIX_TILE_Q = 128
 PREFIX_WINDOW = 64
+# A long prefix is read in windows of PREFIX_WIDE keys, its tail (under 193 keys) in windows of PREFIX_WINDOW:
+# a 500-token query takes 2 steps per tile, not 8 (64-key windows only made one long request 5-11% slower).
+# A wide window is never more keys than the narrow ones it replaces (a partial one only where they would be 4),
+# and a prefix's windows depend on its length alone, wherever it sits and whatever shares its tile.
+PREFIX_WIDE = 256
 ITEM_TILE = 16  # query rows and keys per item-part sub-tile: a sub-tile of short items reaches back few keys
 ITEM_SLOTS = 4  # key tiles per step: a sub-tile's short items are read in one step (see cascade_attention)
 # Columns of ones after v in the item part's PV matmul, whose first gives the row sums (see cascade_attention).
@@ -259,7 +264,7 @@ class CascadeTables:
 
     prefix_starts: np.ndarray  # [T / prefix tile, width]: each window's first key, per query tile
     prefix_sizes: np.ndarray  # [T / prefix tile, width]: each window's keys of its prefix (other keys follow)
-    prefix_counts: np.ndarray  # [T / prefix tile]: windows in use
+    prefix_counts: np.ndarray  # [T / prefix tile, 2]: windows in use, of PREFIX_WIDE keys, then of PREFIX_WINDOW
     item_ids: np.ndarray  # [T / ITEM_TILE, width]: key tiles (of ITEM_TILE) holding the tile's items' keys
     item_counts: np.ndarray  # [T / ITEM_TILE]
 
@@ -270,10 +275,19 @@ class CascadeTables:
 def cascade_table_shapes(T: int, Tk: int) -> tuple[tuple[int, ...], ...]:
     """The shapes of `CascadeTables.as_tuple()` for T queries and Tk keys: they depend on nothing else, so
     the tables are no compile key. A prefix tile holds at most `tile` sequences, each with its windows
-    (ceil(len / window) <= len / window + 1)."""
+    (no more than ceil(len / PREFIX_WINDOW) <= len / PREFIX_WINDOW + 1)."""
     tile = _pick_tile(T, PREFIX_TILE_Q, 64)
     windows = (T // tile, Tk // PREFIX_WINDOW + tile + 1)
-    return windows, windows, windows[:1], (T // ITEM_TILE, T // ITEM_TILE), (T // ITEM_TILE,)
+    return windows, windows, (T // tile, 2), (T // ITEM_TILE, T // ITEM_TILE), (T // ITEM_TILE,)
+
+
+def prefix_windows(length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prefix's windows: offsets from its first key, sizes (its keys in each), and which are wide (PREFIX_WIDE
+    keys; the rest PREFIX_WINDOW), the wide ones first."""
+    n_wide = (length + PREFIX_WINDOW - 1) // PREFIX_WIDE
+    offsets = np.concatenate([np.arange(n_wide) * PREFIX_WIDE, np.arange(n_wide * PREFIX_WIDE, length, PREFIX_WINDOW)])
+    wide = np.arange(len(offsets)) < n_wide
+    return offsets, np.minimum(length - offsets, np.where(wide, PREFIX_WIDE, PREFIX_WINDOW)), wide
 
 
 def cascade_tables(q: TokenMeta, kv: TokenMeta, window: int = 0) -> CascadeTables:
@@ -285,33 +299,34 @@ def cascade_tables(q: TokenMeta, kv: TokenMeta, window: int = 0) -> CascadeTable
     # Each sequence's prefix keys are contiguous: in the cache, or at the start of its span of the pass.
     prefix_keys = np.flatnonzero((kv.seq >= 0) & (kv.item < 0))
     seqs, first, lengths = np.unique(kv.seq[prefix_keys], return_index=True, return_counts=True)
-    first = prefix_keys[first]
+    prefix = {int(seq): (int(start), prefix_windows(int(n))) for seq, start, n in zip(seqs, prefix_keys[first], lengths)}
     starts = np.zeros(shape, np.int32)
     sizes = np.zeros_like(starts)
-    counts = np.zeros(T // tile, np.int32)
+    counts = np.zeros((T // tile, 2), np.int32)
     for i in range(T // tile):
         rows = slice(i * tile, (i + 1) * tile)
         real = q.seq[rows] >= 0
         tile_seqs, where = np.unique(q.seq[rows][real], return_inverse=True)
         last_pos = np.zeros(len(tile_seqs), np.int64)
         np.maximum.at(last_pos, where, q.pos[rows][real])
-        skipped = np.zeros(len(tile_seqs), np.int64)  # windows before the sliding window of every row
-        if window:
-            first_pos = np.full(len(tile_seqs), np.iinfo(np.int64).max)
-            np.minimum.at(first_pos, where, q.pos[rows][real])
-            skipped = np.maximum(first_pos - window + 1, 0) // PREFIX_WINDOW
-        s = np.minimum(np.searchsorted(seqs, tile_seqs), max(len(seqs) - 1, 0))
-        has_prefix = seqs[s] == tile_seqs if len(seqs) else np.zeros(len(tile_seqs), bool)
-        # Windows that start past every row's position are causally masked: not listed.
-        end = np.where(has_prefix, np.minimum(-(-lengths[s] // PREFIX_WINDOW), last_pos // PREFIX_WINDOW + 1), 0) \
-            if len(seqs) else has_prefix.astype(np.int64)
-        skipped = np.minimum(skipped, end)
-        n = end - skipped
-        offsets = [PREFIX_WINDOW * np.arange(lo, hi) for lo, hi in zip(skipped, end)]
-        counts[i] = c = sum(n)
-        if c:
-            starts[i, :c] = np.concatenate([first[j] + o for j, o in zip(s, offsets)])
-            sizes[i, :c] = np.concatenate([np.minimum(lengths[j] - o, PREFIX_WINDOW) for j, o in zip(s, offsets)])
+        first_pos = np.full(len(tile_seqs), np.iinfo(np.int64).max)
+        np.minimum.at(first_pos, where, q.pos[rows][real])
+        listed = []  # (wide, start, size) of each window that some row of the tile sees
+        for seq, last, earliest in zip(tile_seqs.tolist(), last_pos, first_pos):
+            if seq not in prefix:
+                continue
+            start, (offsets, window_sizes, wide) = prefix[seq]
+            # Windows that start past every row's position are causally masked, and with a sliding window those
+            # whose keys are all a window or more before every row: not listed.
+            keep = offsets <= last
+            if window:
+                keep &= offsets + window_sizes > earliest - window + 1
+            listed += zip(wide[keep], start + offsets[keep], window_sizes[keep])
+        listed.sort(key=lambda w: not w[0])  # stable: the wide windows first, each prefix's in key order
+        n_wide = sum(w[0] for w in listed)
+        counts[i] = n_wide, len(listed) - n_wide
+        if listed:
+            starts[i, :len(listed)], sizes[i, :len(listed)] = np.array([w[1:] for w in listed]).T
     ids, item_counts = block_tables(q, kv, ITEM_TILE, ITEM_TILE, items_only=True, window=window)
     return CascadeTables(starts, sizes, counts, pad_tables(ids, T // ITEM_TILE), item_counts)
 
@@ -335,13 +350,12 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
     Tk, Hkv = k.shape[:2]
     G = H // Hkv
     nq = prefix_starts.shape[0]
-    sliding = window  # the layer's window; `window` below is the prefix part's step of keys
-    tile, sub, window, slots = T // nq, ITEM_TILE, PREFIX_WINDOW, ITEM_SLOTS
+    tile, sub, slots = T // nq, ITEM_TILE, ITEM_SLOTS
     n = tile // sub
-    # Keys/values heads first, padded by a window: windows may run past the last key, and the padding's first
+    # Keys/values heads first, padded by a wide window: windows may run past the last key, and the padding's first
     # key tile is where an item table's unused slots point (padding keys match no query's sequence).
-    k_h, v_h = (jnp.pad(x.astype(jnp.float32), ((0, window), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
-    k_seq, k_item, k_pos = (jnp.pad(m, (0, window), constant_values=c)
+    k_h, v_h = (jnp.pad(x.astype(jnp.float32), ((0, PREFIX_WIDE), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))
+    k_seq, k_item, k_pos = (jnp.pad(m, (0, PREFIX_WIDE), constant_values=c)
                             for m, c in ((kv_meta[0], KEY_PAD_SEQ), (kv_meta[1], -1), (kv_meta[2], 0)))
     k_item = jnp.where(k_item >= 0, k_item, -3)  # prefix keys: no row of the item part sees them
     k_sub, v_sub = (x.reshape(Hkv, -1, sub, D) for x in (k_h, v_h))  # [Hkv, key tiles, sub, D]
@@ -360,8 +374,8 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
                                   padding_tile)  # [n, slots]
             ks, ki, kp = (m[key_tiles].reshape(n, 1, slots * sub) for m in k_meta_sub)
             mask = (q_seq == ks) & (q_item == ki) & (kp <= q_pos)
-            if sliding:
-                mask &= q_pos - kp < sliding
+            if window:
+                mask &= q_pos - kp < window
             kt, vt = (x[:, key_tiles].reshape(Hkv, n, slots * sub, D) for x in (k_sub, v_sub))
             s = _scores(jnp.matmul(q_tile, kt.transpose(0, 1, 3, 2), preferred_element_type=jnp.float32), softcap)
             ones = jnp.ones((*vt.shape[:-1], SUM_COLUMNS), vt.dtype)
@@ -376,18 +390,19 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
         q_rows = q_tile.reshape(Hkv, n * G * sub, D)
         q_seq, q_pos = q_seq.reshape(-1, 1), q_pos.reshape(-1, 1)
 
-        def prefix_step(j, carry):
+        def prefix_step(keys, j, carry):
             lo = starts[j]
-            kt, vt = (jax.lax.dynamic_slice_in_dim(x, lo, window, axis=1) for x in (k_h, v_h))
-            ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, window)[None, :] for x in (k_seq, k_pos))
+            kt, vt = (jax.lax.dynamic_slice_in_dim(x, lo, keys, axis=1) for x in (k_h, v_h))
+            ks, kp = (jax.lax.dynamic_slice_in_dim(x, lo, keys)[None, :] for x in (k_seq, k_pos))
             # The window's own prefix only: the keys after it (items, other sequences) are someone else's.
-            mask = (q_seq == ks) & (jnp.arange(window) < sizes[j])[None, :] & (kp <= q_pos)
-            if sliding:
-                mask &= q_pos - kp < sliding
+            mask = (q_seq == ks) & (jnp.arange(keys) < sizes[j])[None, :] & (kp <= q_pos)
+            if window:
+                mask &= q_pos - kp < window
             s = _scores(jnp.matmul(q_rows, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32), softcap)
             return _online_softmax_step(carry, s, mask, vt, sums_from_matmul=False)
 
-        _, acc, l = jax.lax.fori_loop(0, count, prefix_step, carry)
+        carry = jax.lax.fori_loop(0, count[0], partial(prefix_step, PREFIX_WIDE), carry)
+        _, acc, l = jax.lax.fori_loop(count[0], count[0] + count[1], partial(prefix_step, PREFIX_WINDOW), carry)
         out = acc / jnp.where(l > 0, l, 1.0)  # a row that sees nothing (padding) comes out as zeros
         return out.reshape(Hkv, n, G, sub, D).transpose(1, 3, 0, 2, 4).reshape(tile, H, D)
 

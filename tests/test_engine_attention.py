@@ -94,8 +94,8 @@ def test_cascade_prefix_windows_read_each_prefix_key_once():
     tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta)
     q, kv = arrays.q_meta, arrays.kv_meta
     tile = len(q.seq) // len(tables.prefix_counts)
-    for i, count in enumerate(tables.prefix_counts):
-        read = np.zeros(len(kv.seq) + A.PREFIX_WINDOW, int)
+    for i, count in enumerate(tables.prefix_counts.sum(axis=1)):
+        read = np.zeros(len(kv.seq) + A.PREFIX_WIDE, int)
         for start, size in zip(tables.prefix_starts[i, :count], tables.prefix_sizes[i, :count]):
             read[start:start + size] += 1
         rows = slice(i * tile, (i + 1) * tile)
@@ -132,7 +132,71 @@ def test_window_tables_skip_tiles_outside_the_window():
     tables = A.cascade_tables(q, kv, window=64)
     # A tile's rows span at most PREFIX_TILE_Q positions and the window reaches 64 before them.
     reach = -(-(A.PREFIX_TILE_Q + 64) // A.PREFIX_WINDOW) + 1
-    assert tables.prefix_counts.max() <= reach < -(-600 // A.PREFIX_WINDOW)  # of the query's windows
+    assert tables.prefix_counts.sum(axis=1).max() <= reach < -(-600 // A.PREFIX_WINDOW)  # of the query's windows
+
+
+def prefix_work(tables, tile: int) -> int:
+    """The prefix part's (row, key) pairs: every row of a tile against each window listed for it."""
+    wide, narrow = tables.prefix_counts.sum(axis=0)
+    return int(wide * A.PREFIX_WIDE + narrow * A.PREFIX_WINDOW) * tile
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_long_prefixes_in_wide_and_narrow_windows_match_dense(window):
+    """Prefixes a wide window or longer (a partial wide one, several, a narrow tail), some cached, side by side
+    with short ones and a sliding window: the cascade's two kinds of windows against the dense reference."""
+    lengths = [(193, False), (256, True), (300, False), (449, True), (700, False), (40, False), (12, True)]
+    sequences = [PackedSequence(tuple(range(n)), cached, items=[(r, i, tuple(range(1 + 7 * i))) for i in range(3)])
+                 for r, (n, cached) in enumerate(lengths)]
+    arrays = build_pass(PassPlan(sequences), 32, 16)
+    assert A.cascade_tables(arrays.q_meta, arrays.kv_meta, window).prefix_counts[:, 0].any()  # wide windows ran
+    ref, outs = run_all(arrays, seed=3, pallas=False, window=window)
+    assert np.abs(outs["cascade"] - ref).max() < 2e-5
+
+
+def test_prefix_windows_depend_on_the_length_alone():
+    """A prefix's windows (the order its keys' sums are added in) are a function of its length: whatever shares
+    the pass, its wide windows first, then its tail's narrow ones, covering each key once, no wide window
+    wider than the narrow ones it replaces."""
+    for length in [1, 64, 65, 192, 193, 255, 256, 257, 449, 450, 500, 1000]:
+        offsets, sizes, wide = A.prefix_windows(length)
+        assert (np.diff(offsets) == sizes[:-1]).all() and offsets[0] == 0 and offsets[-1] + sizes[-1] == length
+        assert (sizes[wide] <= A.PREFIX_WIDE).all() and (sizes[~wide] <= A.PREFIX_WINDOW).all()
+        assert not (wide[1:] & ~wide[:-1]).any()  # the wide ones first
+        narrow_only = -(-length // A.PREFIX_WINDOW) * A.PREFIX_WINDOW
+        assert wide.sum() * A.PREFIX_WIDE + (~wide).sum() * A.PREFIX_WINDOW <= narrow_only
+        assert (~wide).sum() <= 3  # a tail of 4 narrow windows is one wide window
+    for length in (40, 500):
+        alone = PassPlan([PackedSequence(tuple(range(length)), items=[(0, 0, (1, 2))])])
+        shared = PassPlan([PackedSequence(tuple(range(n)), items=[(r, 0, (1, 2))])
+                           for r, n in enumerate([300, length, 70])])
+        read = []
+        for plan, seq in ((alone, 0), (shared, 1)):
+            arrays = build_pass(plan, 32, 16)
+            tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta)
+            first = np.flatnonzero(arrays.kv_meta.seq == seq)[0]
+            row = int(np.flatnonzero((arrays.q_meta.seq == seq) & (arrays.q_meta.item >= 0))[0])
+            i = row // (len(arrays.q_meta.seq) // len(tables.prefix_counts))
+            count = tables.prefix_counts[i].sum()
+            listed = zip(tables.prefix_starts[i, :count], tables.prefix_sizes[i, :count])
+            read.append([(int(start - first), int(size)) for start, size in listed
+                         if arrays.kv_meta.seq[start] == seq])
+        assert read[0] == read[1] == [(int(o), int(n)) for o, n in zip(*A.prefix_windows(length)[:2])]
+
+
+def test_cascade_prefix_work_for_a_long_query():
+    """One request of a 500-token query and 100 items of 20 tokens (core.bench's default): its items' tiles read
+    the query in 2 wide windows a step each (64-key windows took 8 steps, 5-11% slower, docs/performance.md), and
+    the prefix part's work stays within 1.5x the (row, prefix key) pairs that see each other."""
+    plan = PassPlan([PackedSequence(tuple(range(500)), items=[(0, i, tuple(range(20))) for i in range(100)])])
+    arrays = build_pass(plan, 64, 64)
+    q, kv = arrays.q_meta, arrays.kv_meta
+    tables = A.cascade_tables(q, kv)
+    assert tables.prefix_counts.sum(axis=1).max() == 2 and (tables.prefix_counts[:, 1] == 0).all()
+    tile = len(q.seq) // len(tables.prefix_counts)
+    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+    visible = int((mask & (kv.item[None] < 0)).sum())
+    assert prefix_work(tables, tile) <= 1.5 * visible, (prefix_work(tables, tile), visible)
 
 
 def test_cascade_prefix_work_stays_near_the_visible_keys_for_short_requests():
@@ -146,7 +210,7 @@ def test_cascade_prefix_work_stays_near_the_visible_keys_for_short_requests():
     q, kv = arrays.q_meta, arrays.kv_meta
     tables = A.cascade_tables(q, kv)
     tile = len(q.seq) // len(tables.prefix_counts)
-    work = int(tables.prefix_counts.sum()) * tile * A.PREFIX_WINDOW
+    work = prefix_work(tables, tile)
     mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
     visible = int((mask & (kv.item[None] < 0)).sum())
     assert visible > 0 and work <= 8 * visible, (work, visible)
