@@ -77,7 +77,7 @@ test-durations:
 		--write-seconds
 
 bench: $(VENV)/.installed-test
-	$(BIN)/python -m core.bench
+	$(BIN)/python -m benchmarks.bench
 
 # For a host with no package index: packscore's wheel and every wheel it needs except JAX's (the host brings
 # JAX), and the bundled model. WHEELHOUSE_FOR: pip's options for another host's Python and platform, e.g.

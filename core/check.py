@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from core import aot, sharding
-from core.bench import cpu_flags, timed, transformers_model
 from core.requests import ModelSource
 from core.scorer import _PROGRAMS, Scorer
 
@@ -99,6 +98,40 @@ class Report:
 
     def as_json(self) -> dict:
         return {"ok": self.ok, "findings": [f.__dict__ for f in self.findings]}
+
+
+def cpu_flags() -> list[str]:
+    """The host's bfloat16 matmul support (bfloat16 figures compare only between hosts with the same)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in ("amx_bf16", "avx512_bf16", "avx512f") if flag in flags]
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of `repeats` calls after one warm-up call (compilation)."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), result
+
+
+def transformers_model(source: ModelSource, dtype: str):  # type: ignore[no-untyped-def]
+    """transformers' PyTorch model of a GGUF file or a Hugging Face folder, in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if source.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                     dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=getattr(torch, dtype))
+    return model.eval()
 
 
 def _gb(n: float) -> str:

@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "fit, attention path, scores against the CPU's float32, speed; exits 1 on a failure")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--profile", action="store_true", help="device time per op kind (JAX's profiler)")
-    p.add_argument("--query-tokens", "-P", type=int, help="a request shape (as core.bench's; unset ones from "
+    p.add_argument("--query-tokens", "-P", type=int, help="a request shape (as benchmarks.bench's; unset ones from "
                    "500,100,20): the scored request, and timed besides the contract's")
     p.add_argument("--items", "-N", type=int)
     p.add_argument("--item-tokens", "-L", type=int)

@@ -185,7 +185,7 @@ def test_prefix_windows_depend_on_the_length_alone():
 
 
 def test_cascade_prefix_work_for_a_long_query():
-    """One request of a 500-token query and 100 items of 20 tokens (core.bench's default): its items' tiles read
+    """One request of a 500-token query and 100 items of 20 tokens (benchmarks.bench's default): its items' tiles read
     the query in 2 wide windows a step each (64-key windows took 8 steps, 5-11% slower, docs/performance.md), and
     the prefix part's work stays within 1.5x the (row, prefix key) pairs that see each other."""
     plan = PassPlan([PackedSequence(tuple(range(500)), items=[(0, i, tuple(range(20))) for i in range(100)])])

@@ -134,10 +134,10 @@ def test_chunked_request_reuses_prefix(hf_model):
 
 
 def test_bfloat16_no_further_from_float32_than_transformers(scorer, hf_model):
-    """docs/score-semantics.md's bfloat16 rule, on a request drawn as `core.bench -P 60 -N 6 -L 10` draws it: the
+    """docs/score-semantics.md's bfloat16 rule, on a request drawn as `benchmarks.bench -P 60 -N 6 -L 10` draws it: the
     engine's bfloat16 is no further from its float32 than transformers' own bfloat16 model from its float32 one;
     isolation stays exact in bfloat16."""
-    from core.bench import transformers_model
+    from core.check import transformers_model
     from core.requests import ModelSource
 
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""Scoring benchmark: `python -m core.bench [--query-tokens P --items N --item-tokens L ...]`.
+"""Scoring benchmark: `python -m benchmarks.bench [--query-tokens P --items N --item-tokens L ...]`.
 
 Prints one JSON object: items/s and tokens/s for packed mode (query computed in the run,
 and again with the query's keys/values already in the prefix cache), single mode (one pass
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core.check import cpu_flags, timed, transformers_model
 from core.requests import ModelSource
 from core.scorer import Scorer
 
@@ -61,40 +62,6 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
     jmm_bf16 = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     return {"numpy": best(lambda: a @ a), "jax": best(lambda: jmm(ja).block_until_ready()),
             "jax_bfloat16": best(lambda: jmm_bf16(jb).block_until_ready())}
-
-
-def cpu_flags() -> list[str]:
-    """The host's bfloat16 matmul support (bfloat16 figures compare only between hosts with the same)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return [flag for flag in ("amx_bf16", "avx512_bf16", "avx512f") if flag in flags]
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of `repeats` calls after one warm-up call (compilation)."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), result
-
-
-def transformers_model(source: ModelSource, dtype: str):  # type: ignore[no-untyped-def]
-    """transformers' PyTorch model of a GGUF file or a Hugging Face folder, in `dtype`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                     dtype=getattr(torch, dtype))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=getattr(torch, dtype))
-    return model.eval()
 
 
 def transformers_prefix_cache(query: list[int], items: list[list[int]], labels: list[int]) -> tuple[float, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Memory of a long-lived engine: `python -m core.bench_memory [--requests 80 --warmup]`.
+"""Memory of a long-lived engine: `python -m benchmarks.bench_memory [--requests 80 --warmup]`.
 
 Scores requests of random shapes one after another (queries of 5-1,200 tokens, 1-300 items of 1-60 tokens,
 random token ids, a query repeated now and then so the prefix cache fills and is read) and prints, as JSON,
