@@ -170,10 +170,13 @@ def test_embedded_jax_platforms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "EMBEDDED_DIR", tmp_path / ".packscore")
     monkeypatch.setattr(supervisor, "detect", lambda: supervisor.Chips(platform, ("0",)))
-    for name in ("DATABASE_URL", "BROKER_URL", "BROKER_DIR", "COMPILE_CACHE_DIR", "MODEL_CACHE_DIR",
-                 "BATCH_LOCAL_ROOT", "JAX_PLATFORMS"):
-        monkeypatch.delenv(name, raising=False)  # and restored after the test, as each was
+    # _embedded_environment fills in what is unset, here in a copy of the environment that the test's end puts
+    # back (monkeypatch.delenv of an unset name restores nothing: BROKER_URL=filesystem:// leaked into the later
+    # tests of this process, and the chaos test's service ran on no Redis).
+    unset = ("DATABASE_URL", "BROKER_URL", "BROKER_DIR", "COMPILE_CACHE_DIR", "MODEL_CACHE_DIR", "BATCH_LOCAL_ROOT",
+             "JAX_PLATFORMS")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in unset})
     if given:
-        monkeypatch.setenv("JAX_PLATFORMS", given)
+        os.environ["JAX_PLATFORMS"] = given
     cli._embedded_environment()
     assert os.environ.get("JAX_PLATFORMS") == expected
