@@ -25,11 +25,10 @@ from store.db import session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, Location
 from store.lake.tables import Columns, InputError, Options, plan, read_chunk
-from store.models import ApiKey, Chunk, Job, Pass, WebhookDelivery, utcnow
+from store.models import ApiKey, Batch, Chunk, Job, Pass, WebhookDelivery, utcnow
 from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
-from tests.object_stores import Azurite, FakeGCS
-from tests.object_stores import SeaweedS3
+from tests.object_stores import Azurite, FakeGCS, SeaweedS3
 from worker import drain as drain_module
 from worker.scorer import get_scorer
 
@@ -885,8 +884,14 @@ def test_the_same_request_again_finds_its_batch(client, make_key, empty_queue, l
     client.post(f"/batches/{redo.json()['id']}/cancel", headers=auth(key))
     fresh = client.post("/batches", json=body, headers=auth(key))
     assert fresh.status_code == 201 and fresh.json()["id"] not in (batch_id, redo.json()["id"])
+    # So does a failed one: sent again, it runs again (it was answered with the failed batch, and an overwrite
+    # was refused as if that batch still ran).
+    with session_scope() as session:
+        session.execute(update(Batch).where(Batch.id == fresh.json()["id"]).values(status="failed"))
+    again = client.post("/batches", json=body, headers=auth(key))
+    assert again.status_code == 201 and again.json()["id"] != fresh.json()["id"], again.text
     # Two requests at once: the one that finds the output taken as it inserts is answered with the first's batch.
-    client.post(f"/batches/{fresh.json()['id']}/cancel", headers=auth(key))
+    client.post(f"/batches/{again.json()['id']}/cancel", headers=auth(key))
     winner = client.post("/batches", json={**body, "output": "raced"}, headers=auth(key)).json()
     looked = []
     holder = lake._output_holder

@@ -137,11 +137,15 @@ def _digest(text: str) -> str:
 
 def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: str, overwrite: bool,
                    uri: str) -> Batch | None:
-    """The key's batch holding this output if the request is its re-run, else None (the output is free; with
-    `overwrite` a completed holder gives it up, in the caller's transaction). Another input, or an overwrite
+    """The key's batch holding this output if the request is its re-run, else None (the output is free; a failed
+    holder, or with `overwrite` a completed one, gives it up, in the caller's transaction). Another input, or an overwrite
     of a running batch, is refused naming the holder."""
     holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == output_key))
     if holder is None:
+        return None
+    if holder.status == "failed":  # it broke off: the same request runs again, as after a cancel
+        holder.output_key = None
+        session.flush()
         return None
     if holder.source_key == source_key and not overwrite:
         return holder
