@@ -21,6 +21,7 @@ from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
 from core.packing import PackedSequence, PassPlan, build_pass, cache_length, ladder, plan_passes
+from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix_cache_bytes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
@@ -86,23 +87,6 @@ def _return_free_memory() -> None:
 # pass of 64 tokens took 0.25 s, of 128 tokens 0.38 s, of 512 tokens 1.0 s; below 64 the weights' reads
 # dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
 SHORTEST_CPU_PASS = 64
-
-# The prefix cache's size when none is given: fixed on CPU (host memory; the cache is NumPy there); on an
-# accelerator, this share of the device memory left once the weights are loaded and the largest pass has room
-# (the rest is headroom for XLA's own buffers and the estimate's error). A fixed 256 MiB there filled with a
-# few 4,000-token queries: jobs whose items span passes then waited for one another and passes ran under-filled.
-PREFIX_CACHE_BYTES_CPU = 256 << 20
-PREFIX_CACHE_SHARE = 0.5
-
-
-def device_prefix_cache_bytes(memory_stats: dict | None, pass_bytes: int) -> int | None:
-    """PREFIX_CACHE_SHARE of a device's memory left after what is in use (the weights) and `pass_bytes`, from
-    `jax.Device.memory_stats()`; None where the device reports no limit (the CPU)."""
-    if not memory_stats or not memory_stats.get("bytes_limit"):
-        return None
-    free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0) - pass_bytes
-    return max(int(free * PREFIX_CACHE_SHARE), 0)
-
 
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
@@ -276,7 +260,7 @@ class Scorer:
                  tensor_parallel: int = 1, **limits):
         """`weights`: the tree of `core.weights.stack_weights` (loaded into the model in `dtype`), or a model
         already built (in its own dtype). `max_programs`: compiled pass programs kept in memory (least recently
-        used go first). `prefix_cache_bytes`: None for the default (see PREFIX_CACHE_SHARE). `shortest_pass`:
+        used go first). `prefix_cache_bytes`: None for the default (core.prefix_cache). `shortest_pass`:
         the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU, pass_tokens/8 elsewhere). `block_q`:
         query rows per tile of the block tables (None: 128; 64 on the XLA path, which reads none of them, so
         that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see
@@ -327,11 +311,8 @@ class Scorer:
             # Each chip keeps its share of every entry: the cache holds N chips' room.
             per_chip = device_prefix_cache_bytes(stats, self.pass_bytes()) or 0
             prefix_cache_bytes = per_chip * tensor_parallel or PREFIX_CACHE_BYTES_CPU
-        self.prefix_cache_bytes = prefix_cache_bytes
+        self._prefix_cache = PrefixCache(prefix_cache_bytes)
         self.max_programs = max_programs
-        # query tokens -> (k, v) [layers, len(query), kv_heads, head_dim], least recently used first
-        self._prefix_cache: OrderedDict[tuple[int, ...], tuple[jax.Array, jax.Array]] = OrderedDict()
-        self._prefix_bytes = 0  # kept as entries come and go: summing them per pass cost O(entries)
         self._engine_lock = threading.Lock()
 
     @property
@@ -384,9 +365,18 @@ class Scorer:
         return len(_PROGRAMS.resident)
 
     @property
+    def prefix_cache_bytes(self) -> int:
+        """The prefix cache's budget in bytes."""
+        return self._prefix_cache.budget
+
+    @prefix_cache_bytes.setter
+    def prefix_cache_bytes(self, budget: int) -> None:
+        self._prefix_cache.budget = budget
+
+    @property
     def cached_prefix_bytes(self) -> int:
         """Bytes of keys/values the prefix cache holds now (at most about `prefix_cache_bytes`)."""
-        return self._prefix_bytes
+        return self._prefix_cache.bytes
 
     def tokenize(self, query, items, label_token_ids, item_first: bool = False) -> TokenizedRequest:
         """Validates a request and tokenizes it as docs/score-semantics.md says; raises ScoringError."""
@@ -397,7 +387,6 @@ class Scorer:
     def clear_prefix_cache(self) -> None:
         with self._engine_lock:
             self._prefix_cache.clear()
-            self._prefix_bytes = 0
 
     def prefix_bytes(self, tokens: int) -> int:
         """Bytes the prefix cache takes to keep a prefix of this many tokens (its keys and values, on all chips)."""
@@ -415,22 +404,10 @@ class Scorer:
         kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         return T * (per_token + 2 * kv) + 2 * HEAD_ROWS * c.vocab_size * 4
 
-    def _remember_prefix(self, query: tuple[int, ...], k: jax.Array, v: jax.Array,
+    def _remember_prefix(self, query: tuple[int, ...], kv: tuple[jax.Array, jax.Array], lo: int, hi: int,
                          needed: Collection[tuple[int, ...]]) -> None:
-        if (old := self._prefix_cache.pop(query, None)) is not None:
-            self._prefix_bytes -= old[0].nbytes + old[1].nbytes
-        self._prefix_cache[query] = (k, v)
-        self._prefix_bytes += k.nbytes + v.nbytes
-        if self._prefix_bytes <= self.prefix_cache_bytes:
-            return
-        # Least recently used first, but the prefixes that requests under way still need only when nothing else
-        # is left: evicted, such a prefix is computed again for the request's next items. (A stable sort: the
-        # cache's order, least recently used first, within each group.)
-        for old_query in sorted((q for q in self._prefix_cache if q != query), key=lambda q: q in needed):
-            if self._prefix_bytes <= self.prefix_cache_bytes:
-                return
-            old_k, old_v = self._prefix_cache.pop(old_query)
-            self._prefix_bytes -= old_k.nbytes + old_v.nbytes
+        """Keeps rows [lo, hi) of a pass's keys and values as the query's prefix-cache entry."""
+        self._prefix_cache.keep(query, *(self._prefix_rows(part, lo, hi) for part in kv), needed)
 
     def iter_passes(self, requests: Sequence[TokenizedRequest], mode: str = "packed") -> Iterator[PassResult]:
         """Runs the requests in packed passes (coalesced across requests), yielding each pass's scores.
@@ -480,8 +457,7 @@ class Scorer:
             if seq.prefix not in self._prefix_cache:  # evicted since planning (e.g. by the other lane's passes)
                 self._launch_plan(requests, PassPlan([PackedSequence(seq.prefix, keep_prefix=True)]),
                                   needed).result()
-            self._prefix_cache.move_to_end(seq.prefix)
-            cached.append(self._prefix_cache[seq.prefix])
+            cached.append(self._prefix_cache.use(seq.prefix))
             cached_lengths.append(len(seq.prefix))
         arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass)
         labels = _score_labels(requests, arrays)
@@ -489,7 +465,7 @@ class Scorer:
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
-                self._remember_prefix(seq.prefix, *(self._prefix_rows(part, lo, hi) for part in kv), needed)
+                self._remember_prefix(seq.prefix, kv, lo, hi, needed)
         return InFlightPass(self, requests, arrays, handle, shape_key, start)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:

@@ -343,7 +343,7 @@ def test_on_cpu_a_small_request_runs_in_a_pass_of_its_own_size(tiny):
 def test_prefix_cache_size_defaults_from_the_device(tiny):
     """Unset: 256 MiB on CPU (a device without a memory limit); on an accelerator, PREFIX_CACHE_SHARE of the
     memory left after what is in use (the weights) and the largest pass. A size given is kept."""
-    from core.scorer import PREFIX_CACHE_BYTES_CPU, PREFIX_CACHE_SHARE, device_prefix_cache_bytes
+    from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PREFIX_CACHE_SHARE, device_prefix_cache_bytes
 
     assert tiny.prefix_cache_bytes == PREFIX_CACHE_BYTES_CPU
     assert device_prefix_cache_bytes(None, 1) is None and device_prefix_cache_bytes({"bytes_in_use": 3}, 1) is None

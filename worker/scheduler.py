@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from core.prefix_cache import PrefixNeeds
 from core.requests import TokenizedRequest
 from store.models import PRIORITY_BATCH
 from store.settings import Settings
@@ -229,11 +230,10 @@ class Scheduler:
         wanted_after = [0] * (len(waiting) + 1)  # what the requests after each one would take
         for k in range(len(waiting) - 1, -1, -1):
             wanted_after[k] = min(remaining, wanted_after[k + 1] + waiting[k].pending_tokens)
-        # The queries of the requests under way (some items run, some not), which their next items run against.
-        under_way: dict[tuple[int, ...], set[str]] = {}
+        under_way = PrefixNeeds(self.engine.prefix_bytes, self.engine.prefix_cache_bytes)
         for run in self.running:
             if run.pending and len(run.pending) < run.request.n_items and not run.request.item_first:
-                under_way.setdefault(run.request.query, set()).add(run.sink.id)
+                under_way.add(run.request.query, run.sink.id)
         window, queries = [], set()
         for k, run in enumerate(waiting):
             if remaining <= 0:
@@ -254,25 +254,15 @@ class Scheduler:
                 continue
             if not req.item_first:
                 if len(taken) == len(run.pending):  # done in this pass: its query is not needed after it
-                    ids = under_way.get(req.query, set())
-                    ids.discard(run.sink.id)
-                    if not ids:
-                        under_way.pop(req.query, None)
-                elif window and req.query not in under_way and not self._cache_keeps([*under_way, req.query]):
-                    # Started now, the request would find its query evicted by the time its next items run (and
-                    # compute it again, maybe every pass): it starts when a request under way is done.
-                    continue
+                    under_way.release(req.query, run.sink.id)
+                elif window and req.query not in under_way and not under_way.may_add(req.query):
+                    continue  # it starts when a request under way is done
                 else:
-                    under_way.setdefault(req.query, set()).add(run.sink.id)
+                    under_way.add(req.query, run.sink.id)
             queries.add(req.query)
             window.append((run, taken))
             remaining -= used
-        return window, set(under_way)
-
-    def _cache_keeps(self, queries: list[tuple[int, ...]]) -> bool:
-        """Whether the prefix cache holds all these queries at once (one always goes in, however long)."""
-        needs = sum(self.engine.prefix_bytes(len(query)) for query in queries)
-        return len(queries) <= 1 or needs <= self.engine.prefix_cache_bytes
+        return window, under_way.queries
 
     def pass_budget(self, waiting: list[Running]) -> int:
         """A pass's tokens: a full pass; or while jobs that have not run yet wait (a /v1/score call holds a
