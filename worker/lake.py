@@ -395,20 +395,15 @@ class ChunkFeed:
         else:
             started = time.thread_time()
             table = result_table(work.rows, work.logprobs, chunk.options)
-            if not self._write(chunk, table):
+            failure = self._write(chunk, table)
+            if failure == "":
                 self._release(chunk, "the result object could not be written")
                 return
             self.stats["write_cpu_s"] += time.thread_time() - started
-            self.stats["rows"] += work.rows.n_rows
-            rows = work.rows
-            if chunks.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
-                    len(covered) for (covered, _, _), lp in zip(rows.requests, work.logprobs) if lp is None),
-                    rows.items):
-                chunks.remove_lost_attempts(chunk)
-            else:
-                log.warning("chunk %s/%s is no longer leased to %s; removing its object", chunk.batch_id,
-                            chunk.index, self.owner)
-                chunk.object.fs.rm(chunk.object.path)
+            if failure is None:
+                self._commit_object(work)
+            else:  # the output's disk is full: the chunk fails now, and its batch with it (chunks.settle)
+                chunks.commit_chunk(self.owner, chunk, 0, 0, 0, (chunks.OUTPUT_FULL, failure))
         self.stats["chunks"] += 1
         if self.stats["chunks"] % LOG_EVERY_CHUNKS == 0:
             log.info("chunk feed: %s", json.dumps({k: round(v, 2) for k, v in self.stats.items()}))
@@ -418,17 +413,35 @@ class ChunkFeed:
             self._changed.notify_all()
         chunks.settle(chunk.batch_id)
 
-    def _write(self, chunk: chunks.ClaimedChunk, table) -> bool:  # type: ignore[no-untyped-def]
+    def _commit_object(self, work: ChunkWork) -> None:
+        chunk, rows = work.chunk, work.rows
+        self.stats["rows"] += rows.n_rows
+        if chunks.commit_chunk(self.owner, chunk, rows.n_rows, len(rows.errors) + sum(
+                len(covered) for (covered, _, _), lp in zip(rows.requests, work.logprobs) if lp is None), rows.items):
+            chunks.remove_lost_attempts(chunk)
+        else:
+            log.warning("chunk %s/%s is no longer leased to %s; removing its object", chunk.batch_id, chunk.index,
+                        self.owner)
+            chunk.object.fs.rm(chunk.object.path)
+
+    def _write(self, chunk: chunks.ClaimedChunk, table) -> str | None:  # type: ignore[no-untyped-def]
+        """Writes the chunk's object, retrying while the store is unreachable. None once written; "" if the store
+        stayed unreachable; why, if the output's disk is full (waiting would not free it, and the chunk's lease,
+        its worker's commit queue and the whole batch waited WRITE_RETRY_SECONDS per attempt for nothing).
+        A write that failed leaves no part of the object behind."""
         deadline = time.monotonic() + WRITE_RETRY_SECONDS
         wait = 0.5
         while True:
             try:
                 write_table(chunk.object, table, chunk.options.output_format)
-                return True
+                return None
             except Exception as exc:  # noqa: BLE001  (the store unreachable: try again)
-                if time.monotonic() > deadline or self._stop.is_set():
+                full = chunks.disk_full(exc)
+                if full or time.monotonic() > deadline or self._stop.is_set():
                     log.warning("writing %s failed: %s", chunk.object.uri, exc)
-                    return False
+                    chunks.remove_object(chunk.object)
+                    return f"the output's disk is full: {chunk.object.uri} could not be written ({exc})" \
+                        if full else ""
                 time.sleep(wait)
                 wait = min(wait * 2, 5.0)
 

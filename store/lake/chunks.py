@@ -21,6 +21,7 @@ Turns: reference batches take turns a chunk at a time, the batch whose chunk sta
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
 """
 
+import errno
 import hashlib
 import json
 import logging
@@ -52,6 +53,10 @@ LIVE = ("queued", "running")
 RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 30.0
 INSERT_PAGE = 1000
+# A chunk whose object could not be written because the output's disk is full fails with this code, and its
+# batch fails with it (settle): a full disk is not freed by waiting, as an unreachable store may come back.
+OUTPUT_FULL = "output_full"
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 _CHUNKS = Chunk.__table__.c
 
@@ -376,7 +381,8 @@ def live_chunks(settings: Settings) -> bool:
 def settle(batch_id: str) -> bool:
     """Ends the batch if none of its chunks is live: writes the manifest (then `_SUCCESS`), changes its status
     in a conditional UPDATE (so of concurrent callers exactly one queues the webhook) and removes objects of
-    lost attempts. Returns whether this call ended it."""
+    lost attempts. A batch whose output's disk filled up fails (`output_full`), its objects removed. Returns
+    whether this call ended it."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in ("in_progress", "cancelling"):
@@ -384,17 +390,30 @@ def settle(batch_id: str) -> bool:
         if session.scalar(select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status.in_(LIVE)).limit(1)) \
                 is not None:
             return False
-        status = "cancelled" if batch.status == "cancelling" else "completed"
+        full = session.scalar(select(Chunk.error_message).where(Chunk.batch_id == batch_id,
+                                                                Chunk.error_code == OUTPUT_FULL).limit(1))
+        status = "failed" if full else "cancelled" if batch.status == "cancelling" else "completed"
         output = Location.parse(batch.output_uri)
         manifest = _manifest(session, batch, status)
     # Before the status changes: a reader that sees the batch over finds the manifest. A worker dying here
     # leaves the batch live, and the sweeper settles it again (the manifest is the same).
-    write_manifest(output, manifest, status == "completed")
-    _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
+    if status != "failed":
+        try:
+            write_manifest(output, manifest, status == "completed")
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            status, full = "failed", f"the output's disk is full: {output.uri} could not take _manifest.json ({exc})"
+            manifest = {**manifest, "status": status}
+    if status == "failed":
+        _give_up_output(output, manifest)
+    else:
+        _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
+    failure = dict(error_code=OUTPUT_FULL, error_message=full[:2000]) if status == "failed" else {}
     with session_scope() as session:
         changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress",
                                                                                               "cancelling")))
-                                  .values(status=status, finished_at=utcnow())).rowcount
+                                  .values(status=status, finished_at=utcnow(), **failure)).rowcount
         if changed:
             batch = session.get(Batch, batch_id)
             session.refresh(batch)
@@ -403,6 +422,30 @@ def settle(batch_id: str) -> bool:
                                 read_reference(session, batch).model_dump(mode="json", exclude={"webhook"}),
                                 batch_id=batch.id)
     return bool(changed)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether writing failed because the (local) output's disk or quota is full."""
+    return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+
+
+def remove_object(location: Location) -> None:
+    """Removes what a failed write may have left of an object (nothing there is fine)."""
+    try:
+        if location.fs.exists(location.path):
+            location.fs.rm(location.path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", location.uri, exc)
+
+
+def _give_up_output(output: Location, manifest: dict) -> None:
+    """A failed batch leaves nothing half-committed: no result object (its committed ones included: no
+    `_SUCCESS` says the output is whole) and, if it fits, a `_manifest.json` saying `failed` with its chunks."""
+    _remove_uncommitted(output, set())
+    try:
+        write_manifest(output, {**manifest, "objects": []}, success=False)
+    except OSError as exc:
+        log.warning("the failed batch's manifest could not be written under %s: %s", output.uri, exc)
 
 
 def in_input_order(chunks: list) -> list:

@@ -1,0 +1,96 @@
+"""A reference batch whose output's disk fills up (found by the soak, issue 47): it ends as a clear failure,
+`failed` with `output_full`, within seconds and with nothing half-committed (no part object, no `_SUCCESS`).
+Before, the object write was retried for 60 s per attempt (holding the worker's commit queue), the chunk failed
+after MAX_ATTEMPTS as `input_unavailable`, and then the manifest could not be written either: the batch stayed
+`in_progress` for good, its half-written object left in the folder. The disk is full by a patched write (ENOSPC
+after part of the object), in-process on PostgreSQL as tests/test_lake.py runs batches."""
+
+import errno
+import time
+from pathlib import Path
+from unittest.mock import patch
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import select
+
+from store.lake import chunks as chunks_module
+from store.db import session_scope
+from store.lake import tables
+from store.models import Chunk
+from store.settings import get_settings
+from worker import drain as drain_module
+from worker.scorer import get_scorer
+
+LABELS = [9805, 787]
+COLUMNS = {"query": "q", "item": "doc", "ids": ["pair_id"]}
+
+
+@pytest.fixture
+def root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    settings = get_settings()
+    monkeypatch.setattr(settings, "batch_local_root", str(tmp_path))
+    monkeypatch.setattr(settings, "batch_chunk_rows_target", 40)
+    pq.write_table(pa.table({"q": [f"question {i // 10}?" for i in range(120)],
+                             "doc": [f"document {i}" for i in range(120)], "pair_id": list(range(120))}),
+                   tmp_path / "pairs.parquet", row_group_size=40)
+    return tmp_path
+
+
+def full_disk_write(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
+    """Part of the object, then ENOSPC, as a write into a full folder ends."""
+    with location.fs.open(location.path, "wb") as f:
+        f.write(b"PAR1 half an object")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def run_until_over(client, key: str, batch_id: str, seconds: float) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while True:
+        batch = client.get(f"/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"}).json()
+        if batch["status"] in ("completed", "cancelled", "failed") or time.monotonic() > deadline:
+            return batch
+        drain_module.drain(get_scorer(), "full-disk-worker", get_settings())
+        time.sleep(0.1)
+
+
+def test_a_full_disk_fails_its_batch_at_once(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                             root: Path) -> None:
+    key, _ = make_key()
+    created = client.post("/batches", json={"input": "pairs.parquet", "output": "out", "columns": COLUMNS,
+                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
+    assert created.status_code == 201, created.text
+    with patch("worker.lake.write_table", full_disk_write):
+        batch = run_until_over(client, key, created.json()["id"], 300)
+    assert batch["status"] == "failed", batch
+    # Each chunk failed at its first attempt: no write retried for a minute, no attempt run again.
+    with session_scope() as session:
+        attempts = session.execute(select(Chunk.error_code, Chunk.attempts)
+                                   .where(Chunk.batch_id == batch["id"])).all()
+    assert attempts and all(row == ("output_full", 1) for row in attempts), attempts
+    assert batch["error"]["code"] == "output_full" and "disk is full" in batch["error"]["message"], batch
+    folder = root / "out" / batch["id"]
+    left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+    assert not [name for name in left if name.startswith("part-") or name == "_SUCCESS"], left
+
+
+def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                     root: Path) -> None:
+    """The objects fitted, the manifest did not: no `_SUCCESS`, and no object left that no manifest lists."""
+    key, _ = make_key()
+    created = client.post("/batches", json={"input": "pairs.parquet", "output": "out2", "columns": COLUMNS,
+                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
+    assert created.status_code == 201, created.text
+    real = tables.write_manifest
+
+    def no_room_for_a_completed_manifest(prefix, manifest, success) -> None:  # type: ignore[no-untyped-def]
+        if manifest["status"] == "completed":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(prefix, manifest, success)
+
+    with patch.object(chunks_module, "write_manifest", no_room_for_a_completed_manifest):
+        batch = run_until_over(client, key, created.json()["id"], 300)
+    assert batch["status"] == "failed" and batch["error"]["code"] == "output_full", batch
+    folder = root / "out2" / batch["id"]
+    assert sorted(p.name for p in folder.iterdir()) == ["_manifest.json"]  # saying failed, listing no object
