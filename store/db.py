@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import ARRAY, Engine, String, any_, bindparam, create_engine, event
 from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.sql import ColumnElement
 
 from store.settings import get_settings
 
@@ -70,3 +71,11 @@ def session_scope() -> Iterator[Session]:
     """One transaction: commit on success, roll back on error (worker side)."""
     with session_factory()() as session, session.begin():
         yield session
+
+
+def among(session: Session, column: ColumnElement, values: list[str]) -> ColumnElement:
+    """`column IN values`. On Postgres as `= ANY(array)`: one statement text whatever the number of values, so
+    SQLAlchemy's and psycopg's statement caches serve it (each IN-list length was a statement of its own)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
+    return column.in_(values)

@@ -286,7 +286,7 @@ def test_sweeper_fails_an_upload_abandoned_by_its_api(client, make_key) -> None:
     `validating` (and uncancellable) for ever."""
     from datetime import timedelta
 
-    from store import jobqueue
+    from store import sweeper
     from store.models import Batch, utcnow
 
     key, _ = make_key()
@@ -301,7 +301,7 @@ def test_sweeper_fails_an_upload_abandoned_by_its_api(client, make_key) -> None:
         old_id, fresh_id = old.id, fresh.id
     headers = {"Authorization": f"Bearer {key}"}
     assert client.post(f"/batches/{old_id}/cancel", headers=headers).json()["error"]["code"] == "batch_validating"
-    jobqueue.sweep(settings)
+    sweeper.sweep(settings)
     old_out = client.get(f"/batches/{old_id}", headers=headers).json()
     assert (old_out["status"], old_out["error"]["code"]) == ("failed", "upload_timeout")
     assert client.get(f"/batches/{fresh_id}", headers=headers).json()["status"] == "validating"

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select, text
 from standardwebhooks import Webhook
 
-from store import jobqueue
+from store import claims, finishing
 from store.db import session_scope
 from store.models import Job
 from store.settings import get_settings
@@ -62,9 +62,9 @@ def drain() -> int:
 
 def one_round(owner: str = "worker-a") -> list:  # type: ignore[type-arg]
     """One claim and run of the worker, as the drain loop does it."""
-    jobs = jobqueue.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
+    jobs = claims.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
     drain_module.run_jobs(get_scorer(), owner, jobs)
-    jobqueue.settle_batches({job.batch_id for job in jobs if job.batch_id})
+    finishing.settle_batches({job.batch_id for job in jobs if job.batch_id})
     return jobs
 
 
@@ -189,11 +189,11 @@ def test_results_stream_while_running_then_cancel(client, make_key, clean) -> No
     assert batch["status"] == "in_progress" and batch["counts"]["succeeded"] == len(first)
 
     # Cancel while a round is claimed: queued requests are cancelled now, the running ones finish.
-    running = jobqueue.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
+    running = claims.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
     response = client.post(f"/batches/{batch_id}/cancel", headers=auth(key))
     assert response.status_code == 202 and response.json()["status"] == "cancelling"
     drain_module.run_jobs(get_scorer(), "worker-a", running)
-    jobqueue.settle_batches({batch_id})
+    finishing.settle_batches({batch_id})
     batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
     done = len(first) + len(running)
     assert batch["status"] == "cancelled"
@@ -249,12 +249,12 @@ def test_batch_lane_order(client, make_key, clean) -> None:  # type: ignore[no-u
     bob_batch = upload(client, bob, [request_line(i) for i in range(60)]).json()["id"]
     job = client.post("/jobs", json={"query": "hi", "items": ["x"], "label_token_ids": [1]}, headers=auth(bob))
     settings, tokens = get_settings(), 64
-    first = jobqueue.claim_jobs("w", settings, tokens)
+    first = claims.claim_jobs("w", settings, tokens)
     assert [j.id for j in first] == [job.json()["id"]]
     tenants, batches = [], []
     for _ in range(6):
         with session_scope() as session:  # the claim returns what the worker needs; the test reads the rows
-            claimed = [session.get(Job, j.id) for j in jobqueue.claim_jobs("w", settings, tokens)]
+            claimed = [session.get(Job, j.id) for j in claims.claim_jobs("w", settings, tokens)]
             session.expunge_all()
         assert claimed and len({j.batch_id for j in claimed}) == 1
         assert sum(j.prompt_tokens for j in claimed) <= tokens or len(claimed) == 1
@@ -284,8 +284,8 @@ def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, cle
         if len(calls) == 1:
             wake.set()  # a kick during the first round
         if interactive_only:
-            return drain_module.job_sinks(jobqueue.claim_interactive("worker-a", settings))
-        return drain_module.job_sinks(jobqueue.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens))
+            return drain_module.job_sinks(claims.claim_interactive("worker-a", settings))
+        return drain_module.job_sinks(claims.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens))
 
     drain_module._run_loop(scorer, "worker-a", settings, claim, lambda: False, wake)
     assert calls[:2] == [False, True]  # the path under test: a round, then an interactive-only claim

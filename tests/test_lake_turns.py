@@ -152,7 +152,7 @@ def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settin
         assert kinds == ["chunk", "upload", "chunk", "upload", "chunk"]
     finally:
         feed.close()
-        from store.jobqueue import release
+        from store.finishing import release
 
         with session_scope() as session:
             held = list(session.scalars(text("SELECT id FROM jobs WHERE lease_owner = 'lanes-worker'")))
@@ -195,7 +195,7 @@ def test_a_reference_batch_behind_a_running_upload_is_taken_at_once(client, make
         assert batch_of(second) == reference["id"] and kinds[0] == "upload", kinds  # the uploads had their turn
     finally:
         feed.close()
-        from store.jobqueue import release
+        from store.finishing import release
 
         with session_scope() as session:
             held = list(session.scalars(text("SELECT id FROM jobs WHERE lease_owner = 'behind-upload-worker'")))

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
 from core import Scorer
-from store import jobqueue
+from store import claims, finishing, sweeper
 from store.db import session_scope
 from store.models import Batch, Job, Pass, utcnow
 from store.settings import Settings, get_settings
@@ -189,7 +189,7 @@ def test_a_job_of_a_model_with_no_live_worker_waits_in_the_queue(two_models, mak
     with session_scope() as session:  # older than a sweep interval: a lost kick, were it small's
         session.execute(update(Job).values(created_at=utcnow() - timedelta(seconds=60)))
     assert drain_module.drain(scorer, "small-worker", settings) == 0
-    assert jobqueue.sweep(settings) is False  # small's workers do not keep waking for judge's jobs
+    assert sweeper.sweep(settings) is False  # small's workers do not keep waking for judge's jobs
     assert _row(job["id"]).status == "queued"
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text  # small is served
@@ -204,7 +204,7 @@ def test_a_job_of_a_model_with_no_live_worker_waits_in_the_queue(two_models, mak
         assert line in metrics, metrics
     # Its worker starts: the job runs.
     judge, judge_settings = two_models["judge"]
-    assert jobqueue.sweep(judge_settings) is True
+    assert sweeper.sweep(judge_settings) is True
     assert drain_module.drain(judge, "judge-worker", judge_settings) == 1
     assert _row(job["id"]).status == "succeeded"
 
@@ -222,10 +222,10 @@ def test_two_workers_each_claim_only_their_models_jobs_and_batches(two_models, m
     assert batch["model"] == "judge" and batch["counts"]["failed"] == 1
     # Interactive before batch holds within a model's queue: small's queued jobs do not hold judge's batch back.
     judge, judge_settings = two_models["judge"]
-    first = jobqueue.claim_jobs("judge-worker", judge_settings)
+    first = claims.claim_jobs("judge-worker", judge_settings)
     assert {job.model for job in first} == {"judge"} and {job.id for job in first} == set(ids["judge"])
-    jobqueue.release("judge-worker", judge_settings, [job.id for job in first], None)
-    assert {job.batch_id for job in jobqueue.claim_batch_round("judge-worker", judge_settings, 10_000)} == \
+    finishing.release("judge-worker", judge_settings, [job.id for job in first], None)
+    assert {job.batch_id for job in claims.claim_batch_round("judge-worker", judge_settings, 10_000)} == \
         {batch["id"]}
     with session_scope() as session:
         session.execute(update(Job).where(Job.lease_owner == "judge-worker")

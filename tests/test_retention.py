@@ -95,7 +95,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
 
     from sqlalchemy import event
 
-    from store import jobqueue
+    from store import claims
 
     settings = get_settings().model_copy(update={"result_ttl_days": 30, "retention_chunk_rows": CHUNK})
     with sessions.begin() as session:
@@ -111,7 +111,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
         with sessions.begin() as session:
             yield session
 
-    monkeypatch.setattr(jobqueue, "session_scope", claim_scope)
+    monkeypatch.setattr(claims, "session_scope", claim_scope)
     chunk_holds, chunk_may_commit = threading.Event(), threading.Event()
     pruning = sessionmaker(sessions.kw["bind"], expire_on_commit=False)
 
@@ -125,7 +125,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
     pruner.start()
     assert chunk_holds.wait(30)
     claimed: list[Job] = []
-    claimer = threading.Thread(target=lambda: claimed.extend(jobqueue.claim_interactive("worker-x", settings)))
+    claimer = threading.Thread(target=lambda: claimed.extend(claims.claim_interactive("worker-x", settings)))
     start = time.monotonic()
     claimer.start()
     sqlite = sessions.kw["bind"].dialect.name == "sqlite"

@@ -11,7 +11,7 @@ from sqlalchemy import func, select, update
 
 from core import TokenizedRequest
 
-from store import jobqueue
+from store import claims, finishing, job_writer, sweeper
 from store.db import session_scope
 from store.models import Job, JobResult, Pass, WebhookDelivery, utcnow
 from store.settings import get_settings
@@ -69,7 +69,7 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
     body = many_items(300)
     job_id = submit(client, key, body)
     scorer = get_scorer()
-    original = jobqueue.write_boundaries
+    original = finishing.write_boundaries
     seen: list[int] = []
 
     def spying(session, boundaries):  # type: ignore[no-untyped-def]
@@ -78,7 +78,7 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
             seen.append(session.scalar(select(Job.items_done).where(Job.id == job_id)))  # as this write left it
         return closed
 
-    monkeypatch.setattr(jobqueue, "write_boundaries", spying)
+    monkeypatch.setattr(finishing, "write_boundaries", spying)
     drain_module.drain(scorer, "worker-a", get_settings())
     assert len(seen) > 2, "the job should take several passes (PASS_TOKENS is small in tests)"
     assert seen[0] < 300 and seen == sorted(seen) and seen[-1] == 300
@@ -92,7 +92,7 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
 def test_cancel_at_pass_boundary(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     job_id = submit(client, key, {**many_items(300), "webhook_url": "http://127.0.0.1:9/hook"})
-    jobs = jobqueue.claim_jobs("worker-a", get_settings())
+    jobs = claims.claim_jobs("worker-a", get_settings())
     client.post(f"/jobs/{job_id}/cancel", headers=auth(key))
     drain_module.run_jobs(get_scorer(), "worker-a", jobs)
     job = job_row(job_id)
@@ -110,10 +110,10 @@ def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  
     body = many_items(40)
     job_id = submit(client, key, body)
     settings = get_settings()
-    stale = jobqueue.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
+    stale = claims.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
-    assert jobqueue.sweep(settings) is True
+    assert sweeper.sweep(settings) is True
     assert job_row(job_id).status == "queued"
     assert drain_module.drain(get_scorer(), "worker-b", settings) == 1
     first = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
@@ -128,7 +128,7 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    jobqueue.claim_jobs("worker-a", settings)
+    claims.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() + timedelta(seconds=0.5)))
     # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
@@ -139,7 +139,7 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     monkeypatch.setattr(drain_module, "active_jobs", held)
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at > utcnow() + timedelta(seconds=settings.lease_seconds - 1)
-    assert jobqueue.sweep(settings) is False
+    assert sweeper.sweep(settings) is False
     assert job_row(job_id).status == "running"
 
 
@@ -147,11 +147,11 @@ def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    jobqueue.claim_jobs("worker-a", settings)
+    claims.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(attempts=settings.max_attempts,
                                            lease_expires_at=utcnow() - timedelta(seconds=1)))
-    jobqueue.sweep(settings)
+    sweeper.sweep(settings)
     job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
     assert job["status"] == "failed" and job["error"]["code"] == "worker_lost"
 
@@ -201,7 +201,7 @@ def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == high).values(priority=10))
     settings = get_settings()
-    jobs = jobqueue.claim_jobs("worker-a", settings)
+    jobs = claims.claim_jobs("worker-a", settings)
     assert [j.id for j in jobs] == [high, low]
 
 
@@ -209,11 +209,11 @@ def test_sweeper_rekicks_jobs_whose_message_was_lost(client, make_key, empty_que
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    assert jobqueue.sweep(settings) is False  # just queued: its drain message is presumably on its way
+    assert sweeper.sweep(settings) is False  # just queued: its drain message is presumably on its way
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == job_id)
                         .values(created_at=utcnow() - timedelta(seconds=settings.sweep_interval_seconds + 1)))
-    assert jobqueue.sweep(settings) is True
+    assert sweeper.sweep(settings) is True
 
 
 def test_stopping_between_passes_requeues_without_counting_an_attempt(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
@@ -237,7 +237,7 @@ def test_a_failing_loop_releases_only_its_own_jobs(client, make_key, empty_queue
     key, _ = make_key()
     other = submit(client, key, many_items(2))
     settings = get_settings()
-    assert [j.id for j in jobqueue.claim_interactive("worker-a", settings)] == [other]  # held elsewhere
+    assert [j.id for j in claims.claim_interactive("worker-a", settings)] == [other]  # held elsewhere
     failing = submit(client, key, many_items(2))
 
     def broken_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -292,7 +292,7 @@ def test_token_ids_stored_at_submission_score_as_the_text(client, make_key, empt
         assert TokenizedRequest.from_bytes(stored) == expected
         session.get(Job, ids[1]).tokens = None  # as queued before the upgrade
 
-    jobs = jobqueue.claim_jobs("worker-a", get_settings())
+    jobs = claims.claim_jobs("worker-a", get_settings())
     assert {job.id for job in jobs} == set(ids)
     with monkeypatch.context() as patch:
         def no_tokenizing(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -348,20 +348,20 @@ def test_a_lease_lost_while_results_wait_in_the_writer(client, make_key, empty_q
     device: the queued write is refused, and the other worker's result is the only one."""
     key, _ = make_key()
     job_id = submit(client, key, {**many_items(5), "webhook_url": "http://127.0.0.1:9/hook"})
-    original = jobqueue.write_boundaries
+    original = finishing.write_boundaries
 
     def taken_over_meanwhile(session, boundaries):  # type: ignore[no-untyped-def]
         with session_scope() as other:  # committed before this boundary's transaction writes
             other.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b", attempts=2))
         return original(session, boundaries)
 
-    monkeypatch.setattr(jobqueue, "write_boundaries", taken_over_meanwhile)
+    monkeypatch.setattr(finishing, "write_boundaries", taken_over_meanwhile)
     drain_module.drain(get_scorer(), "worker-a", get_settings())
     job = job_row(job_id)
     assert (job.status, job.lease_owner) == ("running", "worker-b")
     assert count(JobResult) == 0 and count(WebhookDelivery) == 0
     monkeypatch.undo()
-    drain_module.run_jobs(get_scorer(), "worker-b", [jobqueue.ClaimedJob(job_id, job.priority, job.model, job.tokens,
+    drain_module.run_jobs(get_scorer(), "worker-b", [claims.ClaimedJob(job_id, job.priority, job.model, job.tokens,
                                                                           None, None, job.webhook_url)])
     assert job_row(job_id).status == "succeeded" and count(JobResult) == 1 and count(WebhookDelivery) == 1
 
@@ -379,7 +379,7 @@ def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empt
         queued.wait(5)  # the loop queues more boundaries behind this one meanwhile
         raise SystemExit("killed")  # nothing of this transaction commits, nothing after it runs
 
-    original_boundary = jobqueue.JobWriter.boundary
+    original_boundary = job_writer.JobWriter.boundary
 
     def boundary(self, b, batch_of):  # type: ignore[no-untyped-def]
         future = original_boundary(self, b, batch_of)
@@ -387,8 +387,8 @@ def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empt
             queued.set()
         return future
 
-    monkeypatch.setattr(jobqueue, "write_boundaries", killed)
-    monkeypatch.setattr(jobqueue.JobWriter, "boundary", boundary)
+    monkeypatch.setattr(finishing, "write_boundaries", killed)
+    monkeypatch.setattr(job_writer.JobWriter, "boundary", boundary)
     with pytest.raises(SystemExit):
         drain_module.drain(get_scorer(), "worker-dead", settings)
     assert queued.is_set(), "the writer should have held queued boundaries"
@@ -398,7 +398,7 @@ def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empt
         assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "running")) == len(ids)
         session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
     assert count(JobResult) == 0 and count(WebhookDelivery) == 0
-    assert jobqueue.sweep(settings) is True
+    assert sweeper.sweep(settings) is True
     assert drain_module.drain(get_scorer(), "worker-b", settings) == len(ids)
     for job_id in ids:
         assert job_row(job_id).status == "succeeded"
@@ -469,7 +469,7 @@ def test_a_job_claimed_while_a_pass_runs_goes_into_the_next_pass(client, make_ke
     submit(client, key, many_items(300))  # several passes
     scorer = get_scorer()
     writers = []
-    monkeypatch.setattr(drain_module, "JobWriter", lambda *a: writers.append(jobqueue.JobWriter(*a)) or writers[-1])
+    monkeypatch.setattr(drain_module, "JobWriter", lambda *a: writers.append(job_writer.JobWriter(*a)) or writers[-1])
     original, passes = scorer.launch, []
     wake = drain_module.WakeUp()
 

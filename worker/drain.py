@@ -2,7 +2,7 @@
 
 It works like the serving engines' overlap schedulers: pass n+1 is planned, packed and launched while pass n
 runs on the device, and only then does the loop wait for pass n's scores. Everything that touches the
-database runs in a writer thread behind it (`store.jobqueue.JobWriter`): each pass boundary's writes (the Pass
+database runs in a writer thread behind it (`store.job_writer.JobWriter`): each pass boundary's writes (the Pass
 row, progress, finished results, cancellations, in a few statements) and the claims of the next jobs, which
 the loop asks for while it still has work (one round ahead). The device waits for neither.
 
@@ -27,9 +27,11 @@ from typing import Protocol
 import numpy as np
 
 from core import InFlightPass, PassResult, Scorer, ScoringError, TokenizedRequest
-from store import jobqueue
+from store import claims, workers
 from store.broker import clear_pending_kick
-from store.jobqueue import Boundary, ClaimedJob, JobWriter, WriterFailed
+from store.claims import ClaimedJob
+from store.finishing import Boundary
+from store.job_writer import JobWriter, WriterFailed
 from store.settings import Settings, get_settings
 from worker import lake as chunk_feed
 from worker.scheduler import ScheduledPass, Scheduler, batch_pass_tokens
@@ -436,7 +438,7 @@ class Claimer:
     """A pass loop's claims (`claim(interactive_only)`). In the batch lane, uploaded batches and reference
     batches take turns: a chunk, then uploaded batches' rounds for as long as that chunk took (at most
     BATCH_CHUNK_SECONDS), then the next chunk, and so on; either kind alone runs without waiting. Within a
-    kind, tenants and batches take turns (store.jobqueue for rounds, store.lake.chunks for chunks)."""
+    kind, tenants and batches take turns (store.claims for rounds, store.lake.chunks for chunks)."""
 
     def __init__(self, owner: str, settings: Settings, round_tokens: int,
                  feed: chunk_feed.ChunkFeed | None = None) -> None:
@@ -454,15 +456,15 @@ class Claimer:
         settings = self.settings
         clear_pending_kick(settings.worker_model)  # jobs committed from now on send a kick; those before are seen by this claim
         if interactive_only:
-            return job_sinks(jobqueue.claim_interactive(self.owner, settings))
-        if (jobs := jobqueue.claim_interactive(self.owner, settings)):
+            return job_sinks(claims.claim_interactive(self.owner, settings))
+        if (jobs := claims.claim_interactive(self.owner, settings)):
             return job_sinks(jobs)
         now = time.monotonic()
         due = self.feed is not None and self._chunk_due_at is not None and now >= self._chunk_due_at
         if due and (chunk := self.feed.take()):
             self._chunk_due_at, self._chunk_taken_at = None, now
             return chunk
-        if jobs := jobqueue.claim_batch_round(self.owner, settings, self.round_tokens):
+        if jobs := claims.claim_batch_round(self.owner, settings, self.round_tokens):
             # The uploads' turn begins once the chunk taken is done (begun at its take, the turn had no chunk time
             # to go by and took BATCH_CHUNK_SECONDS). A chunk due but not there (being read, or none waiting) stays
             # due: the next claim looks again (a new turn here left a batch submitted behind an upload a whole
@@ -525,4 +527,4 @@ def _run_loop(scorer: Scorer, owner: str, settings: Settings, claim: Callable[[b
 def heartbeat(owner: str, model: str, settings: Settings, attention: str | None = None,
               state: str = "ready", warmup: tuple[int, int] | None = None) -> None:
     """Extends the leases of the jobs this process holds and marks the worker alive."""
-    jobqueue.heartbeat(owner, model, settings, active_jobs.snapshot(), attention, state, warmup)
+    workers.heartbeat(owner, model, settings, active_jobs.snapshot(), attention, state, warmup)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
-from store import jobqueue
+from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
 from store.retention import prune
@@ -94,7 +94,7 @@ def _maintain() -> None:
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
     # for good while /readyz said ready); the jobs table, not the broker, is the queue of record.
-    if jobqueue.sweep(settings) | lake.sweep(settings):  # both run: each also re-queues what dead workers held
+    if sweeper.sweep(settings) | lake.sweep(settings):  # both run: each also re-queues what dead workers held
         kick_drain(settings.worker_model)
         _drain()
 
@@ -153,6 +153,6 @@ def _stop_loops(**_: object) -> None:
         loop.join(timeout=30)  # it finishes the pass in flight and hands its other jobs back
     lake.close_feeds()
     try:
-        jobqueue.deregister(WORKER_ID)
+        workers.deregister(WORKER_ID)
     except Exception:
         log.warning("could not deregister worker %s", WORKER_ID)

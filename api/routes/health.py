@@ -5,7 +5,7 @@ from sqlalchemy import text
 
 from api.deps import SessionDep, SettingsDep
 from store.broker import broker_reachable
-from store.jobqueue import live_device_groups, live_workers, waiting_models
+from store.workers import live_device_groups, live_workers, waiting_models
 
 router = APIRouter(tags=["health"])
 

@@ -2,7 +2,7 @@ from fastapi import APIRouter
 
 from api.deps import CurrentKey, ModelsDep, SessionDep, SettingsDep
 from api.schemas import ModelCard, ModelList, ModelWorkers
-from store.jobqueue import live_workers
+from store.workers import live_workers
 
 router = APIRouter(tags=["models"])
 

@@ -1,0 +1,158 @@
+"""What becomes of a claimed job: progress, results, failure, cancellation, a hand-back.
+
+Exactly-once effects on at-least-once delivery: every state change of a claimed job is conditional on
+`lease_owner` still being this worker and the job still running, so a worker that lost its lease (killed,
+paused past the lease, or swept) cannot write a result that another worker also writes.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import bindparam, insert, or_, select, update
+from sqlalchemy.orm import Session
+
+from store.batches import settle_batch
+from store.counters import count, count_pass
+from store.db import among, session_scope
+from store.models import Job, JobResult, Pass, utcnow
+from store.outbox import enqueue_job_webhook
+from store.settings import Settings
+
+log = logging.getLogger(__name__)
+_JOBS = Job.__table__.c  # Core statements: the ORM's statement handling was most of a pass boundary's Python time
+
+
+def finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
+            results: dict[str, np.ndarray] | None = None, **values: Any) -> list[str]:
+    """Moves those of these jobs still running under our lease to `status`, in one statement, and queues the
+    webhooks of those that have one; returns their ids."""
+    if not job_ids:
+        return []
+    values.update(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
+    if error is not None:
+        values.update(error_code=error[0], error_message=error[1])
+    changed = session.execute(
+        update(Job.__table__).where(among(session, _JOBS.id, job_ids), _JOBS.lease_owner == owner,
+                                    _JOBS.status == "running")
+        .values(**values).returning(_JOBS.id, _JOBS.webhook_url)).all()
+    if changed:
+        count(session, "jobs_finished", len(changed), label=status)
+        _enqueue_webhooks(session, [row.id for row in changed if row.webhook_url], results)
+    return [row.id for row in changed]
+
+
+def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[str]:
+    """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
+    them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
+    another worker gets no second result). Returns their ids."""
+    done = finish(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
+    if done:
+        session.execute(insert(JobResult.__table__), [
+            {"job_id": job_id, "n_labels": results[job_id].shape[1],
+             "logprobs": np.ascontiguousarray(results[job_id], np.float32).tobytes()} for job_id in done])
+    return done
+
+
+def _enqueue_webhooks(session: Session, job_ids: list[str], results: dict[str, np.ndarray] | None = None) -> None:
+    """Queues the webhooks of these jobs (each has one)."""
+    if not job_ids:
+        return
+    for job in session.scalars(select(Job).where(Job.id.in_(job_ids)).execution_options(populate_existing=True)):
+        enqueue_job_webhook(session, job, (results or {}).get(job.id))
+
+
+def record_pass(session: Session, owner: str, n_jobs: int, n_items: int, tokens: int, padded_tokens: int,
+                seconds: float) -> None:
+    """The pass's running totals (/metrics); a Pass row too where it ran jobs. A pass of reference-batch
+    chunks only leaves no row: a billion-row backfill would leave hundreds of thousands of them, where its
+    chunk rows are the record (at most chunks + 100 rows per batch)."""
+    if n_jobs:
+        session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=n_items, tokens=tokens, padded_tokens=padded_tokens,
+                         seconds=seconds))
+    count_pass(session, n_items, tokens, seconds)
+
+
+def set_progress(session: Session, owner: str, progress: list[tuple[str, int]]) -> None:
+    """items_done of these running jobs of ours: one statement (executemany)."""
+    if progress:
+        table = Job.__table__
+        session.execute(update(table).where(table.c.id == bindparam("job"), table.c.lease_owner == owner)
+                        .values(items_done=bindparam("done")), [{"job": j, "done": n} for j, n in progress])
+
+
+@dataclass
+class Boundary:
+    """The writes of one pass boundary (see write_boundaries)."""
+
+    owner: str
+    n_items: int
+    tokens: int
+    padded_tokens: int
+    seconds: float
+    progress: list[tuple[str, int]]  # (job id, items done) of jobs the pass advanced
+    finished: list[tuple[Any, np.ndarray]]  # (claimed job, its log-probabilities) of jobs the pass completed
+    open_ids: list[str]  # the jobs still running after it: their cancel flags and leases are checked
+
+
+def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
+    """After one or more passes, in the caller's transaction and a few statements whatever the number of jobs
+    or passes: the Pass rows, cancellations, finished results, progress. Returns the ids the pass loop must
+    drop: finished, cancelled, or no longer leased to it."""
+    owner = boundaries[0].owner
+    for b in boundaries:
+        record_pass(session, owner, len(b.progress) + len(b.finished), b.n_items, b.tokens, b.padded_tokens,
+                    b.seconds)
+    finished = {job.id: logprobs for b in boundaries for job, logprobs in b.finished}
+    progress = {job_id: done for b in boundaries for job_id, done in b.progress if job_id not in finished}
+    open_ids = {job_id for b in boundaries for job_id in b.open_ids} - finished.keys()
+    # Only the exceptions come back (cancelled, or no longer ours): usually none, whatever the jobs held.
+    odd = dict(session.execute(select(_JOBS.id, _JOBS.cancel_requested & (_JOBS.lease_owner == owner)
+                                      & (_JOBS.status == "running")).where(
+        among(session, _JOBS.id, [*open_ids, *finished]),
+        or_(_JOBS.cancel_requested, _JOBS.lease_owner.is_(None), _JOBS.lease_owner != owner,
+            _JOBS.status != "running"))).all())
+    lost = {job_id for job_id, ours_and_cancelled in odd.items() if not ours_and_cancelled}
+    cancelled = [job_id for job_id, ours_and_cancelled in odd.items() if ours_and_cancelled]
+    for job_id in lost & open_ids:
+        log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
+    finish(session, owner, cancelled, "cancelled")
+    finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
+    set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if job_id not in odd])
+    return lost | set(cancelled) | finished.keys()
+
+
+def release(owner: str, settings: Settings, job_ids: list[str], error: str | None) -> None:
+    """Those of these jobs still ours go back to the queue. After an unexpected error, the attempt counts
+    (the job fails after max_attempts); when the worker stops (`error` None), it does not. Only these jobs:
+    the other lane of this process may be running jobs of its own."""
+    with session_scope() as session:
+        jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner,
+                                                 Job.status == "running")).all()
+        for job in jobs:
+            if error is None:
+                job.attempts -= 1
+            requeue_or_fail(session, job, settings, "internal_error", error or "")
+
+
+def requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
+    if job.cancel_requested:
+        job.status = "cancelled"
+    elif job.attempts >= settings.max_attempts:
+        job.status, job.error_code, job.error_message = "failed", code, message
+    else:
+        job.status, job.items_done = "queued", 0
+    job.lease_owner = job.lease_expires_at = None
+    if job.status != "queued":
+        count(session, "jobs_finished", label=job.status)
+        job.finished_at = utcnow()
+        session.flush()
+        enqueue_job_webhook(session, job)
+
+
+def settle_batches(batch_ids: set[str]) -> None:
+    if batch_ids:
+        with session_scope() as session:
+            for batch_id in sorted(batch_ids):
+                settle_batch(session, batch_id)

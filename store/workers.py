@@ -1,0 +1,75 @@
+"""The workers' registry: heartbeats (which also extend the leases of the jobs a worker holds), and which
+workers and queued models /readyz and /v1/models see."""
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from store.db import among, session_scope
+from store.models import Job, Worker, utcnow
+from store.settings import Settings
+
+_JOBS = Job.__table__.c
+
+
+def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], attention: str | None = None,
+              state: str = "ready", warmup: tuple[int, int] | None = None) -> None:
+    """Extends the leases of `job_ids` (the jobs the process is scoring) and marks the worker alive (for
+    /readyz), with its state ("warming" or "ready"), its warm-up's programs (done, total) while it warms,
+    and the attention path its engine runs (for /metrics)."""
+    done, total = warmup if warmup is not None and state == "warming" else (None, None)
+    now = utcnow()
+    lease = timedelta(seconds=settings.lease_seconds)
+    with session_scope() as session:
+        if job_ids:
+            # Only leases past half their length (and never closer to expiry than three heartbeats): each
+            # extension is a new row version, and a job held for a second or two (a batch line) needs none.
+            due = now + max(lease / 2, timedelta(seconds=3 * settings.sweep_interval_seconds))
+            session.execute(update(Job.__table__).where(among(session, _JOBS.id, list(job_ids)),
+                                                        _JOBS.lease_owner == owner, _JOBS.status == "running",
+                                                        _JOBS.lease_expires_at < due)
+                            .values(lease_expires_at=now + lease))
+        if not session.execute(update(Worker).where(Worker.id == owner)
+                               .values(last_seen_at=now, attention=attention, state=state, warmup_done=done,
+                                       warmup_total=total)).rowcount:
+            session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
+                               state=state, host=socket.gethostname(), device_group=settings.device_group,
+                               warmup_done=done, warmup_total=total))
+
+
+def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, int]]:
+    """Workers seen within WORKER_STALE_SECONDS: model -> state ("ready", "warming") -> how many."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    found: dict[str, dict[str, int]] = {}
+    for model, state, n in session.execute(select(Worker.model, Worker.state, func.count())
+                                           .where(Worker.last_seen_at >= cutoff).group_by(Worker.model, Worker.state)):
+        found.setdefault(model, {})[state] = n
+    return found
+
+
+def live_device_groups(session: Session, settings: Settings) -> list[dict[str, Any]]:
+    """Workers seen within WORKER_STALE_SECONDS, each with its host, the chips it was given (`packscore worker
+    --devices`; None for a worker started alone), its model and state, and while it warms its `programs`
+    {done, total}; by host and device group."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    rows = session.execute(select(Worker.host, Worker.device_group, Worker.model, Worker.state, Worker.warmup_done,
+                                  Worker.warmup_total).where(Worker.last_seen_at >= cutoff)).all()
+    return [{"host": host, "device_group": group, "model": model, "state": state,
+             **({"programs": {"done": done, "total": total}} if state == "warming" and total else {})}
+            for host, group, model, state, done, total in sorted(rows, key=lambda row: (row[0] or "", row[1] or "",
+                                                                                        row[2]))]
+
+
+def waiting_models(session: Session, models: list[str]) -> set[str]:
+    """Those of these models with a job queued (one index probe each, however long the queue)."""
+    return {model for model in models
+            if session.scalar(select(Job.id).where(Job.model == model, Job.status == "queued").limit(1))}
+
+
+def deregister(owner: str) -> None:
+    """A worker stopping cleanly leaves /readyz's count at once (not a stale-heartbeat interval later)."""
+    with session_scope() as session:
+        session.execute(delete(Worker).where(Worker.id == owner))
