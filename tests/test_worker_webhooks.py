@@ -293,3 +293,56 @@ def test_stopping_does_not_wait_past_its_timeout(empty_queue, make_key, monkeypa
             assert session.get(WebhookDelivery, delivery_id).status == "delivered"
     finally:
         slow.receiver.close()
+
+
+def test_two_workers_on_sqlite_never_claim_one_delivery_twice(tmp_path,  # type: ignore[no-untyped-def]
+                                                              monkeypatch) -> None:
+    """SQLite has no FOR UPDATE: a worker that read due deliveries while another worker claimed them must not
+    claim them again (the soak's embedded deployment, two workers, delivered messages twice). The second worker's
+    claim runs between the first's read and its claim."""
+    from collections import Counter
+    from contextlib import contextmanager
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    from migrations import upgrade
+    from store.models import ApiKey
+    from worker import webhooks
+
+    url = f"sqlite:///{tmp_path / 'webhooks.db'}"
+    upgrade(url)
+    engine = create_engine(url)
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    with sessions() as session, session.begin():
+        key = ApiKey(name="k", key_hash="h", webhook_secret=SECRET)
+        session.add(key)
+        session.flush()
+        session.add_all([WebhookDelivery(api_key_id=key.id, url="http://127.0.0.1:9/hook", payload="{}")
+                         for _ in range(3)])
+    settings = get_settings()
+    other_worker: list = []
+
+    @contextmanager
+    def scope():  # type: ignore[no-untyped-def]
+        with sessions() as session, session.begin():
+            read = session.scalars
+
+            class Interleaved:
+                def __init__(self, query) -> None:  # type: ignore[no-untyped-def]
+                    self.rows = read(query).all()
+
+                def all(self) -> list:
+                    if not other_worker:  # the other worker claims what this one has just read
+                        other_worker.append([])
+                        other_worker[0] = webhooks._claim_due(settings, 10, Counter(), set())
+                    return self.rows
+
+            session.scalars = Interleaved  # type: ignore[method-assign]
+            yield session
+
+    monkeypatch.setattr(webhooks, "session_scope", scope)
+    first = webhooks._claim_due(settings, 10, Counter(), set())
+    second = other_worker[0]
+    assert len(second) == 3 and first == [], (first, second)
+    engine.dispose()

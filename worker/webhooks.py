@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
 import httpx
-from sqlalchemy import select, tuple_
+from sqlalchemy import select, tuple_, update
 from standardwebhooks import Webhook
 
 from store.counters import count
@@ -87,8 +87,14 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
                 host = _host_of(row.url)
                 if row.id in busy or per_host[host] >= limit:
                     continue  # left due: a later claim (here or in another worker) takes it
+                # Only if it is still as read: SQLite has no FOR UPDATE, and another worker that read it too may
+                # have claimed it meanwhile (two workers of an embedded deployment delivered messages twice).
+                if not session.execute(update(WebhookDelivery).where(
+                        WebhookDelivery.id == row.id, WebhookDelivery.status == "pending",
+                        WebhookDelivery.next_attempt_at == row.next_attempt_at)
+                        .values(next_attempt_at=lease_until).execution_options(synchronize_session=False)).rowcount:
+                    continue
                 per_host[host] += 1
-                row.next_attempt_at = lease_until
                 claimed.append(row)
                 hosts.append(host)
                 if len(claimed) == slots:
