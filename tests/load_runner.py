@@ -71,6 +71,12 @@ class LoadConfig:
     # Fraction of the requests sent to POST /v1/score (the rest: POST /jobs and polling).
     sync_share: float = 0.0
     healthz_interval_s: float = 0.5
+    # The deployment's model names the requests take in turn (MODELS); () leaves `model` out (the default).
+    models: tuple[str, ...] = ()
+    # Fractions of the POST /jobs requests cancelled right after their submission (they end cancelled, or
+    # succeeded if they were faster), and sent twice with their Idempotency-Key (the second must be a replay).
+    cancel_share: float = 0.0
+    resend_share: float = 0.0
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
 
@@ -81,6 +87,9 @@ class Record:
     n_items: int
     sync: bool = False
     sync_timeout: bool = False  # /v1/score answered 504: followed by polling
+    cancel: bool = False  # cancelled right after its submission (POST /jobs only)
+    resend: bool = False  # submitted twice with its Idempotency-Key (POST /jobs only)
+    finished_s: float | None = None  # when the client saw it end, seconds into the run
     started_s: float = 0.0
     latency_s: float | None = None
     outcome: str = "pending"  # ok, or an error kind
@@ -115,6 +124,8 @@ def make_body(rng: random.Random, kind: str, cfg: LoadConfig, seq: int) -> dict:
         "item_first": rng.random() < 0.2,
         "metadata": {"load_tag": cfg.tag, "seq": seq},
     }
+    if cfg.models:
+        body["model"] = cfg.models[seq % len(cfg.models)]
     if cfg.webhook_url:
         body["webhook_url"] = cfg.webhook_url
     return body
@@ -175,9 +186,12 @@ class Runner:
                     raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
                 job = response.json()
             record.job, record.job_status, record.job_attempts = job, job["status"], job["attempts"]
+            record.finished_s = time.monotonic() - self.t0
             if job["status"] == "succeeded":
                 record.outcome = "ok"
                 record.latency_s = time.monotonic() - start
+            elif record.cancel and job["status"] == "cancelled":
+                record.outcome = "cancelled"
             else:
                 record.outcome = f"job_{job['status']}:{(job.get('error') or {}).get('code', '')}"
         except _Failed as exc:
@@ -192,6 +206,16 @@ class Runner:
             raise _Failed(f"http_{response.status_code}:{_error_code(response)}")
         job = response.json()
         record.job_id = job["id"]
+        if record.resend:  # a client that never saw the first answer sends it again: the same job comes back
+            again = self._call(record, "POST", "/jobs", deadline, json=record.body,
+                               headers={"Idempotency-Key": f"load-{self.cfg.tag}-{record.seq}"})
+            if again.status_code not in (200, 202) or again.json()["id"] != job["id"] \
+                    or again.headers.get("idempotent-replayed") != "true":
+                raise _Failed(f"resend_not_replayed:{again.status_code}")
+        if record.cancel:
+            response = self._call(record, "POST", f"/jobs/{job['id']}/cancel", deadline)
+            if response.status_code not in (200, 202, 409):  # 409: it had finished already
+                raise _Failed(f"cancel_http_{response.status_code}:{_error_code(response)}")
         return job
 
     def _submit_sync(self, record: Record, deadline: float) -> dict:
@@ -257,6 +281,8 @@ class Runner:
             kind = rng.choices(kinds, weights)[0]
             record = Record(seq=seq, kind=kind, n_items=cfg.sizes[kind], body=make_body(rng, kind, cfg, seq),
                             sync=rng.random() < cfg.sync_share)
+            if not record.sync:
+                record.cancel, record.resend = rng.random() < cfg.cancel_share, rng.random() < cfg.resend_share
             slots.acquire()  # bounded concurrency: an arrival waits for a free slot
             self.records.append(record)
             thread = threading.Thread(target=worker, args=(record,), daemon=True)
@@ -279,8 +305,8 @@ class Runner:
             done = random.Random(self.cfg.seed + 1).sample(done, min(self.cfg.verify, len(done)))
         # All in one go, packed as the workers pack them: one request at a time was a pass (and often a compile)
         # each.
-        requests = [reference.tokenize(r.body["query"], r.body["items"], r.body["label_token_ids"], r.body["item_first"])
-                    for r in done]
+        requests = [reference.tokenize(r.body["query"], r.body["items"], r.body["label_token_ids"],
+                                       r.body["item_first"]) for r in done]
         for record, logprobs in zip(done, reference.logprobs_of(requests)):
             expected = scores_from_logprobs(logprobs, record.body["apply_softmax"])
             got = np.asarray(record.job["scores"], np.float64)
@@ -292,12 +318,13 @@ class Runner:
     # -- results ----------------------------------------------------------------------------------------
     def summary(self) -> dict:
         ok = [r for r in self.records if r.outcome == "ok"]
-        errors = Counter(r.outcome for r in self.records if r.outcome != "ok")
+        errors = Counter(r.outcome for r in self.records if r.outcome not in ("ok", "cancelled"))
         latencies = np.array([r.latency_s for r in ok]) * 1000 if ok else np.array([0.0])
         items = sum(r.n_items for r in ok)
         return {
             "requests": len(self.records),
             "ok": len(ok),
+            "cancelled": sum(r.outcome == "cancelled" for r in self.records),
             "errors": sum(errors.values()),
             "error_rate": sum(errors.values()) / max(1, len(self.records)),
             "errors_by_kind": dict(errors),
@@ -324,8 +351,8 @@ class Runner:
 
     def write(self, out: Path, prefix: str = "load") -> dict:
         out.mkdir(parents=True, exist_ok=True)
-        columns = ["seq", "kind", "n_items", "sync", "sync_timeout", "started_s", "latency_s", "outcome", "job_id", "job_status",
-                   "job_attempts", "http_retries", "verified"]
+        columns = ["seq", "kind", "n_items", "sync", "sync_timeout", "cancel", "resend", "started_s", "latency_s",
+                   "finished_s", "outcome", "job_id", "job_status", "job_attempts", "http_retries", "verified"]
         with open(out / f"{prefix}_requests.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(columns)
