@@ -17,9 +17,10 @@ lowered for N devices (host devices stand in for them while lowering).
 Prints one JSON line and exits 0, or prints the error and exits 1.
 
 The pass laid out is the seeds' accelerator contract (a 2,000-token query, 500 items of 20 tokens),
-padded to --pass-tokens. `items_per_second_roofline` is an estimate: the contract's items per
-second that the chip's published peak FLOP/s and HBM bandwidth allow for this program's work
-(no overlap losses, no host time); the peaks used are printed with it. With N chips the estimate
+padded to the accelerators' ladder of --pass-tokens (core.packing: 12,288 tokens on the ladder of
+16,384). `items_per_second_roofline` is an estimate: the contract's items per second that the chip's
+published peak FLOP/s and HBM bandwidth allow for this program's work (no overlap losses, no host time);
+the peaks used are printed with it. With N chips the estimate
 splits the work over them and adds the all-reduces' time at the published inter-chip bandwidth;
 `--roofline-only` prints the estimate without building anything.
 """
@@ -45,7 +46,7 @@ from core import attention as attn  # noqa: E402
 from core import sharding as sharding_rules  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
 from core.model import HEAD_ROWS, CausalLM  # noqa: E402
-from core.packing import PassArrays, build_pass, plan_passes  # noqa: E402
+from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, PassArrays, build_pass, plan_passes  # noqa: E402
 from core.requests import TokenizedRequest  # noqa: E402
 
 # Published figures per chip: dense bf16 FLOP/s, HBM bytes/s (shared/model-notes.md), HBM capacity, and the
@@ -119,9 +120,11 @@ def contract_request(index: int = 0) -> TokenizedRequest:
     return TokenizedRequest(query, tuple(tuple(range(5, 5 + m)) for _ in range(n)), (1,))
 
 
-def contract_passes(pass_tokens: int) -> list[PassArrays]:
-    """The passes the engine runs for one contract request at this pass size (lengths from its ladder)."""
-    return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens) for p in plan_passes([contract_request()], pass_tokens)]
+def contract_passes(pass_tokens: int, steps_per_octave: int = ACCELERATOR_STEPS_PER_OCTAVE) -> list[PassArrays]:
+    """The passes an accelerator's engine runs for one contract request at this pass size (lengths from its
+    ladder; `steps_per_octave` 1: the halving ladder before issue 45)."""
+    return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens, steps_per_octave=steps_per_octave)
+            for p in plan_passes([contract_request()], pass_tokens)]
 
 
 def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None, mesh=None) -> tuple:
@@ -172,6 +175,21 @@ def count_kernels(text: str, platform: str) -> int:
     return len(re.findall(rf"custom_call @{target}\w*\(", text))
 
 
+def kernel_tiles(arrays: PassArrays, platform: str) -> tuple[int, int, int, int]:
+    """The attention kernel's query and key tile sizes for this pass on `platform`, its padded query length,
+    and the (query tile, key tile) pairs it visits per query head (masked work included)."""
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    if platform == "tpu":
+        tq, tk = (attn._pick_tile(attn._round_up(n, 128), t, 128)
+                  for n, t in ((T, attn.TPU_TILE_Q), (Tk, attn.TPU_TILE_K)))
+    else:
+        tq, tk = attn.GPU_TILE_Q, attn.GPU_TILE_K
+    q_len, kv_len = attn._round_up(T, max(tq, 128)), attn._round_up(Tk, max(tk, 128))
+    ids, counts = attn.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), BLOCK_Q,
+                                     BLOCK_K, tq, tk, q_len, kv_len)
+    return tq, tk, q_len, int(np.asarray(counts).sum())
+
+
 def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform: str, chips: int = 1) -> dict:
     """FLOPs and HBM bytes one contract request needs in these passes, per chip of a group of `chips`
     (tensor parallel), counted from the program's shapes and the attention tables (what the kernel visits,
@@ -188,18 +206,9 @@ def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform
     flops = hbm = allreduce = 0.0
     for arrays in passes:
         T, S = len(arrays.tokens), -(-arrays.n_rows // HEAD_ROWS) * HEAD_ROWS  # the LM head's rows in use
-        Tk = len(arrays.kv_meta.seq)
         per_token = 2 * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                          + 3 * c.hidden_size * c.intermediate_size)
-        if platform == "tpu":
-            tq, tk = (attn._pick_tile(attn._round_up(n, 128), t, 128)
-                      for n, t in ((T, attn.TPU_TILE_Q), (Tk, attn.TPU_TILE_K)))
-        else:
-            tq, tk = attn.GPU_TILE_Q, attn.GPU_TILE_K
-        q_len, kv_len = attn._round_up(T, max(tq, 128)), attn._round_up(Tk, max(tk, 128))
-        ids, counts = attn.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), BLOCK_Q,
-                                         BLOCK_K, tq, tk, q_len, kv_len)
-        pairs = int(np.asarray(counts).sum())  # (query tile, key tile) pairs per query head
+        tq, tk, q_len, pairs = kernel_tiles(arrays, platform)
         attn_flops = c.num_layers * c.num_heads * pairs * 4 * tq * tk * c.head_dim
         flops += (c.num_layers * per_token * T + attn_flops + 2 * c.hidden_size * c.vocab_size * S) / chips
         weights = sum(np.prod(s.shape) for s in jax.tree.leaves(model_specs(c, dtype)[1])) * item

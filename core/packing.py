@@ -9,7 +9,8 @@ items against that cache, and a query seen recently is not recomputed.
 
 Shapes come from a short fixed ladder (`pass_length`): a pass of T tokens, T one of
 pass_tokens, /2, /4, ... down to the shortest pass (pass_tokens/8 unless the engine says otherwise: on CPU 64
-tokens, so a small request pays for about its own tokens; larger only for one sequence longer than a pass),
+tokens, so a small request pays for about its own tokens; larger only for one sequence longer than a pass);
+on accelerators with ACCELERATOR_STEPS_PER_OCTAVE rungs per power of two from FINE_RUNGS_FROM tokens up,
 offers T score rows (the LM head runs on the rows in use only), and reads a cache of 0, pass_tokens/8 or
 pass_tokens keys (more only after such a long sequence). The item count, the query length
 and the label count never become compile keys.
@@ -68,24 +69,37 @@ def round_up_bucket(n: int, minimum: int, steps_per_octave: int = 4) -> int:
     return -(-n // step) * step
 
 
-def ladder(pass_tokens: int, block: int, shortest: int | None = None) -> list[int]:
+# An accelerator's pass costs its padded length in every projection and MLP matmul: on the halving ladder the
+# contract's 12,000 tokens ran as 16,384 (27% of those FLOPs on padding). Rungs a quarter of an octave apart from
+# 4,096 tokens up pad a pass by at most 20% (the contract's: 12,288, 2%), for 10 rungs instead of 4 at 16,384:
+# each rung's programs compile when first met (the Pallas path warms none ahead; see docs/performance.md).
+ACCELERATOR_STEPS_PER_OCTAVE = 4
+FINE_RUNGS_FROM = 4096
+
+
+def ladder(pass_tokens: int, block: int, shortest: int | None = None, steps_per_octave: int = 1) -> list[int]:
     """The pass lengths a worker compiles: pass_tokens halved down to `shortest` (None: pass_tokens/8), as
-    multiples of `block`."""
+    multiples of `block`; with `steps_per_octave` > 1, each octave from FINE_RUNGS_FROM tokens up has that many
+    rungs evenly spaced."""
     shortest = max(shortest or pass_tokens >> 3, block)
     rungs, T = set(), pass_tokens
     while True:
         rungs.add(-(-max(T, shortest) // block) * block)
         if T <= shortest:
             return sorted(rungs)
+        if T // 2 >= FINE_RUNGS_FROM:
+            step = T // 2 / steps_per_octave
+            rungs.update(-(-int(T // 2 + i * step) // block) * block for i in range(1, steps_per_octave))
         T >>= 1
 
 
-def pass_length(tokens: int, rows: int, pass_tokens: int, block: int, shortest: int | None = None) -> int:
+def pass_length(tokens: int, rows: int, pass_tokens: int, block: int, shortest: int | None = None,
+                steps_per_octave: int = 1) -> int:
     """T for a pass of `tokens` tokens and `rows` score rows: the smallest rung with room for both; past
     pass_tokens (one sequence longer than a pass), pass_tokens doubled as often as needed. Rows exceed tokens
     only when many requests share a short query and score it with empty items."""
     fits = lambda T: T >= max(tokens, rows)
-    T = next((T for T in ladder(pass_tokens, block, shortest) if fits(T)), None)
+    T = next((T for T in ladder(pass_tokens, block, shortest, steps_per_octave) if fits(T)), None)
     if T is None:
         T = ladder(pass_tokens, block)[-1]
         while not fits(T):
@@ -214,11 +228,12 @@ def _expand_runs(lengths: list[int], *per_run: list[int]) -> tuple[np.ndarray, .
 
 
 def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None,
-               shortest: int | None = None) -> PassArrays:
+               shortest: int | None = None, steps_per_octave: int = 1) -> PassArrays:
     """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens.
 
-    Its length T, score rows and cache length C come from the ladder of `pass_tokens` down to `shortest` (see
-    `pass_length`; None: the ladder whose top is this pass's length rounded up to a power of two). The tables are as wide as
+    Its length T, score rows and cache length C come from the ladder of `pass_tokens` down to `shortest`, with
+    `steps_per_octave` (see `ladder` and `pass_length`; None: the ladder whose top is this pass's length rounded up
+    to a power of two). The tables are as wide as
     the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further).
     """
     # The layout is built as runs of tokens (a prefix, an item, a re-run query token), in Python per run, and
@@ -277,7 +292,7 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | No
 
     block = max(block_q, block_k)  # both tile sizes must divide T and C
     pass_tokens = pass_tokens or 1 << (max(n, block) - 1).bit_length()
-    T = pass_length(n, len(score_rows), pass_tokens, block, shortest)
+    T = pass_length(n, len(score_rows), pass_tokens, block, shortest, steps_per_octave)
     C = cache_length(len(cache_seq), pass_tokens, block)
 
     def padded(values, length, fill):

@@ -20,7 +20,8 @@ from core import sharding
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
-from core.packing import PackedSequence, PassPlan, build_pass, cache_length, ladder, plan_passes
+from core.packing import (ACCELERATOR_STEPS_PER_OCTAVE, PackedSequence, PassPlan, build_pass, cache_length, ladder,
+                          plan_passes)
 from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix_cache_bytes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
@@ -285,6 +286,7 @@ class Scorer:
         # shortest pass (pass_tokens/8: 512 tokens) took 1 s of compute on the bundled model (2-core AVX2 host),
         # so the CPU ladder reaches down to SHORTEST_CPU_PASS: three more rungs, two programs each to warm up.
         self.shortest_pass = shortest_pass or (SHORTEST_CPU_PASS if on_cpu else None)
+        self.ladder_steps = 1 if on_cpu else ACCELERATOR_STEPS_PER_OCTAVE  # rungs per octave (core.packing)
         self.token_rows = TOKEN_ROWS if on_cpu else None  # see core.model.TOKEN_ROWS
         # On CPU a pass's keys/values cost little to return (they are in host memory already), so every pass
         # returns them: one program kind fewer per pass length, and a new query coalesced with cached ones is
@@ -344,7 +346,7 @@ class Scorer:
     @property
     def pass_lengths(self) -> list[int]:
         """The pass lengths this engine compiles (core.packing's ladder), shortest first."""
-        return ladder(self.pass_tokens, max(self.block_q, self.block_k), self.shortest_pass)
+        return ladder(self.pass_tokens, max(self.block_q, self.block_k), self.shortest_pass, self.ladder_steps)
 
     @property
     def vocab_size(self) -> int:
@@ -459,7 +461,7 @@ class Scorer:
                                   needed).result()
             cached.append(self._prefix_cache.use(seq.prefix))
             cached_lengths.append(len(seq.prefix))
-        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass)
+        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass, self.ladder_steps)
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)

@@ -42,7 +42,7 @@ def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloa
 def test_tpu_compiles_the_pass_program_with_the_kernel(target, model):
     out = build(target, model)
     assert out["stage"] == "compiled"
-    assert out["pass_tokens"] == 16384
+    assert out["pass_tokens"] == 12288  # the contract's 12,000 tokens on the accelerators' ladder of 16,384
     assert out["pallas_kernels"] >= 1
     assert out["flops"] > 0 and out["bytes_accessed"] > 0
     assert out["memory"]["peak_bytes"] > 0
@@ -112,6 +112,9 @@ def test_smollm2_shape_is_the_bundled_gguf():
 
 
 def test_contract_layout():
-    (arrays,) = aot.contract_passes(16384)  # one contract request fits one pass of 16,384 tokens
-    assert len(arrays.tokens) == 16384 and arrays.real_tokens == 2000 + 500 * 20
+    # One contract request fits one pass: 12,288 tokens on the accelerators' ladder, 16,384 on the halving one.
+    (arrays,) = aot.contract_passes(16384)
+    assert len(arrays.tokens) == 12288 and arrays.real_tokens == 2000 + 500 * 20
     assert len(arrays.owners) == 500
+    (halving,) = aot.contract_passes(16384, steps_per_octave=1)
+    assert len(halving.tokens) == 16384 and halving.real_tokens == arrays.real_tokens

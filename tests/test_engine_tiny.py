@@ -7,6 +7,7 @@ import pytest
 
 from core import ERROR_CODES, Scorer, ScoringError
 from core.config import ModelConfig
+from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, FINE_RUNGS_FROM, ladder, pass_length
 
 
 @pytest.fixture(scope="module")
@@ -381,3 +382,21 @@ def test_tokenize_many_gives_what_tokenize_gives_each_request() -> None:
         else:
             assert got == expected, request
     assert sum(isinstance(r, ScoringError) for r in tokenizer.tokenize_many(requests)) == 5
+
+
+def test_accelerator_ladder_covers_every_length_with_little_padding_and_few_rungs(tiny):
+    """Issue 45: on the halving ladder the contract's 12,000 tokens ran as 16,384 (27% of every matmul on
+    padding). The accelerators' ladder has every halving rung and quarter-octave rungs from FINE_RUNGS_FROM up:
+    every length gets the smallest rung that holds it, padded by at most a fifth past FINE_RUNGS_FROM, in at
+    most 10 rungs at 16,384 (programs compile per rung); the CPU ladder is unchanged."""
+    steps = ACCELERATOR_STEPS_PER_OCTAVE
+    rungs = ladder(16384, 128, None, steps)
+    assert set(ladder(16384, 128)) < set(rungs) and len(rungs) <= 10 and all(r % 128 == 0 for r in rungs)
+    for n in range(1, 16385, 7):
+        T = pass_length(n, 0, 16384, 128, None, steps)
+        assert T >= n and T == min(r for r in rungs if r >= n)
+        if n > FINE_RUNGS_FROM:
+            assert (T - n) / T <= 1 / (steps + 1)
+    assert pass_length(12000, 500, 16384, 128, None, steps) == 12288
+    assert pass_length(20000, 0, 16384, 128, None, steps) == 32768  # one sequence longer than a pass
+    assert tiny.ladder_steps == 1  # on CPU
