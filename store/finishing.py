@@ -133,22 +133,18 @@ def release(owner: str, settings: Settings, job_ids: list[str], error: str | Non
         for job in jobs:
             if error is None:
                 job.attempts -= 1
-            requeue_or_fail(session, job, settings, "internal_error", error or "")
+            end_attempt(session, job, settings, "internal_error", error or "")
 
 
-def requeue_or_fail(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
-    if job.cancel_requested:
-        job.status = "cancelled"
-    elif job.attempts >= settings.max_attempts:
-        job.status, job.error_code, job.error_message = "failed", code, message
-    else:
-        job.status, job.items_done = "queued", 0
-    job.lease_owner = job.lease_expires_at = None
-    if job.status != "queued":
-        count(session, "jobs_finished", label=job.status)
-        job.finished_at = utcnow()
-        session.flush()
-        enqueue_job_webhook(session, job)
+def end_attempt(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
+    """A job whose attempt ended without its result (`Leased.requeue_or_fail`); one that ends here is counted
+    and its webhook queued."""
+    if job.requeue_or_fail(settings.max_attempts, code, message, job.cancel_requested, utcnow()) == "queued":
+        job.items_done = 0
+        return
+    count(session, "jobs_finished", label=job.status)
+    session.flush()
+    enqueue_job_webhook(session, job)
 
 
 def settle_batches(batch_ids: set[str]) -> None:

@@ -65,7 +65,27 @@ def _partial_index(name: str, columns: tuple[str, ...], condition: str) -> Index
     return Index(name, *columns, postgresql_where=text(condition), sqlite_where=text(condition))
 
 
-class Job(Base):
+class Leased:
+    """A row a worker claims under a lease and may lose (a job, a chunk): what becomes of it when an attempt
+    ends without its result (the worker failed, stopped or died). Its table has the columns status,
+    lease_owner, lease_expires_at, attempts, error_code, error_message and finished_at."""
+
+    def requeue_or_fail(self, max_attempts: int, code: str, message: str, cancelled: bool, now: datetime) -> str:
+        """Cancelled if it was to be; failed with (code, message) once it had `max_attempts` attempts; else queued
+        again. The lease is given up either way. Returns the new status."""
+        if cancelled:
+            self.status = "cancelled"
+        elif self.attempts >= max_attempts:
+            self.status, self.error_code, self.error_message = "failed", code, message
+        else:
+            self.status = "queued"
+        self.lease_owner = self.lease_expires_at = None
+        if self.status != "queued":
+            self.finished_at = now
+        return self.status
+
+
+class Job(Base, Leased):
     """One scoring request. The table is the queue of record; the broker only wakes workers up."""
 
     __tablename__ = "jobs"
@@ -179,7 +199,7 @@ class Batch(Base):
 BATCH_TERMINAL_STATUSES = ("completed", "cancelled", "failed")
 
 
-class Chunk(Base):
+class Chunk(Base, Leased):
     """A part of a reference batch's input (store/lake/): the unit a worker claims, with a lease, attempts and
     the sweeper as jobs have. Done, it names the one object holding its results: the chunk rows are the
     batch's manifest."""

@@ -7,7 +7,7 @@ from sqlalchemy import delete, select
 
 from store.batches import expire_uploads
 from store.db import session_scope
-from store.finishing import requeue_or_fail, settle_batches
+from store.finishing import end_attempt, settle_batches
 from store.models import Job, Worker, utcnow
 from store.settings import Settings
 
@@ -24,7 +24,7 @@ def sweep(settings: Settings) -> bool:
                                   .with_for_update(skip_locked=True)).all()
         for job in expired:
             log.warning("lease of job %s held by %s expired; re-queueing", job.id, job.lease_owner)
-            requeue_or_fail(session, job, settings, "worker_lost", "the worker running this job stopped")
+            end_attempt(session, job, settings, "worker_lost", "the worker running this job stopped")
         batch_ids = {job.batch_id for job in expired if job.batch_id}
         requeued_here = any(job.model == settings.worker_model for job in expired)
         stale = now - timedelta(seconds=settings.sweep_interval_seconds)

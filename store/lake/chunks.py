@@ -327,23 +327,17 @@ def release_chunk(owner: str, settings: Settings, chunk: ClaimedChunk, error: st
             return
         if error is None:
             row.attempts -= 1
-        _requeue_or_fail(session, row, settings, "input_unavailable", error or "", now, cancelled=not live)
+        _end_attempt(session, row, settings, "input_unavailable", error or "", now, cancelled=not live)
 
 
-def _requeue_or_fail(session: Session, row: Chunk, settings: Settings, code: str, message: str,
-                     now: datetime, cancelled: bool = False) -> None:
-    row.lease_owner = row.lease_expires_at = None
+def _end_attempt(session: Session, row: Chunk, settings: Settings, code: str, message: str,
+                 now: datetime, cancelled: bool = False) -> None:
     row.rows_done = row.rows_failed = row.items_done = 0  # what a lost attempt scored is not in any object
-    if cancelled:
-        row.status, row.finished_at = "cancelled", now
-        count(session, "chunks_finished", label="cancelled")
-    elif row.attempts >= settings.max_attempts:
-        row.status, row.error_code, row.error_message, row.finished_at = "failed", code, message[:2000], now
-        count(session, "chunks_finished", label="failed")
-    else:
-        row.status = "queued"
+    if row.requeue_or_fail(settings.max_attempts, code, message[:2000], cancelled, now) == "queued":
         wait = min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * 2 ** max(row.attempts - 1, 0)) if message else 0
         row.not_before = now + timedelta(seconds=wait)
+    else:
+        count(session, "chunks_finished", label=row.status)
 
 
 def sweep_chunks(settings: Settings) -> set[str]:
@@ -359,8 +353,8 @@ def sweep_chunks(settings: Settings) -> set[str]:
             cancelled = row.batch_id in stopped
             log.warning("lease of chunk %s/%s held by %s expired; %s", row.batch_id, row.index, row.lease_owner,
                         "cancelling it (its batch was cancelled)" if cancelled else "re-queueing")
-            _requeue_or_fail(session, row, settings, "worker_lost", "the worker running this chunk stopped", now,
-                             cancelled)
+            _end_attempt(session, row, settings, "worker_lost", "the worker running this chunk stopped", now,
+                         cancelled)
         if stopped:  # queued chunks of a cancelled batch (handed back as the cancel came) never run
             session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id.in_(stopped), _CHUNKS.status == "queued")
                             .values(status="cancelled", finished_at=now))
