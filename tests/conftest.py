@@ -78,9 +78,12 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", "").split():
 _OWN_CACHE = "PACKSCORE_TEST_CACHE" not in os.environ
 RUN_CACHE = Path(os.environ.setdefault("PACKSCORE_TEST_CACHE",
                                        str(Path(tempfile.gettempdir()) / f"packscore-test-{_RUN}"))).resolve()
-for name, value in {"JAX_COMPILATION_CACHE_DIR": RUN_CACHE / "compile-cache",
+# `make test` keeps the compiled programs across runs (PACKSCORE_TEST_COMPILE_CACHE, the Makefile says why).
+COMPILE_CACHE = Path(os.environ.get("PACKSCORE_TEST_COMPILE_CACHE") or RUN_CACHE / "compile-cache").resolve()
+for name, value in {"JAX_COMPILATION_CACHE_DIR": COMPILE_CACHE,
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # every program is worth keeping here
-                    "COMPILE_CACHE_DIR": RUN_CACHE / "compile-cache",
+                    "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 * 1024**3),  # least recently used dropped past it
+                    "COMPILE_CACHE_DIR": COMPILE_CACHE,
                     "MODEL_CACHE_DIR": RUN_CACHE / "model-cache"}.items():
     os.environ.setdefault(name, str(value))
 

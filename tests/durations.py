@@ -95,25 +95,29 @@ def table(after: list[Path], before: list[Path] | None = None) -> str:
     return "\n".join(rows)
 
 
-def total(junits: list[Path]) -> str:
+def total(junits: list[Path], cached_programs: int | None = None) -> str:
     walls = wall_seconds(junits)
     verdict = "within" if sum(walls) <= SUITE_BUDGET_SECONDS else "OVER"
     phases = " + ".join(f"{w:.0f}" for w in walls)
-    return (f"suite time: {sum(walls):.0f} s of tests ({phases}), {verdict} the budget of {SUITE_BUDGET_SECONDS} s "
-            "(tests/durations.py); where it goes: `make test-durations`, docs/testing.md")
+    # A run that found compiled programs from earlier runs is faster than a first one: say which this was.
+    cache = "" if cached_programs is None else (
+        f"; {cached_programs} compiled programs cached at the start" if cached_programs else "; a cold compile cache")
+    return (f"suite time: {sum(walls):.0f} s of tests ({phases}){cache}, {verdict} the budget of "
+            f"{SUITE_BUDGET_SECONDS} s (tests/durations.py); where it goes: `make test-durations`, docs/testing.md")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("junit", type=Path, nargs="+")
     parser.add_argument("--total", action="store_true", help="print the run's time against the budget, no table")
+    parser.add_argument("--cached-programs", type=int, help="with --total: the compile cache's programs at the start")
     parser.add_argument("--before", type=Path, nargs="+",
                         help="an earlier run's JUnit XML files (both phases), shown beside (seconds (tests))")
     parser.add_argument("--write", type=Path, help=f"replace the table between {START} and {END} in this file")
     parser.add_argument("--write-seconds", action="store_true", help=f"write each file's seconds to {FILE_SECONDS}")
     args = parser.parse_args()
     if args.total:
-        print(total(args.junit))
+        print(total(args.junit, args.cached_programs))
         return
     if args.write_seconds:
         seconds = {name: round(took) for name, (_, took, _, _) in sorted(per_file(args.junit).items())}

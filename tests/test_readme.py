@@ -44,14 +44,33 @@ def fresh_copy(folder: Path) -> None:
             shutil.copy2(REPO / name, folder / name)
 
 
+def seed_venv(folder: Path) -> None:
+    """The copy's .venv holding, as hard links, the packages this suite's .venv installed, all but packscore
+    itself: `make run` then runs its whole install (pip resolves every requirement and installs the copy's
+    packscore) in seconds, not the 85 s of unpacking the same wheels again. Installing from nothing is what
+    `make test` does on CI's fresh clone, through the same Makefile targets."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder / ".venv")], check=True)
+    site = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    ours, theirs = Path(sys.prefix) / site, folder / ".venv" / site
+    for entry in ours.iterdir():
+        if "packscore" in entry.name or entry.name == "__pycache__" or (theirs / entry.name).exists():
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, theirs / entry.name, copy_function=os.link)
+        else:
+            os.link(entry, theirs / entry.name)
+
+
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int, dict[str, str]]]:
     """README's quick start as written, on a fresh copy of the repository: `make run &` (the install into the
-    copy's own .venv, then the service with the bundled model), and `make wait-ready` started at once beside it,
-    which waits through the install and the warm-up (before, README's `.venv/bin/packscore wait-ready` did not
-    exist yet: exit 127). Then the other examples run against that service, from that folder."""
+    copy's own .venv, seeded by `seed_venv`, then the service with the bundled model), and `make wait-ready`
+    started at once beside it, which waits through the install and the warm-up (before, README's
+    `.venv/bin/packscore wait-ready` did not exist yet: exit 127). Then the other examples run against that
+    service, from that folder."""
     folder = tmp_path_factory.mktemp("readme") / "packscore"
     fresh_copy(folder)
+    seed_venv(folder)
     port = free_port()
     # The bundled model, as `make run` serves it; nothing of the test suite's service settings, nor of the make
     # running the suite.
