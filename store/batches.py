@@ -27,11 +27,11 @@ from store.db import session_factory
 from store.errors import ServiceError, error_status
 from store.jobs import job_request
 from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult,
-                          WebhookDelivery, new_id, utcnow)
-from store.outbox import enqueue_webhook, vet_webhook_url
-from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, ErrorInfo, OpenAIBatchLine,
-                           Progress, RerankRequest, ScoreInput, ScoreRequest, WebhookState, _utc, describe_errors,
-                           rerank_results, route_body)
+                          new_id, utcnow)
+from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
+from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, OpenAIBatchLine, Progress,
+                           RerankRequest, ScoreInput, ScoreRequest, batch_out, describe_errors, rerank_results,
+                           route_body)
 from store.settings import Settings
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -351,19 +351,8 @@ def read_batch(session: Session, batch: Batch) -> BatchOut:
             counts[status] = n
         items_total += total
         items_done += done
-    delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
-                              .order_by(WebhookDelivery.created_at.desc()).limit(1))
-    return BatchOut(
-        id=batch.id, status=batch.status, model=batch.model,
-        counts=BatchCounts(total=batch.total, **counts),
-        progress=Progress(items_done=items_done, items_total=items_total),
-        created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
-        finished_at=_utc(batch.finished_at),
-        error=ErrorInfo(code=batch.error_code, message=batch.error_message or "") if batch.error_code else None,
-        webhook_url=batch.webhook_url,
-        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
-        metadata=batch.metadata_,
-    )
+    return batch_out(batch, BatchCounts(total=batch.total, **counts),
+                     Progress(items_done=items_done, items_total=items_total), latest_delivery(session, batch.id))
 
 
 def list_batches(session: Session, key: ApiKey, limit: int, cursor: str | None) -> tuple[list[Batch], str | None]:

@@ -14,6 +14,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import httpx
 import numpy as np
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from store.errors import ServiceError
@@ -202,3 +203,9 @@ def enqueue_webhook(session: Session, api_key_id: str, url: str, event_type: str
     body = {"type": event_type, "timestamp": datetime.now(UTC).isoformat(), "data": data}
     session.add(WebhookDelivery(api_key_id=api_key_id, job_id=job_id, batch_id=batch_id, url=url,
                                 payload=json.dumps(body)))
+
+
+def latest_delivery(session: Session, batch_id: str) -> WebhookDelivery | None:
+    """The batch's latest webhook message (a batch's views show its state)."""
+    return session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id)
+                          .order_by(WebhookDelivery.created_at.desc()).limit(1))

@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 from sqlalchemy import Row
 
 from core import scores_from_logprobs
-from store.models import Job, WebhookDelivery, utcnow
+from store.models import Batch, Job, WebhookDelivery, utcnow
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -203,6 +203,14 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value else None
 
 
+def _error(row: "Job | Batch") -> "ErrorInfo | None":
+    return ErrorInfo(code=row.error_code, message=row.error_message or "") if row.error_code else None
+
+
+def _webhook(delivery: WebhookDelivery | None) -> "WebhookState | None":
+    return WebhookState.model_validate(delivery, from_attributes=True) if delivery else None
+
+
 def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
     """A rerank job's results from its [documents, (yes, no)] log-probabilities (or [documents, (yes,)]: the
     label's probability): most relevant first."""
@@ -252,9 +260,9 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
         scores=scores,
         logprobs=raw,
         results=results,
-        error=ErrorInfo(code=job.error_code, message=job.error_message or "") if job.error_code else None,
+        error=_error(job),
         webhook_url=job.webhook_url,
-        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
+        webhook=_webhook(delivery),
         metadata=job.metadata_,
     )
 
@@ -392,6 +400,16 @@ class BatchOut(BaseModel):
     output: str | None = None
     manifest: str | None = None  # once the batch has ended: `_manifest.json` under `output`
     eta_seconds: float | None = None
+
+
+def batch_out(batch: Batch, counts: BatchCounts, progress: Progress, delivery: WebhookDelivery | None,
+              **reference: Any) -> BatchOut:
+    """The public view of a batch, with the counts and progress of its requests (an uploaded batch) or its
+    chunks (a reference batch; `reference`: its chunks, rows, output, manifest and eta_seconds)."""
+    return BatchOut(id=batch.id, status=batch.status, model=batch.model, counts=counts, progress=progress,
+                    created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
+                    finished_at=_utc(batch.finished_at), error=_error(batch), webhook_url=batch.webhook_url,
+                    webhook=_webhook(delivery), metadata=batch.metadata_, **reference)
 
 
 def _field_names(schema: object) -> set[str]:

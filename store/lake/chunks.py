@@ -40,10 +40,9 @@ from store.db import session_factory, session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, Location
 from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan, read_table, write_manifest
-from store.models import ApiKey, Batch, Chunk, WebhookDelivery, utcnow
-from store.outbox import enqueue_webhook, vet_webhook_url
-from store.schemas import (BatchCounts, BatchOut, BatchSource, ChunkCounts, ErrorInfo, Progress, RowCounts,
-                           WebhookState, _utc, eta_seconds)
+from store.models import ApiKey, Batch, Chunk, utcnow
+from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
+from store.schemas import BatchCounts, BatchOut, BatchSource, ChunkCounts, Progress, RowCounts, batch_out, eta_seconds
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -528,24 +527,15 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
         items_total = batch.total - rows_failed - summed("rows_total", "failed", "cancelled")
     else:
         items_total = 0  # unknown until every chunk has been read
-    delivery = session.scalar(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch.id)
-                              .order_by(WebhookDelivery.created_at.desc()).limit(1))
     eta = _eta(session, batch, rows_done, cancelled_rows, summed("span", "succeeded", "failed"),
                summed("span") - summed("span", "cancelled")) if live else None
     output = Location.parse(batch.output_uri)
-    return BatchOut(
-        id=batch.id, status=batch.status, model=batch.model,
-        counts=BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
-                           cancelled=cancelled_rows),
-        progress=Progress(items_done=items_done, items_total=items_total),
-        created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
-        finished_at=_utc(batch.finished_at),
-        error=ErrorInfo(code=batch.error_code, message=batch.error_message or "") if batch.error_code else None,
-        webhook_url=batch.webhook_url,
-        webhook=WebhookState.model_validate(delivery, from_attributes=True) if delivery else None,
-        metadata=batch.metadata_, chunks=chunks, output=batch.output_uri, eta_seconds=eta,
-        manifest=None if live else output.child("_manifest.json").uri,
-        rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
+    counts = BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
+                         cancelled=cancelled_rows)
+    return batch_out(batch, counts, Progress(items_done=items_done, items_total=items_total),
+                     latest_delivery(session, batch.id), chunks=chunks, output=batch.output_uri, eta_seconds=eta,
+                     manifest=None if live else output.child("_manifest.json").uri,
+                     rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
 
 
 def _eta(session: Session, batch: Batch, rows_done: int, cancelled_rows: int, span_done: int,
