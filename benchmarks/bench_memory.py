@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         if n % args.every == 0 or n in (1, 20):
             samples[n] = rss_mb()
             print(json.dumps({"request": n, "rss_mb": round(samples[n], 1), "compiled": scorer.compiled_programs,
-                              "resident": scorer.resident_programs, "prefix_cache_mb": round(scorer.cached_prefix_bytes / 2**20, 1),
+                              "resident": scorer.resident_programs,
+                              "prefix_cache_mb": round(scorer.cached_prefix_bytes / 2**20, 1),
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     report = {"model": args.model, "requests": args.requests, "warmup": args.warmup,
               "rss_mb": {str(k): round(v, 1) for k, v in samples.items()},

@@ -63,7 +63,8 @@ class EmbeddedService:
     def __init__(self, home: Path, model: str, extra_env: dict[str, str]) -> None:
         self.home, self.port = home, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL", "BROKER_DIR")}
         env.update({"PACKSCORE_HOME": str(home / ".packscore"), "MODEL": model, **extra_env})
         self.log_path = home / "serve.log"
         self.started = time.monotonic()

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 _ENGINE = ("InFlightPass", "ItemScores", "PassResult", "Scorer")
 
-__all__ = ["ERROR_CODES", "MODEL_NAMES", "InFlightPass", "ItemScores", "PassResult", "RequestTokenizer", "Scorer", "ScoringError",
-           "TokenizedRequest", "scores_from_logprobs"]
+__all__ = ["ERROR_CODES", "MODEL_NAMES", "InFlightPass", "ItemScores", "PassResult", "RequestTokenizer", "Scorer",
+           "ScoringError", "TokenizedRequest", "scores_from_logprobs"]
 
 
 def __getattr__(name: str) -> object:

@@ -336,7 +336,8 @@ class RequestTokenizer:
             raise ScoringError("invalid_input", "label_token_ids must be integers")
         bad = [int(t) for t in label_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ScoringError("label_token_id_out_of_range", f"label token id {bad[0]} is outside [0, {self.vocab_size})")
+            raise ScoringError("label_token_id_out_of_range",
+                               f"label token id {bad[0]} is outside [0, {self.vocab_size})")
         if not isinstance(items, (list, tuple)):
             raise ScoringError("invalid_input", "items must be a list")
         if len(items) > self.max_items:

@@ -216,7 +216,8 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
-    data = np.memmap(path, np.uint8, mode="r", offset=8 + size) if path.stat().st_size > 8 + size else np.zeros(0, np.uint8)
+    data = (np.memmap(path, np.uint8, mode="r", offset=8 + size) if path.stat().st_size > 8 + size
+            else np.zeros(0, np.uint8))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

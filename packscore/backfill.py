@@ -16,9 +16,9 @@ in the input's order: join on custom_id.
 file the service may read: embedded mode), the service reads it in chunks and writes result objects under
 --out. Ctrl-C detaches (the batch goes on); the same command re-attaches, or once the batch has ended reports
 it done (the service finds the key's batch of that input and output; `--overwrite` runs a completed one
-again). A local file that is not JSONL (Parquet, CSV, .gz/.zst) goes the same way. A JSONL request file over the upload limit does too, saying so:
-its result objects go under `OUT.parts/`, and its result lines into --out when the batch ends. One the service
-cannot read is refused before anything is sent.
+again). A local file that is not JSONL (Parquet, CSV, .gz/.zst) goes the same way. A JSONL request file over
+the upload limit does too, saying so: its result objects go under `OUT.parts/`, and its result lines into --out
+when the batch ends. One the service cannot read is refused before anything is sent.
 """
 
 import json

@@ -5,9 +5,9 @@ database (PostgreSQL at PACKSCORE_ADMIN_URL's server, REDIS_URL), creates a key 
 50-token query, 10 items of 10 tokens, labels [9805, 787], the bundled smollm2-135m's tokenizer) from
 persistent keep-alive clients. Reports jobs/s, the API process's CPU per job and the CPU per job of the
 `postgres` backends of its database, and apart that of the server's shared processes (WAL writer...; other
-load on the server counts there), from /proc. `--profile
-FILE` records the API process with py-spy meanwhile (samples of the thread holding the GIL) (`--py-spy` names its binary; flame-graph input, not for
-figures: sampling costs CPU). Prints JSON.
+load on the server counts there), from /proc. `--profile FILE` records the API process with py-spy meanwhile
+(samples of the thread holding the GIL) (`--py-spy` names its binary; flame-graph input, not for figures:
+sampling costs CPU). Prints JSON.
 """
 
 import argparse

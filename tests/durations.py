@@ -34,7 +34,8 @@ NOTES = {
     "test_engine_attention.py": "compiles of randomized layouts",
     "test_engine_tpu.py": "the kernels in TPU and GPU interpret mode",
     "test_reliability_soak.py": "real work: load at concurrency 64 on two workers (PACKSCORE_SOAK_SECONDS)",
-    "test_reliability_chaos.py": "real work under load (PACKSCORE_CHAOS_SECONDS per fault), a private Postgres and Redis",
+    "test_reliability_chaos.py":
+        "real work under load (PACKSCORE_CHAOS_SECONDS per fault), a private Postgres and Redis",
     "test_security_fuzz.py": "schemathesis' cases against a live service",
     "test_security_inputs.py": "a live service; many small requests",
     "test_worker_stop.py": "real work: a 1,000-line batch through three workers",

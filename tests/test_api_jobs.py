@@ -140,7 +140,8 @@ def test_a_typo_never_changes_the_answer(client, make_key) -> None:  # type: ign
     others = {"user": "u-1", "priority": 0, "request_id": "r-1", "mm_processor_kwargs": None,
               "truncate_prompt_tokens": None}
     assert set(others) == set(OTHER_ENGINES_FIELDS)
-    assert ScoreRequest.model_validate({"text_1": "q", "text_2": ["a"], "label_token_ids": [1], **others}).items == ["a"]
+    body = {"text_1": "q", "text_2": ["a"], "label_token_ids": [1], **others}
+    assert ScoreRequest.model_validate(body).items == ["a"]
     assert RerankRequest.model_validate({**rerank, "top_n": 1, **others}).top_n == 1
     ours = _field_names(ScoreRequest) | _field_names(RerankRequest)
     for name in OTHER_ENGINES_FIELDS:
@@ -481,7 +482,8 @@ def test_kick_drain_reaches_the_broker(redis_url, monkeypatch) -> None:  # type:
 
     # A wide window, so that a slow machine between two calls does not make them two windows.
     queue_name = os.environ["QUEUE_NAME"]  # the one model's queue (no MODELS)
-    monkeypatch.setattr(broker, "_kicks", {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.5)})
+    monkeypatch.setattr(broker, "_kicks",
+                        {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.5)})
     queue = redis.Redis.from_url(redis_url)
     name = os.environ["BROKER_KEY_PREFIX"] + queue_name
     broker.clear_pending_kick("tiny-random")
@@ -507,7 +509,8 @@ def test_a_lost_kick_holds_later_ones_back_only_briefly(redis_url, monkeypatch) 
     from store import broker
 
     queue_name = os.environ["QUEUE_NAME"]
-    monkeypatch.setattr(broker, "_kicks", {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.0)})
+    monkeypatch.setattr(broker, "_kicks",
+                        {queue_name: broker.KickCoalescer(lambda: broker._send_kick(queue_name), 0.0)})
     monkeypatch.setattr(broker, "KICK_PENDING_SECONDS", 0.3)
     queue = redis.Redis.from_url(redis_url)
     name = os.environ["BROKER_KEY_PREFIX"] + queue_name

@@ -88,9 +88,10 @@ def test_openai_lines_in_both_output_formats(client, make_key, clean) -> None:  
         check_results(body["results"], relevance, top_n, documents)
     failed = [line for line in lines if line["response"]["status_code"] != 200]
     # (The repeated custom_id's line has none.)
-    assert sorted((line["custom_id"] or "", line["response"]["status_code"], line["response"]["body"]["error"]["code"])
-                  for line in failed) == sorted(("" if code == "duplicate_custom_id" else line["custom_id"], status, code)
-                                                for line, code, status in BAD)
+    got = sorted((line["custom_id"] or "", line["response"]["status_code"], line["response"]["body"]["error"]["code"])
+                 for line in failed)
+    assert got == sorted(("" if code == "duplicate_custom_id" else line["custom_id"], status, code)
+                         for line, code, status in BAD)
     assert all(line["error"] is None for line in failed)  # the route answered them (with an error)
 
     # Another tenant sees neither the batch nor its results, in either format.

@@ -73,7 +73,8 @@ def latency(client: httpx.Client, body: dict) -> tuple[float, float]:
     while (job := client.get(f"/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
         time.sleep(0.05)  # polling slowly only spares the CPU
     assert job["status"] == "succeeded", job
-    created, started, finished = (np.datetime64(job[k].rstrip("Z")) for k in ("created_at", "started_at", "finished_at"))
+    created, started, finished = (np.datetime64(job[k].rstrip("Z"))
+                                  for k in ("created_at", "started_at", "finished_at"))
     return (float((finished - created) / np.timedelta64(1, "us")) / 1e6,
             float((started - created) / np.timedelta64(1, "us")) / 1e6)
 
@@ -96,8 +97,8 @@ def ms(values: list[float]) -> str:
 
 def test_interactive_latency_during_backfill(service: Service) -> None:
     """Tenant A runs a backfill of thousands of requests; tenant B's small jobs stay within 4x their median
-    and 5x their p95 on the idle service. Idle is measured before and after the backfill, so that load from outside the test
-    (other processes on the machine) weighs on both figures alike."""
+    and 5x their p95 on the idle service. Idle is measured before and after the backfill, so that load from outside
+    the test (other processes on the machine) weighs on both figures alike."""
     service.start_worker()
     service.wait_for_workers(1)
     tenant_b, _ = service.create_key("tenant-b")

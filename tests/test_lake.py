@@ -190,7 +190,8 @@ def test_jsonl_byte_ranges_read_every_line_once(tmp_path: Path, lake_settings) -
         assert len(chunks) == -(-path.stat().st_size // chunk_bytes)
         seen = []
         for c in chunks:
-            seen += read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, tokenizer).passthrough["custom_id"]
+            chunk = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, tokenizer)
+            seen += chunk.passthrough["custom_id"]
         assert seen == [line["custom_id"] for line in lines], chunk_bytes
     # Compressed: one chunk each, the same lines.
     for name, data in (("lines.jsonl.gz", gzip.compress(path.read_bytes())),
@@ -704,7 +705,8 @@ def test_backfill_passes_on_which_path_was_refused() -> None:
 
     with pytest.raises(BackfillError) as refused:
         run_reference_backfill(Refusing(), "pairs.parquet", "/elsewhere/out")  # type: ignore[arg-type]
-    assert str(refused.value).startswith("output /elsewhere/out is not under BATCH_LOCAL_ROOT (/srv/work;"), refused.value
+    assert str(refused.value).startswith("output /elsewhere/out is not under BATCH_LOCAL_ROOT (/srv/work;"), \
+        refused.value
 
 def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()

@@ -244,7 +244,8 @@ def test_a_small_batch_behind_an_upload_starts_within_a_chunk(service: Service, 
     # still running; not after a BATCH_CHUNK_SECONDS turn.
     assert behind["status"] == "in_progress" and waited < 45, (waited, behind["counts"])
     wait_until(lambda: batch(service, small["id"])["status"] == "completed", 300, "the small batch to complete")
-    wait_until(lambda: batch(service, upload["id"])["status"] in ("cancelled", "completed"), 300, "the upload to settle")
+    wait_until(lambda: batch(service, upload["id"])["status"] in ("cancelled", "completed"), 300,
+               "the upload to settle")
 
 
 @pytest.mark.alone  # an absolute bound: run with nothing beside it (Makefile: test)
@@ -289,9 +290,9 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     table = pair_table(30, 10)
     pq.write_table(table, root / "cli.parquet")
     env = {**service.env, "PACKSCORE_URL": service.base_url, "PACKSCORE_API_KEY": service.key}
-    args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"), "--out", str(root / "cli-out"),
-            "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id", "--labels", "5,17,300",
-            "--poll", "0.2"]
+    args = [sys.executable, "-m", "packscore.cli", "backfill", str(root / "cli.parquet"),
+            "--out", str(root / "cli-out"), "--query-column", "q", "--item-column", "doc", "--id-column", "pair_id",
+            "--labels", "5,17,300", "--poll", "0.2"]
     # Started as a script's background job is (`packscore backfill ... &`): with SIGINT ignored, which Ctrl-C or
     # `kill -INT` must still end.
     first = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$@"', "bash", *args], env=env, cwd=REPO, text=True,
@@ -315,7 +316,8 @@ def test_cli_backfill_of_a_pair_table_detaches_and_reattaches(service: Service, 
     assert "completed: 300 rows (0 errors)" in second.stderr
     [folder] = (root / "cli-out").iterdir()
     manifest = json.loads((folder / "_manifest.json").read_text())
-    ids = [i for entry in manifest["objects"] for i in pq.read_table(folder / entry["name"]).column("pair_id").to_pylist()]
+    ids = [i for entry in manifest["objects"]
+           for i in pq.read_table(folder / entry["name"]).column("pair_id").to_pylist()]
     assert ids == table.column("pair_id").to_pylist()
 
 
@@ -327,9 +329,9 @@ def test_create_key_with_storage_prefixes(service: Service) -> None:
 
     from tests.service_harness import REPO
 
-    out = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "lake-team", "--storage-prefix",
-                          "s3://lake/team-a/", "--storage-prefix", "gs://other/x/"], env=service.env, cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "lake-team",
+                          "--storage-prefix", "s3://lake/team-a/", "--storage-prefix", "gs://other/x/"],
+                         env=service.env, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "api_key=" in out
     engine = create_engine(service.env["DATABASE_URL"])
     with engine.connect() as connection:

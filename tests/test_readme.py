@@ -88,7 +88,8 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, i
     try:
         waited = subprocess.run(["bash", "-c", wait], cwd=folder, env=env, capture_output=True, text=True,
                                 timeout=900)
-        assert waited.returncode == 0, f"{wait}: {waited.stderr[-2000:]}\n{(folder.parent / 'make-run.log').read_text()[-3000:]}"
+        make_log = (folder.parent / "make-run.log").read_text()[-3000:]
+        assert waited.returncode == 0, f"{wait}: {waited.stderr[-2000:]}\n{make_log}"
         assert "is ready" in waited.stdout, waited.stdout
         yield folder, port, env
     finally:

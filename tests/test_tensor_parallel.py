@@ -147,7 +147,8 @@ def test_tensor_parallel_scores_match_and_weights_split():
     assert out["valid_qwen3_0_6b"] == [1, 2, 4, 8, 16]
     assert out["tpu_kernel_path"] == "pallas-interpret"
     for run in out["tpu_kernel"]:
-        diff = max(abs(a - b) for row, ref in zip(run, out["families"]["llama"]["1"]["packed"]) for a, b in zip(row, ref))
+        diff = max(abs(a - b) for row, ref in zip(run, out["families"]["llama"]["1"]["packed"])
+                   for a, b in zip(row, ref))
         assert diff <= 1e-5, diff
 
 

@@ -95,9 +95,9 @@ def test_chips_are_found_from_device_files(tmp_path: Path) -> None:
 
 def test_chips_that_do_not_split_are_a_one_line_error() -> None:
     result = subprocess.run([sys.executable, "-m", "packscore.cli", "worker", "--devices", "all", "--platform", "tpu",
-                             "--chips", "2"], env={**os.environ, "TENSOR_PARALLEL": "4", "TPU_ACCELERATOR_TYPE": "v5litepod-8"},
-                            capture_output=True,
-                            text=True, timeout=120)
+                             "--chips", "2"],
+                            env={**os.environ, "TENSOR_PARALLEL": "4", "TPU_ACCELERATOR_TYPE": "v5litepod-8"},
+                            capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr.strip()) == (
         1, "packscore worker: TENSOR_PARALLEL=4 needs 4 tpu chips per worker; 2 are given")
 
