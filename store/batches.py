@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from core import ScoringError, scores_from_logprobs
 from store.catalog import ModelCatalog, ServedModel
 from store.counters import count
-from store.db import session_factory
+from store.db import newest_first, session_factory
 from store.errors import ServiceError, error_status
 from store.jobs import job_request
 from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult,
@@ -119,7 +119,8 @@ class Ingest:
     def _add(self, value: Any, error: LineError | None = None) -> None:
         self.total += 1
         if self.total > self.settings.batch_max_requests:
-            raise ServiceError(413, "batch_too_large", f"a batch holds at most {self.settings.batch_max_requests} requests")
+            raise ServiceError(413, "batch_too_large",
+                               f"a batch holds at most {self.settings.batch_max_requests} requests")
         if isinstance(value, dict):
             self.objects += 1
         elif self.objects == 0 and self.lines >= NOT_JSONL_AFTER_LINES:
@@ -207,7 +208,8 @@ class Ingest:
                                             model=model)).rowcount:
             raise upload_timeout()  # the sweeper gave up on this upload already
         if model != self.batch.model:  # lines that failed before the first request set the batch's model
-            self.session.execute(update(Job).where(Job.batch_id == self.batch.id, Job.model != model).values(model=model))
+            self.session.execute(update(Job).where(Job.batch_id == self.batch.id, Job.model != model)
+                                 .values(model=model))
         settle_batch(self.session, self.batch.id)
         self.session.commit()
         self.session.refresh(self.batch)
@@ -356,12 +358,8 @@ def read_batch(session: Session, batch: Batch) -> BatchOut:
 
 
 def list_batches(session: Session, key: ApiKey, limit: int, cursor: str | None) -> tuple[list[Batch], str | None]:
-    """Newest first; `cursor` is the last id of the previous page."""
-    query = select(Batch).where(Batch.api_key_id == key.id).order_by(Batch.id.desc()).limit(limit + 1)
-    if cursor:
-        query = query.where(Batch.id < cursor)
-    batches = list(session.scalars(query))
-    return batches[:limit], (batches[limit - 1].id if len(batches) > limit else None)
+    """A page of the key's batches, newest first (`newest_first`)."""
+    return newest_first(session, select(Batch).where(Batch.api_key_id == key.id), Batch.id, limit, cursor)
 
 
 def cancel_batch(session: Session, batch: Batch) -> Batch:

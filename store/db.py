@@ -5,11 +5,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
 
 from sqlalchemy import ARRAY, Engine, String, any_, bindparam, create_engine, event
 from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.sql import ColumnElement
+from sqlalchemy.sql import ColumnElement, Select
 
 from store.settings import get_settings
 
@@ -79,3 +80,14 @@ def among(session: Session, column: ColumnElement, values: list[str]) -> ColumnE
     if session.get_bind().dialect.name == "postgresql":
         return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
     return column.in_(values)
+
+
+def newest_first(session: Session, query: Select, id_column: Any, limit: int,
+                 cursor: str | None) -> tuple[list[Any], str | None]:
+    """A page of `query`'s rows, newest first (ids grow with time: store.models.new_id), and the next page's
+    cursor (this page's last id; None on the last page). `cursor`: the one the previous page gave."""
+    query = query.order_by(id_column.desc()).limit(limit + 1)
+    if cursor:
+        query = query.where(id_column < cursor)
+    rows = list(session.scalars(query))
+    return rows[:limit], (rows[limit - 1].id if len(rows) > limit else None)

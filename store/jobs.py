@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from core import RequestTokenizer
 from store.counters import count
+from store.db import newest_first
 from store.errors import ServiceError
 from store.models import PRIORITY_JOB, ApiKey, Job, JobResult, WebhookDelivery, new_id, utcnow
 from store.outbox import enqueue_job_webhook, vet_webhook_url
@@ -45,8 +46,8 @@ _INSERT_JOB = insert(Job.__table__)
 _JOB_COLUMNS = [(attribute.key, attribute.columns[0].name) for attribute in inspect(Job).column_attrs]
 
 
-def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenizer: RequestTokenizer, settings: Settings, *,
-               priority: int = PRIORITY_JOB, idempotency_key: str | None = None,
+def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenizer: RequestTokenizer,
+               settings: Settings, *, priority: int = PRIORITY_JOB, idempotency_key: str | None = None,
                rerank: dict | None = None) -> tuple[Job, bool]:
     """Validates and stores a queued job of `request_tokenizer`'s model (the one the request names, resolved by
     the caller: store.catalog); returns (job, created). An Idempotency-Key replay returns the
@@ -123,17 +124,14 @@ def read_job(session: Session, job: Job, with_scores: bool = True) -> JobOut:
     return job_out(job, logprobs, delivery)
 
 
-def list_jobs(session: Session, key: ApiKey, status: str | None, limit: int, cursor: str | None) -> tuple[list[Job], str | None]:
-    """Newest first; `cursor` is the last id of the previous page."""
+def list_jobs(session: Session, key: ApiKey, status: str | None, limit: int,
+              cursor: str | None) -> tuple[list[Job], str | None]:
+    """A page of the key's jobs, newest first (`newest_first`)."""
     # A batch's requests are listed through the batch (GET /batches/{id}/results), not as jobs.
-    query = (select(Job).where(Job.api_key_id == key.id, Job.batch_id.is_(None))
-             .order_by(Job.id.desc()).limit(limit + 1))
+    query = select(Job).where(Job.api_key_id == key.id, Job.batch_id.is_(None))
     if status:
         query = query.where(Job.status == status)
-    if cursor:
-        query = query.where(Job.id < cursor)
-    jobs = list(session.scalars(query))
-    return jobs[:limit], (jobs[limit - 1].id if len(jobs) > limit else None)
+    return newest_first(session, query, Job.id, limit, cursor)
 
 
 def cancel_job(session: Session, job: Job) -> Job:
