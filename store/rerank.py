@@ -102,8 +102,8 @@ class RerankPrompt:
     def score_input(self, body: RerankInput) -> tuple[ScoreInput, dict]:
         """The scoring request of a rerank request, and what its results need (stored with the job)."""
         instruction = body.instruction or self.template.instruction
-        values = {"query": body.query,
-                  "instruction": self.template.instruction_format.format(instruction=instruction) if instruction else ""}
+        instruction_text = self.template.instruction_format.format(instruction=instruction) if instruction else ""
+        values = {"query": body.query, "instruction": instruction_text}
         query, suffix = fill(self.template.prefix, values), fill(self.template.suffix, values)
         separator = self.template.separator
         items = [separator + (doc if isinstance(doc, str) else doc.text) + suffix for doc in body.documents]

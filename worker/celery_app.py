@@ -20,5 +20,5 @@ def worker_argv(loglevel: str = "INFO", node: str | None = None) -> list[str]:
     model; nothing forks after JAX), on the queue of the worker's model. `node`: the Celery node name, unique
     on the host (default: from this process's id; `packscore worker --devices` names each of its workers)."""
     return ["worker", "--pool", "solo", "--concurrency", "1", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-Q", drain_queue(get_settings(), get_settings().worker_model), "--loglevel", loglevel,
-            "--hostname", f"{node or f'packscore-{os.getpid()}'}@%h"]
+            "--without-heartbeat", "-Q", drain_queue(get_settings(), get_settings().worker_model),
+            "--loglevel", loglevel, "--hostname", f"{node or f'packscore-{os.getpid()}'}@%h"]

@@ -454,7 +454,8 @@ class Claimer:
 
     def __call__(self, interactive_only: bool) -> list[ResultSink]:
         settings = self.settings
-        clear_pending_kick(settings.worker_model)  # jobs committed from now on send a kick; those before are seen by this claim
+        # Jobs committed from now on send a kick; those before are seen by this claim.
+        clear_pending_kick(settings.worker_model)
         if interactive_only:
             return job_sinks(claims.claim_interactive(self.owner, settings))
         if (jobs := claims.claim_interactive(self.owner, settings)):

@@ -191,8 +191,9 @@ class ChunkFeed:
         self._commits: queue.Queue[ChunkWork | None] = queue.Queue()
         # CPU seconds of this feed's threads, and what they did (logged every LOG_EVERY_CHUNKS chunks).
         self.stats = {"chunks": 0, "rows": 0, "read_cpu_s": 0.0, "tokenize_cpu_s": 0.0, "write_cpu_s": 0.0}
-        self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in (
-            (self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"), (self._keep_loop, "chunk-keeper"))]
+        loops = ((self._read_loop, "chunk-reader"), (self._commit_loop, "chunk-committer"),
+                 (self._keep_loop, "chunk-keeper"))
+        self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in loops]
         for thread in self._threads:
             thread.start()
 

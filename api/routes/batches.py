@@ -54,7 +54,8 @@ async def _json_body(request: Request, limit: int) -> BatchCreate | BatchSource:
     async for data in request.stream():
         body += data
         if len(body) > limit:
-            raise ServiceError(413, "body_too_large", f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
+            raise ServiceError(413, "body_too_large",
+                               f"a JSON batch body is at most {limit} bytes; upload JSONL instead")
     return await run_in_threadpool(batches.parse_batch_body, bytes(body))
 
 

@@ -130,7 +130,8 @@ class Access:
 
     def _local(self, uri: str, what: str) -> Location:
         if self.local_root is None:
-            raise refusal("local_paths_disabled", f"{what}: local paths are not served here (BATCH_LOCAL_ROOT is unset)")
+            raise refusal("local_paths_disabled",
+                          f"{what}: local paths are not served here (BATCH_LOCAL_ROOT is unset)")
         if uri.startswith("file://"):
             parts = urlsplit(uri)
             if parts.netloc not in ("", "localhost"):

@@ -142,8 +142,8 @@ def _digest(text: str) -> str:
 def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: str, overwrite: bool,
                    uri: str) -> Batch | None:
     """The key's batch holding this output if the request is its re-run, else None (the output is free; a failed
-    holder, or with `overwrite` a completed one, gives it up, in the caller's transaction). Another input, or an overwrite
-    of a running batch, is refused naming the holder."""
+    holder, or with `overwrite` a completed one, gives it up, in the caller's transaction). Another input, or an
+    overwrite of a running batch, is refused naming the holder."""
     holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == output_key))
     if holder is None:
         return None
@@ -212,7 +212,8 @@ def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
     now = utcnow()
     with session_scope() as session:
         candidate = session.execute(
-            select(_CHUNKS.batch_id, _CHUNKS.index).select_from(Chunk.__table__.join(Batch, Batch.id == _CHUNKS.batch_id))
+            select(_CHUNKS.batch_id, _CHUNKS.index)
+            .select_from(Chunk.__table__.join(Batch, Batch.id == _CHUNKS.batch_id))
             .where(_CHUNKS.status == "queued", Batch.status == "in_progress", Batch.model == settings.worker_model,
                    (_CHUNKS.not_before.is_(None)) | (_CHUNKS.not_before <= now))
             .order_by(Batch.last_claimed_at.asc().nulls_first(), _CHUNKS.batch_id, _CHUNKS.index).limit(1)
