@@ -233,13 +233,18 @@ class Client(_Calls[dict]):
     def _call(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
         return self._send(method, path, payload, **kwargs).json()
 
-    def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
+    def _wait(self, read: Callable[[str], dict], kind: str, object_id: str, terminal: tuple[str, ...], poll: float,
+              timeout: float | None) -> dict:
+        """Reads the job or batch every `poll` seconds until its status is one of `terminal`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (job := self.get_job(job_id))["status"] not in TERMINAL_JOB:
+        while (found := read(object_id))["status"] not in terminal:
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is still {job['status']}")
+                raise TimeoutError(f"{kind} {object_id} is still {found['status']}")
             self._sleep(poll)
-        return job
+        return found
+
+    def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
+        return self._wait(self.get_job, "job", job_id, TERMINAL_JOB, poll, timeout)
 
     def iter_batch_results(self, batch_id: str, *, format: str = "packscore") -> Iterator[dict]:
         """The finished requests so far, streamed: `{"custom_id", "scores", "logprobs"?, "error"?}`, or with
@@ -253,12 +258,7 @@ class Client(_Calls[dict]):
             response.close()
 
     def wait_batch(self, batch_id: str, *, poll: float = 1.0, timeout: float | None = None) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (batch := self.get_batch(batch_id))["status"] not in TERMINAL_BATCH:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"batch {batch_id} is still {batch['status']}")
-            self._sleep(poll)
-        return batch
+        return self._wait(self.get_batch, "batch", batch_id, TERMINAL_BATCH, poll, timeout)
 
 
 async def _async_chunks(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -319,11 +319,16 @@ class AsyncClient(_Calls[Awaitable[dict]]):
     async def _call(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
         return (await self._send(method, path, payload, **kwargs)).json()
 
-    async def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
+    async def _wait(self, read: Callable[[str], Awaitable[dict]], object_id: str, terminal: tuple[str, ...],
+                    poll: float, timeout: float | None) -> dict:
+        """As Client._wait (TimeoutError without a message)."""
         async with asyncio.timeout(timeout):
-            while (job := await self.get_job(job_id))["status"] not in TERMINAL_JOB:
+            while (found := await read(object_id))["status"] not in terminal:
                 await asyncio.sleep(poll)
-        return job
+        return found
+
+    async def wait_job(self, job_id: str, *, poll: float = 0.5, timeout: float | None = None) -> dict:
+        return await self._wait(self.get_job, job_id, TERMINAL_JOB, poll, timeout)
 
     async def iter_batch_results(self, batch_id: str, *, format: str = "packscore") -> AsyncIterator[dict]:
         """As Client.iter_batch_results."""
@@ -336,7 +341,4 @@ class AsyncClient(_Calls[Awaitable[dict]]):
             await response.aclose()
 
     async def wait_batch(self, batch_id: str, *, poll: float = 1.0, timeout: float | None = None) -> dict:
-        async with asyncio.timeout(timeout):
-            while (batch := await self.get_batch(batch_id))["status"] not in TERMINAL_BATCH:
-                await asyncio.sleep(poll)
-        return batch
+        return await self._wait(self.get_batch, batch_id, TERMINAL_BATCH, poll, timeout)
