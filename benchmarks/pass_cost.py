@@ -1,0 +1,429 @@
+"""The contract pass's cost per op kind, from its accelerator programs (issue 45, item 5).
+
+    python -m benchmarks.pass_cost [--model qwen3-0.6b] [--ladder old|new|both] [--target ...] [--json]
+
+Builds core.aot's contract pass (a 2,000-token query and 500 items of 20 tokens, bfloat16, shapes only: nothing
+big is allocated) at the length each ladder pads it to: "old", the halving ladder before issue 45 (16,384 tokens
+for the contract's 12,000), and "new", the accelerators' ladder (core.packing.ACCELERATOR_STEPS_PER_OCTAVE). Per
+op kind it reports FLOPs and bytes accessed:
+- tpu-v5e: the program XLA and Mosaic compiled on libtpu's compile-only devices, walked op by op in its optimized
+  HLO (fusions as XLA runs them: a fusion's bytes are its operands and results).
+- cuda-h100: the program lowered for CUDA with the Mosaic GPU kernel, as HLO. No CUDA compiler runs here, so
+  it is the program before XLA's fusion: its FLOPs are the model's, its bytes count every unfused op's operands
+  and results (an upper bound of the traffic).
+Loops count their trips: the layer scan its constant count; a loop with a dynamic count inside it
+(core.model.over_tokens) one step, a step being the whole pass on accelerators; one outside it (the LM head's)
+ceil(score rows / rows per step). Of the layer body's two branches the first runs for every layer but the last.
+XLA's own cost analysis counts each loop body once and a Pallas kernel as nothing; the kernel's FLOPs here are
+core.aot's count of the tiles it visits (masked work included), its bytes its operands and results. The walk,
+counted as XLA counts, is checked against `compiled.cost_analysis()` (printed beside each TPU table).
+
+The padding share: the part of the matmul FLOPs spent on the rows past the pass's real tokens (a matmul over
+the pass's T rows costs T rows whatever is in them; the LM head runs on score rows and does not count).
+"""
+
+import os
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as core.aot: compile-only, no exclusive TPU
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from core import aot  # noqa: E402
+from core.config import TINY_CONFIG, ModelConfig  # noqa: E402
+from core.model import HEAD_ROWS  # noqa: E402
+from core.packing import PassArrays  # noqa: E402
+
+KINDS = ("matmul", "attention kernel", "element-wise", "copy/transpose", "gather/slice/pad",
+         "async move (HBM<->VMEM)", "other")
+LADDERS = {"old": 1, "new": aot.ACCELERATOR_STEPS_PER_OCTAVE}  # rungs per octave
+MODELS = {**aot.MODELS, "tiny": TINY_CONFIG}  # tiny: the tests' model, for a fast run
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
+# Ops that move no data of their own (views, control flow, the loops' bookkeeping).
+FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "reshape", "while", "conditional", "call",
+        "after-all", "copy-start", "slice-start", "partition-id", "replica-id", "opt-barrier"}
+FREE_CUSTOM_CALLS = {"ConcatBitcast", "AssumeGatherIndicesInBound"}  # TPU bookkeeping: bitcasts
+KERNEL_TARGETS = re.compile(r"tpu_custom_call|mosaic_gpu")
+ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select", "negate", "abs",
+               "and", "or", "xor", "not", "clamp", "exponential", "log", "rsqrt", "sqrt", "tanh", "sine", "cosine",
+               "power", "logistic", "remainder", "sign", "floor", "ceil", "round-nearest-even", "is-finite",
+               "shift-left", "shift-right-logical", "shift-right-arithmetic", "exponential-minus-one", "log-plus-one"}
+MOVES = {"copy", "transpose"}
+SELECTS = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice", "slice", "pad", "concatenate"}
+ASYNC_MOVES = {"copy-done", "slice-done"}
+READS_PART = {"slice", "dynamic-slice", "gather"}  # read only what they return of their first operand
+
+
+@dataclass
+class Op:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    literal: str = ""  # a constant's value
+
+
+def _close(text: str, start: int) -> int:
+    """The index of the bracket that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += 1 if text[i] in "({[" else -1 if text[i] in ")}]" else 0
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced: {text[start:start + 80]}")
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += 1 if ch in "({[" else -1 if ch in ")}]" else 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Op]], str]:
+    """An HLO module's text as {computation: its ops} and the entry computation's name."""
+    computations: dict[str, list[Op]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if not line.startswith((" ", "}")) and line.rstrip().endswith("{"):
+            header = line.split()
+            is_entry = header[0] == "ENTRY"
+            current = header[1 if is_entry else 0].lstrip("%")
+            computations[current] = []
+            entry = current if is_entry else entry
+        elif current is not None and " = " in line and line.startswith("  "):
+            name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
+            end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+            shape, rest = rest[:end], rest[end:].lstrip()
+            opcode, rest = rest.split("(", 1)
+            close = _close("(" + rest, 0) - 1
+            inside = rest[:close]
+            operands = [] if opcode == "constant" else [
+                part.split()[-1].lstrip("%") for part in _split_top(inside) if part.strip()]
+            literal = inside if opcode == "constant" else ""
+            computations[current].append(Op(name.lstrip("%"), shape, opcode, operands, rest[close + 1:], literal))
+    return computations, entry
+
+
+def arrays_of(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in ARRAY.findall(shape)]
+
+
+def nbytes(shape: str) -> int:
+    return sum(DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims in arrays_of(shape))
+
+
+def _attr(op: Op, key: str) -> str:
+    found = re.search(rf"\b{key}=\"?%?([\w.\-]+)", op.attrs)
+    return found.group(1) if found else ""
+
+
+def _op_name(op: Op) -> str:
+    found = re.search(r'op_name="([^"]*)"', op.attrs)
+    return found.group(1) if found else ""
+
+
+def _dims(op: Op, key: str) -> list[int]:
+    found = re.search(rf"\b{key}=\{{([\d,]*)\}}", op.attrs)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+
+class Program:
+    """An HLO module with each computation's run count for one pass (see the module's docstring)."""
+
+    def __init__(self, text: str, layers: int, head_steps: int):
+        self.computations, self.entry = parse_hlo(text)
+        self.shapes = {op.name: op.shape for ops in self.computations.values() for op in ops}
+        self.runs: dict[str, float] = defaultdict(float)
+        self._visit(self.entry, 1.0, False, layers, head_steps)
+
+    def _constant_trips(self, condition: str) -> int | None:
+        """The trip count of a loop whose condition compares its counter with a constant (a scan's)."""
+        ops = {op.name: op for op in self.computations[condition]}
+        root = self.computations[condition][-1]
+        for name in root.operands if root.opcode == "compare" else []:
+            if name in ops and ops[name].opcode == "constant" and ops[name].literal.lstrip("-").isdigit():
+                return int(ops[name].literal)
+        return None
+
+    def _peeled(self, parent: str, body: str) -> bool:
+        """Whether XLA ran a loop's first trip ahead of it in `parent` (loop peeling): an op of the same source
+        line (op_name), opcode and shape is in both. The TPU compiler peels core.model.over_tokens' loop."""
+        key = lambda op: (op.opcode, op.shape, _op_name(op))
+        inside = {key(op) for op in self.computations[body] if _op_name(op)}
+        return any(key(op) in inside for op in self.computations[parent] if op.opcode == "fusion")
+
+    def _visit(self, name: str, runs: float, in_layers: bool, layers: int, head_steps: int) -> None:
+        self.runs[name] += runs
+        for op in self.computations[name]:
+            if op.opcode == "while":
+                body = _attr(op, "body")
+                trips = self._constant_trips(_attr(op, "condition"))
+                inner = in_layers or trips is not None
+                if trips is None:
+                    trips = (1 if in_layers else head_steps) - self._peeled(name, body)
+                self._visit(body, runs * trips, inner, layers, head_steps)
+            elif op.opcode == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", op.attrs).group(1)
+                branches = [b.strip().lstrip("%") for b in branches.split(",")]
+                weights = ([(layers - 1) / layers, 1 / layers] if in_layers and len(branches) == 2
+                           else [1 / len(branches)] * len(branches))
+                for branch, weight in zip(branches, weights):
+                    self._visit(branch, runs * weight, in_layers, layers, head_steps)
+            elif op.opcode == "call":
+                self._visit(_attr(op, "to_apply"), runs, in_layers, layers, head_steps)
+
+    def _flops(self, op: Op) -> float:
+        """FLOPs of one op: 2 per multiply-add of a dot or convolution, 1 per element of an element-wise op or of
+        a reduction's input; a fusion's are its ops'."""
+        out = sum(math.prod(dims) for _, dims in arrays_of(op.shape))
+        if op.opcode == "dot":
+            lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
+            return 2.0 * out * math.prod(lhs[d] for d in _dims(op, "lhs_contracting_dims"))
+        if op.opcode == "convolution":
+            lhs_labels, rhs_labels = re.search(r"dim_labels=(\w+)_(\w+)->", op.attrs).groups()
+            lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
+            rhs = arrays_of(self.shapes[op.operands[1]])[0][1]
+            window = math.prod(rhs[i] for i, label in enumerate(rhs_labels) if label.isdigit())
+            groups = int(_attr(op, "feature_group_count") or 1)
+            return 2.0 * out * lhs[lhs_labels.index("f")] * window / groups
+        if op.opcode == "fusion":
+            return sum(self._flops(inner) for inner in self.computations[_attr(op, "calls")])
+        if op.opcode in ELEMENTWISE:
+            return float(out)
+        if op.opcode == "reduce":
+            return float(sum(math.prod(dims) for _, dims in arrays_of(self.shapes[op.operands[0]])))
+        return 0.0
+
+    def as_xla_counts(self, name: str = "") -> np.ndarray:
+        """[FLOPs, bytes] as XLA's cost analysis counts them (each loop body once, a conditional's costliest
+        branch, a custom call's FLOPs as nothing): `compiled.cost_analysis()` to compare with, a check of this
+        walk."""
+        total = np.zeros(2)
+        for op in self.computations[name or self.entry]:
+            if op.opcode == "while":
+                total += self.as_xla_counts(_attr(op, "body"))
+            elif op.opcode == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", op.attrs).group(1)
+                total += max((self.as_xla_counts(b.strip().lstrip("%")) for b in branches.split(",")),
+                             key=lambda counts: counts[0])
+            elif op.opcode == "call":
+                total += self.as_xla_counts(_attr(op, "to_apply"))
+            else:
+                total += (self._flops(op), self.bytes_accessed(op))
+        return total
+
+    def _opcodes(self, op: Op) -> set[str]:
+        """The ops a fusion runs (nested fusions opened), or the op itself."""
+        if op.opcode != "fusion":
+            return {op.opcode}
+        return set().union(*(self._opcodes(inner) for inner in self.computations[_attr(op, "calls")]))
+
+    def kind(self, op: Op) -> str:
+        if op.opcode == "custom-call":
+            return "attention kernel" if KERNEL_TARGETS.search(_attr(op, "custom_call_target")) else "other"
+        if op.opcode in ASYNC_MOVES or op.opcode in ("copy-start", "slice-start"):
+            return "async move (HBM<->VMEM)"
+        opcodes = self._opcodes(op) - {"parameter", "constant", "bitcast", "reshape", "broadcast", "tuple",
+                                      "get-tuple-element"}
+        if opcodes & {"dot", "convolution"}:
+            return "matmul"
+        if opcodes & {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}:
+            return "gather/slice/pad"
+        if opcodes and opcodes <= MOVES | SELECTS:
+            return "copy/transpose" if opcodes & MOVES else "gather/slice/pad"
+        if opcodes & (ELEMENTWISE | {"reduce", "convert", "select", "iota", "sort", "reduce-window", "map"}):
+            return "element-wise"
+        return "other"
+
+    def bytes_accessed(self, op: Op) -> int:
+        if op.opcode in FREE or (op.opcode == "custom-call" and _attr(op, "custom_call_target") in FREE_CUSTOM_CALLS):
+            return 0
+        if op.opcode in ASYNC_MOVES:  # read where it is, written where it goes
+            return 2 * nbytes(op.shape)
+        size = lambda name: nbytes(self.shapes.get(name, ""))
+        if op.opcode in READS_PART:  # reads what it returns of its first operand, and its indices
+            return 2 * nbytes(op.shape) + sum(size(name) for name in op.operands[1:])
+        if op.opcode == "dynamic-update-slice":  # in place: the update is read and written
+            return 2 * size(op.operands[1]) + sum(size(name) for name in op.operands[2:])
+        if op.opcode != "fusion":
+            return nbytes(op.shape) + sum(size(name) for name in op.operands)
+        fused = self.computations[_attr(op, "calls")]
+        root = fused[-1]
+        total = size(root.operands[1]) if root.opcode == "dynamic-update-slice" else nbytes(op.shape)
+        for param in (o for o in fused if o.opcode == "parameter"):
+            users = [o for o in fused if param.name in o.operands]
+            if users and all(u.opcode in READS_PART and u.operands[0] == param.name for u in users):
+                total += sum(nbytes(u.shape) for u in users)  # the parts read of a stacked weight, say
+            elif not any(u.opcode == "dynamic-update-slice" and u.operands[0] == param.name for u in users):
+                total += nbytes(param.shape)  # a buffer updated in place is not read whole
+        return total
+
+    def rows(self, op: Op) -> int:
+        """The rows (tokens) of a matmul's result: its first dimension, or a convolution's batch dimension."""
+        dims = arrays_of(op.shape)[0][1] if arrays_of(op.shape) else ()
+        if op.opcode == "fusion":
+            inner = [o for o in self.computations[_attr(op, "calls")] if o.opcode in ("dot", "convolution", "fusion")]
+            matmuls = [o for o in inner if self.kind(o) == "matmul"]
+            return self.rows(matmuls[-1]) if matmuls else (dims[0] if dims else 0)
+        if op.opcode == "convolution":
+            out_labels = re.search(r"dim_labels=\w+_\w+->(\w+)", op.attrs).group(1)
+            return dims[out_labels.index("b")]
+        return dims[0] if dims else 0
+
+    def ops(self):
+        """(op, runs per pass) for every op the pass runs outside fusions."""
+        for name, runs in self.runs.items():
+            for op in self.computations[name]:
+                yield op, runs
+
+
+def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platform: str, xla_cost: dict,
+              top_ops: int = 12) -> dict:
+    """FLOPs and bytes per op kind of one pass, its padding share and the kernel's layout copies."""
+    T, real = len(arrays.tokens), arrays.real_tokens
+    tq, tk, _, pairs = aot.kernel_tiles(arrays, platform)
+    kernel_flops = config.num_heads * pairs * 4 * tq * tk * config.head_dim  # per call: one layer
+    kinds = {kind: {"ops": 0.0, "flops": 0.0, "bytes": 0.0} for kind in KINDS}
+    padding_flops = 0.0
+    layout = {"ops": 0.0, "bytes": 0.0}
+    for op, runs in program.ops():
+        kind = program.kind(op)
+        flops = kernel_flops if kind == "attention kernel" else program._flops(op)
+        row = kinds[kind]
+        row["ops"] += runs
+        row["flops"] += runs * flops
+        row["bytes"] += runs * program.bytes_accessed(op)
+        if kind == "matmul" and program.rows(op) == T:
+            padding_flops += runs * flops * (T - real) / T
+        shape = arrays_of(op.shape)
+        # [T, heads, head_dim] <-> [heads, T, head_dim]: the layout the kernel takes and gives back.
+        if kind == "copy/transpose" and len(shape) == 1 and len(shape[0][1]) == 3 and T in shape[0][1] \
+                and shape[0][1][-1] == config.head_dim:
+            layout["ops"] += runs
+            layout["bytes"] += runs * program.bytes_accessed(op)
+    total = {key: sum(row[key] for row in kinds.values()) for key in ("flops", "bytes")}
+    per_op = sorted(((runs * program.bytes_accessed(op), runs, program.kind(op), op) for op, runs in program.ops()),
+                    key=lambda entry: -entry[0])[:top_ops]
+    top = [{"bytes": b, "runs": runs, "kind": kind, "op": op.name, "shape": re.sub(r"\{[^}]*\}", "", op.shape)[:80],
+            "source": _op_name(op).removeprefix("jit(run)/jit(_run_pass)/")[-90:]} for b, runs, kind, op in per_op]
+    matmul = kinds["matmul"]["flops"]
+    return {
+        "pass_tokens": T, "real_tokens": real, "padded_tokens": T - real,
+        "kinds": {kind: {"ops": round(row["ops"], 1), "flops": row["flops"], "bytes": row["bytes"],
+                         "flops_share": row["flops"] / total["flops"] if total["flops"] else 0.0,
+                         "bytes_share": row["bytes"] / total["bytes"] if total["bytes"] else 0.0}
+                  for kind, row in kinds.items()},
+        "total_flops": total["flops"], "total_bytes": total["bytes"],
+        "padding_share_of_matmul_flops": padding_flops / matmul if matmul else 0.0,
+        "padding_flops": padding_flops,
+        "kernel_layout_copies": layout,
+        "kernel_tiles": {"q": tq, "k": tk, "pairs_per_head": pairs},
+        "check_as_xla_counts": dict(zip(("walk_flops", "walk_bytes"), program.as_xla_counts().tolist()),
+                                    xla_flops=xla_cost.get("flops"), xla_bytes=xla_cost.get("bytes accessed")),
+        "top_ops_by_bytes": top,
+    }
+
+
+def tpu_v5e_hlo(config: ModelConfig, arrays: PassArrays, dtype) -> tuple[str, dict]:
+    """The optimized HLO of the pass compiled for one TPU v5e chip, and XLA's cost analysis of it."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(aot.TARGETS["tpu-v5e"]["topology"][4], "tpu")
+    mesh = Mesh(np.asarray(topology.devices[:1]), ("chip",))
+    args = aot.program_args(config, arrays, dtype, NamedSharding(mesh, PartitionSpec()))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = jax.jit(aot.pass_program(config, dtype)).trace(*args).lower(
+            lowering_platforms=("tpu",)).compile()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return compiled.as_text(), cost
+
+
+def cuda_hlo(config: ModelConfig, arrays: PassArrays, dtype) -> tuple[str, dict]:
+    """The pass lowered for CUDA (the Mosaic GPU kernel's lowering runs), as HLO before XLA's passes."""
+    lowered = jax.jit(aot.pass_program(config, dtype)).trace(*aot.program_args(config, arrays, dtype)).lower(
+        lowering_platforms=("cuda",))
+    return lowered.as_text(dialect="hlo"), {}
+
+
+TARGETS = {"tpu-v5e": ("tpu", "compiled", tpu_v5e_hlo), "cuda-h100": ("cuda", "lowered", cuda_hlo)}
+
+
+def measure(model: str, ladder: str, target: str, dtype_name: str = "bfloat16") -> dict:
+    config, dtype = MODELS[model], jnp.dtype(dtype_name)
+    (arrays,) = aot.contract_passes(16384, LADDERS[ladder])  # the contract fits one pass on either ladder
+    platform, stage, build = TARGETS[target]
+    start, cpu = time.perf_counter(), time.process_time()
+    text, xla_cost = build(config, arrays, dtype)
+    rows = min(HEAD_ROWS, max(8, len(arrays.score_rows) // 8))  # core.model.label_logprobs' step
+    program = Program(text, config.num_layers, -(-arrays.n_rows // rows))
+    out = {"model": model, "ladder": ladder, "target": target, "stage": stage,
+           "build_seconds": round(time.perf_counter() - start, 1),
+           "build_cpu_seconds": round(time.process_time() - cpu, 1)}
+    out.update(breakdown(program, arrays, config, platform, xla_cost))
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The per-kind table of each result, one Markdown table per (target, ladder)."""
+    lines = []
+    for r in results:
+        lines += [f"\n{r['target']} ({r['stage']}), {r['model']}, ladder {r['ladder']}: pass of {r['pass_tokens']:,} "
+                  f"tokens, {r['real_tokens']:,} real; padding {r['padding_share_of_matmul_flops']:.1%} of the matmul "
+                  f"FLOPs; kernel tiles {r['kernel_tiles']}",
+                  "| op kind | ops per pass | GFLOP | FLOPs share | GB accessed | bytes share |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for kind, row in r["kinds"].items():
+            lines.append(f"| {kind} | {row['ops']:,.0f} | {row['flops'] / 1e9:,.1f} | {row['flops_share']:.1%} "
+                         f"| {row['bytes'] / 1e9:,.2f} | {row['bytes_share']:.1%} |")
+        lines.append(f"| total | | {r['total_flops'] / 1e9:,.1f} | | {r['total_bytes'] / 1e9:,.2f} | |")
+        copies = r["kernel_layout_copies"]
+        lines.append(f"kernel layout copies [T,H,D]<->[H,T,D]: {copies['ops']:.0f} per pass, "
+                     f"{copies['bytes'] / 1e9:.2f} GB")
+        check = r["check_as_xla_counts"]
+        if check["xla_flops"]:
+            lines.append(f"check: this walk counted as XLA counts gives {check['walk_flops'] / 1e9:,.1f} GFLOP and "
+                         f"{check['walk_bytes'] / 1e9:,.2f} GB, XLA's cost analysis {check['xla_flops'] / 1e9:,.1f} "
+                         f"and {check['xla_bytes'] / 1e9:,.2f}")
+        lines += ["ops moving the most bytes per pass:"] + [
+            f"  {o['bytes'] / 1e9:6.2f} GB  {o['runs']:4.0f} x {o['kind']:<16} {o['shape']:<40} {o['source']}"
+            for o in r["top_ops_by_bytes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
+    parser.add_argument("--ladder", choices=(*LADDERS, "both"), default="both")
+    parser.add_argument("--target", choices=(*TARGETS, "both"), default="both")
+    parser.add_argument("--json", action="store_true", help="print one JSON line per program instead of tables")
+    args = parser.parse_args(argv)
+    results = []
+    for target in TARGETS if args.target == "both" else (args.target,):
+        for ladder in LADDERS if args.ladder == "both" else (args.ladder,):
+            results.append(measure(args.model, ladder, target))
+            print(json.dumps(results[-1]) if args.json else table(results[-1:]), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
