@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy import Row, case, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from core import ScoringError, scores_from_logprobs
+from core import ScoringError
 from store.catalog import ModelCatalog, ServedModel
 from store.counters import count
 from store.db import newest_first, session_factory
@@ -31,7 +31,7 @@ from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STAT
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
 from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, OpenAIBatchLine, Progress,
                            RerankRequest, ScoreInput, ScoreRequest, batch_out, describe_errors, rerank_results,
-                           route_body)
+                           route_body, score_lists)
 from store.settings import Settings
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -419,9 +419,9 @@ def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
     """This service's result line: `{"custom_id", "scores", "logprobs"?, "results"? (rerank), "error"?}`."""
     line: dict[str, Any] = {"custom_id": row.custom_id, "scores": None}
     if logprobs is not None:
-        line["scores"] = scores_from_logprobs(logprobs, row.request.get("apply_softmax", False)).tolist()
-        if row.return_logprobs:
-            line["logprobs"] = np.asarray(logprobs, np.float64).tolist()
+        line["scores"], raw = score_lists(logprobs, row.request.get("apply_softmax", False), row.return_logprobs)
+        if raw is not None:
+            line["logprobs"] = raw
         if "rerank" in row.request:
             line["results"] = [r.model_dump(exclude_none=True) for r in rerank_results(row.request, logprobs)]
     else:

@@ -226,6 +226,15 @@ def rerank_results(request: dict, logprobs: np.ndarray) -> list[RerankResult]:
                          if rerank["return_documents"] else None) for i in order]
 
 
+def score_lists(logprobs: np.ndarray, apply_softmax: bool,
+                return_logprobs: bool) -> tuple[list[list[float]], list[list[float]] | None]:
+    """A succeeded request's `scores` (docs/score-semantics.md: its labels' probabilities, or their softmax) and,
+    where asked for, its `logprobs` (float64), as answers and result files give them, from its [items, labels]
+    log-probabilities."""
+    scores = scores_from_logprobs(logprobs, apply_softmax).tolist()
+    return scores, np.asarray(logprobs, np.float64).tolist() if return_logprobs else None
+
+
 def route_body(job: "Job | Row", logprobs: np.ndarray) -> "ScoreResponse | RerankResponse":
     """What the synchronous route (/v1/score or /v1/rerank) answers for a succeeded job. `job` is a Job or a
     row of its columns id, created_at, model, request and prompt_tokens."""
@@ -234,16 +243,15 @@ def route_body(job: "Job | Row", logprobs: np.ndarray) -> "ScoreResponse | Reran
     if "rerank" in job.request:
         return RerankResponse(id=job.id, created=created, model=job.model,
                               results=rerank_results(job.request, logprobs), usage=usage)
-    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage,
-                         scores=scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist())
+    scores, _ = score_lists(logprobs, job.request.get("apply_softmax", False), False)
+    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage, scores=scores)
 
 
 def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDelivery | None = None) -> JobOut:
     """The public view of a job; `logprobs` ([items, labels]) only for a succeeded job whose scores are shown."""
     scores = raw = results = None
     if logprobs is not None:
-        scores = scores_from_logprobs(logprobs, job.request.get("apply_softmax", False)).tolist()
-        raw = np.asarray(logprobs, np.float64).tolist() if job.return_logprobs else None
+        scores, raw = score_lists(logprobs, job.request.get("apply_softmax", False), job.return_logprobs)
         results = rerank_results(job.request, logprobs) if "rerank" in job.request else None
     return JobOut(
         id=job.id,

@@ -37,11 +37,11 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import zstandard
 
-from core import RequestTokenizer, ScoringError, TokenizedRequest, scores_from_logprobs
+from core import RequestTokenizer, ScoringError, TokenizedRequest
 from store.batches import LineError, parse_line
 from store.errors import ServiceError
 from store.lake.access import Location, store_error
-from store.schemas import RerankRequest
+from store.schemas import RerankRequest, score_lists
 from store.settings import Settings
 
 FORMATS = ("jsonl", "parquet", "csv")
@@ -529,13 +529,13 @@ def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Op
             for i in covered:
                 codes[i], messages[i] = failure or ("internal_error", "the request was not scored")
             continue
-        values = scores_from_logprobs(lp, softmax)
-        if rows.pair_table:  # whole arrays to lists at once: a row at a time was most of a commit's Python
-            for i, row_scores, row_raw in zip(covered, values.tolist(), np.asarray(lp, np.float64).tolist()):
+        # Whole arrays to lists at once: a row at a time was most of a commit's Python.
+        request_scores, request_raw = score_lists(lp, softmax, True)
+        if rows.pair_table:
+            for i, row_scores, row_raw in zip(covered, request_scores, request_raw):
                 scores[i], raw[i] = row_scores, row_raw
         else:
-            scores[covered[0]] = values.tolist()
-            raw[covered[0]] = np.asarray(lp, np.float64).tolist()
+            scores[covered[0]], raw[covered[0]] = request_scores, request_raw
     score_type = pa.list_(pa.float64()) if rows.pair_table else pa.list_(pa.list_(pa.float64()))
     columns = {name: pa.array(values, rows.passthrough_types[name]) for name, values in rows.passthrough.items()}
     columns["scores"] = pa.array(scores, score_type)
