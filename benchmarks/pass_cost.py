@@ -141,6 +141,12 @@ def _op_name(op: Op) -> str:
     return found.group(1) if found else ""
 
 
+def _branches(op: Op) -> list[str]:
+    """A conditional's branch computations, in branch index order."""
+    listed = re.search(r"branch_computations=\{([^}]*)\}", op.attrs).group(1)
+    return [branch.strip().lstrip("%") for branch in listed.split(",")]
+
+
 def _dims(op: Op, key: str) -> list[int]:
     found = re.search(rf"\b{key}=\{{([\d,]*)\}}", op.attrs)
     return [int(d) for d in found.group(1).split(",") if d] if found else []
@@ -152,8 +158,9 @@ class Program:
     def __init__(self, text: str, layers: int, head_steps: int):
         self.computations, self.entry = parse_hlo(text)
         self.shapes = {op.name: op.shape for ops in self.computations.values() for op in ops}
+        self.layers, self.head_steps = layers, head_steps
         self.runs: dict[str, float] = defaultdict(float)
-        self._visit(self.entry, 1.0, False, layers, head_steps)
+        self._visit(self.entry, 1.0, False)
 
     def _constant_trips(self, condition: str) -> int | None:
         """The trip count of a loop whose condition compares its counter with a constant (a scan's)."""
@@ -171,7 +178,7 @@ class Program:
         inside = {key(op) for op in self.computations[body] if _op_name(op)}
         return any(key(op) in inside for op in self.computations[parent] if op.opcode == "fusion")
 
-    def _visit(self, name: str, runs: float, in_layers: bool, layers: int, head_steps: int) -> None:
+    def _visit(self, name: str, runs: float, in_layers: bool) -> None:
         self.runs[name] += runs
         for op in self.computations[name]:
             if op.opcode == "while":
@@ -179,19 +186,20 @@ class Program:
                 trips = self._constant_trips(_attr(op, "condition"))
                 inner = in_layers or trips is not None
                 if trips is None:
-                    trips = (1 if in_layers else head_steps) - self._peeled(name, body)
-                self._visit(body, runs * trips, inner, layers, head_steps)
+                    trips = (1 if in_layers else self.head_steps) - self._peeled(name, body)
+                self._visit(body, runs * trips, inner)
             elif op.opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", op.attrs).group(1)
-                branches = [b.strip().lstrip("%") for b in branches.split(",")]
-                weights = ([(layers - 1) / layers, 1 / layers] if in_layers and len(branches) == 2
-                           else [1 / len(branches)] * len(branches))
+                branches, L = _branches(op), self.layers
+                if in_layers and len(branches) == 2:  # core.model's `i == last`: branch 0 but in the last layer
+                    weights = [(L - 1) / L, 1 / L]
+                else:
+                    weights = [1 / len(branches)] * len(branches)
                 for branch, weight in zip(branches, weights):
-                    self._visit(branch, runs * weight, in_layers, layers, head_steps)
+                    self._visit(branch, runs * weight, in_layers)
             elif op.opcode == "call":
-                self._visit(_attr(op, "to_apply"), runs, in_layers, layers, head_steps)
+                self._visit(_attr(op, "to_apply"), runs, in_layers)
 
-    def _flops(self, op: Op) -> float:
+    def flops(self, op: Op) -> float:
         """FLOPs of one op: 2 per multiply-add of a dot or convolution, 1 per element of an element-wise op or of
         a reduction's input; a fusion's are its ops'."""
         out = sum(math.prod(dims) for _, dims in arrays_of(op.shape))
@@ -206,7 +214,7 @@ class Program:
             groups = int(_attr(op, "feature_group_count") or 1)
             return 2.0 * out * lhs[lhs_labels.index("f")] * window / groups
         if op.opcode == "fusion":
-            return sum(self._flops(inner) for inner in self.computations[_attr(op, "calls")])
+            return sum(self.flops(inner) for inner in self.computations[_attr(op, "calls")])
         if op.opcode in ELEMENTWISE:
             return float(out)
         if op.opcode == "reduce":
@@ -222,13 +230,11 @@ class Program:
             if op.opcode == "while":
                 total += self.as_xla_counts(_attr(op, "body"))
             elif op.opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", op.attrs).group(1)
-                total += max((self.as_xla_counts(b.strip().lstrip("%")) for b in branches.split(",")),
-                             key=lambda counts: counts[0])
+                total += max((self.as_xla_counts(branch) for branch in _branches(op)), key=lambda counts: counts[0])
             elif op.opcode == "call":
                 total += self.as_xla_counts(_attr(op, "to_apply"))
             else:
-                total += (self._flops(op), self.bytes_accessed(op))
+                total += (self.flops(op), self.bytes_accessed(op))
         return total
 
     def _opcodes(self, op: Op) -> set[str]:
@@ -240,7 +246,7 @@ class Program:
     def kind(self, op: Op) -> str:
         if op.opcode == "custom-call":
             return "attention kernel" if KERNEL_TARGETS.search(_attr(op, "custom_call_target")) else "other"
-        if op.opcode in ASYNC_MOVES or op.opcode in ("copy-start", "slice-start"):
+        if op.opcode in ASYNC_MOVES | {"copy-start", "slice-start"}:
             return "async move (HBM<->VMEM)"
         opcodes = self._opcodes(op) - {"parameter", "constant", "bitcast", "reshape", "broadcast", "tuple",
                                       "get-tuple-element"}
@@ -307,7 +313,7 @@ def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platfor
     layout = {"ops": 0.0, "bytes": 0.0}
     for op, runs in program.ops():
         kind = program.kind(op)
-        flops = kernel_flops if kind == "attention kernel" else program._flops(op)
+        flops = kernel_flops if kind == "attention kernel" else program.flops(op)
         row = kinds[kind]
         row["ops"] += runs
         row["flops"] += runs * flops
