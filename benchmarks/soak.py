@@ -60,8 +60,9 @@ from tests.service_harness import (PrivatePostgres, PrivateRedis, Service, free_
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("a", "b")
-# Seconds before each webhook retry: a minute in all, so that the receiver's stretch down fails some deliveries.
-WEBHOOK_RETRY_SCHEDULE = "1,2,4,8,15,30"
+# Seconds before each webhook retry in a 60-minute run (a shorter run scales them): a minute in all, so that
+# the receiver's four minutes down fail some deliveries after their last retry.
+WEBHOOK_RETRY_SCHEDULE = (1, 2, 4, 8, 15, 30)
 FULL_DISK_BYTES = 96 << 10
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
 ALL_FAULTS = ("kill", "receiver", "api", "database", "broker", "store", "disk")
@@ -70,6 +71,10 @@ ALL_FAULTS = ("kill", "receiver", "api", "database", "broker", "store", "disk")
 def minutes_of(schedule_minutes: float, run_minutes: float) -> float:
     """A fault's time in a run of `run_minutes`, given its time in a 60-minute one."""
     return schedule_minutes * run_minutes / 60
+
+
+def retry_schedule(run_minutes: float) -> str:
+    return ",".join(str(max(0.2, round(s * min(1.0, run_minutes / 60), 1))) for s in WEBHOOK_RETRY_SCHEDULE)
 
 
 # ---- processes ---------------------------------------------------------------------------------------------------
@@ -109,7 +114,7 @@ class Deployment:
 
     name = ""
 
-    def __init__(self, home: Path, ttl_minutes: float, compile_cache: Path) -> None:
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
         self.home = home
         self.logs = home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -122,8 +127,10 @@ class Deployment:
                     **self.s3.env, "PYTHONPATH": str(REPO), "MODELS": ",".join(f"{m}=tiny-random" for m in MODELS),
                     "JAX_PLATFORMS": "cpu", "WARMUP": "ladder", "BATCH_LOCAL_ROOT": str(self.lake),
                     "BATCH_STORAGE_PREFIXES": f"s3://{self.s3.bucket}/", "WEBHOOK_ALLOWLIST": "127.0.0.1",
-                    "WEBHOOK_RETRY_SCHEDULE": WEBHOOK_RETRY_SCHEDULE, "WEBHOOK_TIMEOUT_SECONDS": "5",
-                    "RESULT_TTL_DAYS": str(ttl_minutes / 1440), "RETENTION_INTERVAL_SECONDS": "20",
+                    "WEBHOOK_RETRY_SCHEDULE": retry_schedule(run_minutes), "WEBHOOK_TIMEOUT_SECONDS": "5",
+                    # Retention a third of the run: the jobs of its first two thirds go before it ends.
+                    "RESULT_TTL_DAYS": str(run_minutes / 3 / 1440),
+                    "RETENTION_INTERVAL_SECONDS": str(min(20.0, run_minutes * 60 / 20)),
                     "LEASE_SECONDS": "15", "SWEEP_INTERVAL_SECONDS": "1", "RETRY_AFTER_SECONDS": "1",
                     "COMPILE_CACHE_DIR": str(compile_cache), "MODEL_CACHE_DIR": str(home / "model-cache")}
         self.base_url = self.key = self.secret = ""
@@ -194,8 +201,8 @@ class Deployment:
 class Embedded(Deployment):
     name = "embedded"
 
-    def __init__(self, home: Path, ttl_minutes: float, compile_cache: Path) -> None:
-        super().__init__(home, ttl_minutes, compile_cache)
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
+        super().__init__(home, run_minutes, compile_cache)
         state = home / ".packscore"
         self.database_url = f"sqlite:///{state / 'packscore.db'}"
         # Explicit, so that the plain worker beside the embedded service finds the same database and broker.
@@ -245,8 +252,8 @@ class Embedded(Deployment):
 class Postgres(Deployment):
     name = "postgres"
 
-    def __init__(self, home: Path, ttl_minutes: float, compile_cache: Path) -> None:
-        super().__init__(home, ttl_minutes, compile_cache)
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
+        super().__init__(home, run_minutes, compile_cache)
         from migrations import upgrade
 
         self.postgres = PrivatePostgres()
@@ -323,7 +330,7 @@ class FlakyReceiver:
         self.fail_share = fail_share
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.deliveries: list[tuple[str, str, int]] = []  # (webhook-id, data id, status answered)
+        self.deliveries: list[tuple[str, str, int, float]] = []  # (webhook-id, data id, status, when)
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
@@ -331,7 +338,7 @@ class FlakyReceiver:
                 with receiver.lock:
                     status = 500 if receiver.rng.random() < receiver.fail_share else 200
                     receiver.deliveries.append((self.headers.get("webhook-id", ""),
-                                                json.loads(body)["data"]["id"], status))
+                                                json.loads(body)["data"]["id"], status, time.monotonic()))
                 self.send_response(status)
                 self.send_header("content-length", "0")
                 self.end_headers()
@@ -352,11 +359,11 @@ class FlakyReceiver:
         self.server.shutdown()
         self.server.server_close()
 
-    def by_id(self) -> dict[str, list[tuple[str, int]]]:
+    def by_id(self) -> dict[str, list[tuple[str, int, float]]]:
         with self.lock:
-            seen: dict[str, list[tuple[str, int]]] = {}
-            for webhook_id, data_id, status in self.deliveries:
-                seen.setdefault(data_id, []).append((webhook_id, status))
+            seen: dict[str, list[tuple[str, int, float]]] = {}
+            for webhook_id, data_id, status, when in self.deliveries:
+                seen.setdefault(data_id, []).append((webhook_id, status, when))
             return seen
 
 
@@ -395,6 +402,7 @@ class Soak:
         self.lock = threading.Lock()
         self.receiver = FlakyReceiver(0.1, self.seed)
         self.tag = f"soak{os.getpid()}"
+        self.kills: list[float] = []  # when a worker was SIGKILLed (time.monotonic())
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -615,25 +623,29 @@ class Soak:
     def schedule(self) -> list[tuple[float, str, Callable[[], object]]]:
         d, m = self.deployment, self.minutes
         plan: list[tuple[float, str, Callable[[], object]]] = []
-        if "kill" in self.faults:
-            for k, at in enumerate(range(5, 60, 10)):
+        # Outages last as long as in a 60-minute run, but at most a tenth of a shorter one.
+        outage = min(1.0, m * 60 / 300)
+        if "kill" in self.faults:  # every 10 minutes of 60, in a short run every 30 s at the most
+            period = max(m / 6, 0.5)
+            for k in range(int(m / period + 0.5)):
                 which = ("plain", "child")[k % 2]
-                plan.append((minutes_of(at, m), f"SIGKILL {which} worker", lambda w=which: d.kill_worker(w)))
+                plan.append((period * (k + 0.5), f"SIGKILL {which} worker", lambda w=which: d.kill_worker(w)))
         if "receiver" in self.faults:
             plan.append((minutes_of(17, m), "webhook receiver down", self.receiver.down))
             plan.append((minutes_of(21, m), "webhook receiver up", self.receiver.up))
         if "api" in self.faults:
             plan.append((minutes_of(12, m), "API restarted", d.restart_api))
         if "database" in self.faults and isinstance(d, Postgres):
-            plan.append((minutes_of(22, m), "PostgreSQL stopped 10 s", d.restart_database))
+            plan.append((minutes_of(22, m), f"PostgreSQL stopped {10 * outage:.0f} s",
+                         lambda: d.restart_database(10 * outage)))
         if "broker" in self.faults and isinstance(d, Postgres):
-            plan.append((minutes_of(32, m), "Redis stopped 5 s", d.restart_broker))
+            plan.append((minutes_of(32, m), f"Redis stopped {5 * outage:.0f} s", lambda: d.restart_broker(5 * outage)))
         if "store" in self.faults:
             def store_down() -> None:
                 d.s3.stop()
-                time.sleep(30)
+                time.sleep(30 * outage)
                 d.s3.start()
-            plan.append((minutes_of(38, m), "object store down 30 s", store_down))
+            plan.append((minutes_of(38, m), f"object store down {30 * outage:.0f} s", store_down))
         if "disk" in self.faults:
             plan.append((minutes_of(47, m), "a batch's result folder fills its disk", self.full_disk))
         return sorted(plan, key=lambda p: p[0])
@@ -644,6 +656,8 @@ class Soak:
                 return
             started = self.now()
             entry = {"at_s": round(started, 1), "fault": what}
+            if what.startswith("SIGKILL"):
+                self.kills.append(time.monotonic())
             try:
                 entry["result"] = fault()
             except Exception as exc:  # noqa: BLE001  (reported, and fails the run)
@@ -657,7 +671,7 @@ class Soak:
 
     # -- windows ---------------------------------------------------------------------------------------------------
     def sample(self) -> None:
-        while not self.stop.wait(15):
+        while not self.stop.wait(min(15.0, max(2.0, self.minutes * 2))):
             now = self.now()
             for name, pid in self.deployment.processes().items():
                 rss, files = rss_mb(pid), open_files(pid)
@@ -704,7 +718,7 @@ class Soak:
                                                                                     "large": 100},
                          request_timeout_s=900, webhook_url=self.receiver.url, models=MODELS, cancel_share=0.1,
                          resend_share=0.2, healthz_interval_s=5, sample_interval_s=3600, tag=self.tag)
-        runner = Runner(cfg, self.deployment.base_url, self.deployment.key, dict)
+        self.runner = runner = Runner(cfg, self.deployment.base_url, self.deployment.key, dict)
         threads = [threading.Thread(target=runner.run, name="load"),
                    threading.Thread(target=self.every, args=(4.0, self.rerank), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.upload_batch), daemon=True),
@@ -770,7 +784,7 @@ class Soak:
         from sqlalchemy import create_engine, text
 
         ttl_s = float(self.deployment.env["RESULT_TTL_DAYS"]) * 86400
-        slack_s = 2 * float(self.deployment.env["RETENTION_INTERVAL_SECONDS"]) + 30
+        slack_s = 2 * float(self.deployment.env["RETENTION_INTERVAL_SECONDS"]) + min(30.0, ttl_s / 4)
         engine = create_engine(self.deployment.database_url)
         try:
             with engine.connect() as conn:
@@ -803,6 +817,7 @@ class Soak:
         return {
             "jobs_in_database": len(jobs), "jobs_clients_know": len(client_ids),
             "jobs_deleted_by_retention": len([i for i in client_ids if i not in by_id]),
+            "jobs_gone": sorted(i for i in client_ids if i not in by_id),
             "jobs_unknown": sorted(tagged - client_ids)[:20],
             "jobs_missing": missing[:20],
             "jobs_stuck": [j.id for j in jobs if j.status not in ("succeeded", "failed", "cancelled")][:20],
@@ -817,12 +832,15 @@ class Soak:
     def webhook_checks(self, runner: Runner) -> dict:
         """Every job with a webhook that ended (POST /jobs: cancelled ones too) and every batch: delivered with
         one webhook-id, and exactly one 2xx answer, or failed after every retry (no 2xx); asked of the API while
-        the job is there (retention may have deleted it: then by the receiver alone)."""
+        the job is there (retention may have deleted it: then by the receiver alone). A second 2xx of the same
+        webhook-id is counted apart, not as wrong, when a worker was SIGKILLed between the two: its worker died
+        after the receiver answered and before it recorded the delivery, and another worker delivered it again
+        once its claim expired (at least once, as Standard Webhooks receivers expect: they dedupe by id)."""
         ids = [r.job_id for r in runner.records if not r.sync and r.job_id and r.outcome in ("ok", "cancelled")]
         ids += [b["id"] for b in self.batches if b.get("status") in TERMINAL_BATCH and b["kind"] != "full-disk"]
         seen = self.receiver.by_id()
-        wrong, delivered, failed, gone = [], 0, 0, 0
-        retries = len(WEBHOOK_RETRY_SCHEDULE.split(","))
+        wrong, redelivered, delivered, failed, gone = [], [], 0, 0, 0
+        retries = len(WEBHOOK_RETRY_SCHEDULE)
         with self.deployment.http() as http:
             for item_id in ids:
                 path = f"/batches/{item_id}" if item_id.startswith("batch") else f"/jobs/{item_id}"
@@ -836,6 +854,10 @@ class Soak:
                     time.sleep(1)
                 answers = seen.get(item_id, [])
                 ok_answers = [a for a in answers if a[1] < 300]
+                if len(ok_answers) > 1 and len({a[0] for a in answers}) == 1 and any(
+                        ok_answers[0][2] - 1 <= kill <= ok_answers[-1][2] for kill in self.kills):
+                    redelivered.append(item_id)
+                    ok_answers = ok_answers[:1]
                 if state == "gone":
                     gone += 1
                     if len({a[0] for a in answers}) > 1 or len(ok_answers) > 1:
@@ -851,7 +873,7 @@ class Soak:
                     if ok_answers or state["attempts"] != retries + 1:
                         wrong.append((item_id, f"failed after {state['attempts']}", answers))
         return {"checked": len(ids), "delivered": delivered, "failed_after_retries": failed,
-                "deleted_by_retention": gone, "wrong": wrong[:20]}
+                "deleted_by_retention": gone, "redelivered_after_a_kill": redelivered, "wrong": wrong[:20]}
 
 
 def write_pairs(table: pa.Table, fmt: str, sink) -> None:  # type: ignore[no-untyped-def]
@@ -864,15 +886,17 @@ def write_pairs(table: pa.Table, fmt: str, sink) -> None:  # type: ignore[no-unt
 
 
 def memory_growth(samples: list[tuple[float, str, int, float, int]], skip_s: float) -> dict:
-    """Per process series (name:pid) lasting past the first window: MB/hour (least squares) after `skip_s`."""
+    """Per process series (name:pid; a restarted process is a new one): MB/hour (least squares) over its samples
+    after its own first `skip_s` (start-up: a worker's warm-up, its pools and caches filling) and after the run's
+    first `skip_s`; series with fewer than 8 such samples are left out."""
     series: dict[str, list[tuple[float, float]]] = {}
     for t, name, pid, rss, _ in samples:
-        if t >= skip_s:
-            series.setdefault(f"{name}:{pid}", []).append((t, rss))
+        series.setdefault(f"{name}:{pid}", []).append((t, rss))
     out = {}
     for name, points in series.items():
-        if len(points) >= 8:
-            t, rss = np.array(points).T
+        steady = [p for p in points if p[0] >= max(skip_s, points[0][0] + skip_s)]
+        if len(steady) >= 8:
+            t, rss = np.array(steady).T
             out[name] = {"mb_per_hour": round(float(np.polyfit(t / 3600, rss, 1)[0]), 1),
                          "minutes": round(float(np.ptp(t)) / 60, 1), "first_mb": round(rss[0], 1),
                          "last_mb": round(rss[-1], 1)}
@@ -908,9 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     print(f"host: {host_cpu()}; {args.deployment}, {args.minutes} minutes, faults {faults}; in {out}", flush=True)
-    # Retention a third of the run: the jobs of the first two thirds are deleted before it ends.
     deployment = {"embedded": Embedded, "postgres": Postgres}[args.deployment](
-        home, args.minutes / 3, (args.compile_cache or home / "compile-cache").resolve())
+        home, args.minutes, (args.compile_cache or home / "compile-cache").resolve())
     try:
         started = time.monotonic()
         deployment.start()
@@ -918,7 +941,8 @@ def main(argv: list[str] | None = None) -> int:
         report = Soak(deployment, args.minutes, faults, out, args.seed).run()
     finally:
         deployment.close()
-    print(json.dumps({k: report[k] for k in ("checks", "memory_mb_per_hour", "p95_last_over_first", "failed")},
+    shown = {**report, "checks": {k: v for k, v in report["checks"].items() if k != "jobs_gone"}}
+    print(json.dumps({k: shown[k] for k in ("checks", "memory_mb_per_hour", "p95_last_over_first", "failed")},
                      indent=1, default=str))
     return 1 if report["failed"] else 0
 
