@@ -1,0 +1,81 @@
+"""Two versions of core/attention.py in one process, run by run: `python -m benchmarks.attention_ab OTHER.py
+[--mix | -R R -P P -N N -L L] [--rounds 6]` (OTHER.py: e.g. `git show f6ba1d5:core/attention.py > /tmp/a.py`).
+
+benchmarks.bench's packed timings (its requests and seed: the one request by default, `--mix`, `--requests`),
+the query computed in each run, with this tree's attention and with OTHER.py's, alternating (AB, BA, ...). Where
+only the attention differs between two commits (as between f6ba1d5 and the cascade's tiles of issues 37 and 44),
+this compares them on a loaded host: both run under the same load, where separate processes a minute apart do
+not (one version's wall time moved 4x with the load, its CPU time by 10%: docs/performance.md). Prints each
+version's best wall and median process CPU time, and the other version's CPU time over this tree's, per round.
+"""
+
+import argparse
+import importlib.util
+import json
+import time
+
+import numpy as np
+
+import core.attention
+import core.scorer
+from benchmarks.bench import mix_requests, shaped_requests
+from core.scorer import Scorer
+
+
+def attention_module(path: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("other_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("other", help="another version's core/attention.py")
+    parser.add_argument("--mix", action="store_true")
+    parser.add_argument("--requests", "-R", type=int, default=1)
+    parser.add_argument("--query-tokens", "-P", type=int, default=500)
+    parser.add_argument("--items", "-N", type=int, default=100)
+    parser.add_argument("--item-tokens", "-L", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args(argv)
+    scorer = Scorer.from_pretrained("smollm2-135m")
+    rng = np.random.default_rng(0)
+    if args.mix:
+        requests = mix_requests(scorer, rng)
+    elif args.requests > 1:
+        requests = shaped_requests(scorer, rng, args)
+    else:  # benchmarks.bench's one request (its labels: 4)
+        vocab = scorer.vocab_size
+        query = rng.integers(10, vocab, args.query_tokens).tolist()
+        items = [rng.integers(10, vocab, args.item_tokens).tolist() for _ in range(args.items)]
+        requests = [scorer.tokenize(query, items, rng.integers(10, vocab, 4).tolist())]
+    versions = {"this tree": core.attention, "other": attention_module(args.other)}
+
+    def run(module) -> list[int]:  # type: ignore[no-untyped-def]
+        # The scorer reads its attention through this name: tables and programs (the tables' shapes differ
+        # between versions, so each version compiles its own programs).
+        core.scorer.attn = module
+        scorer.clear_prefix_cache()
+        return [p.padded_tokens for p in scorer.iter_passes(requests)]
+
+    passes = {name: run(module) for name, module in versions.items()}  # compiles both
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in versions}
+    for i in range(args.rounds):
+        for name in list(versions)[:: 1 if i % 2 == 0 else -1]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            run(versions[name])
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    core.scorer.attn = core.attention
+    report = {"passes": passes, "load": open("/proc/loadavg").read().split()[0]}
+    for name, runs in times.items():
+        report[name] = {"best_wall_s": round(min(w for w, _ in runs), 3),
+                        "median_cpu_s": round(float(np.median([c for _, c in runs])), 3)}
+    report["other_cpu_over_this_per_round"] = [round(o[1] / t[1], 3)
+                                               for t, o in zip(times["this tree"], times["other"])]
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
