@@ -21,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from store.location import Location, LocationColumn
+
 
 def utcnow() -> datetime:
     # Naive UTC everywhere: SQLite has no time zones, and mixing aware and naive values breaks comparisons.
@@ -182,7 +184,7 @@ class Batch(Base):
     # A reference batch (its data in storage, run as chunks): the options (store.lake.tables.Options), the
     # output prefix, and its size as planned. NULL for an uploaded batch.
     source: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    output_uri: Mapped[str | None] = mapped_column(Text, nullable=True)
+    output: Mapped[Location | None] = mapped_column("output_uri", LocationColumn, nullable=True)
     chunks_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # A reference batch's output prefix and what it scores into it (input, options, model), as sha256 digests
     # (store.lake.chunks): set while the batch owns the prefix (running or completed); NULL once cancelled or
@@ -211,7 +213,7 @@ class Chunk(Base, Leased):
 
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
     index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    input: Mapped[str] = mapped_column(Text)  # a vetted URI (store.lake.access.Location.uri)
+    input: Mapped[Location] = mapped_column(LocationColumn)  # vetted (store.lake.access)
     part: Mapped[int] = mapped_column(Integer)  # Parquet row group; -1 for byte ranges
     start: Mapped[int] = mapped_column(BigInteger)
     stop: Mapped[int] = mapped_column(BigInteger)

@@ -1,4 +1,4 @@
-"""Where a reference batch's data may be: URIs resolved to one filesystem each, and who may read or write them.
+"""Where a reference batch's data may be: which URIs a key may read or write, as Locations (store.location).
 
 Local paths are served only under BATCH_LOCAL_ROOT (none by default; `serve --embedded` sets its own folder):
 the path is resolved with its symlinks and `..` first, so neither leads out of the root. Remote URIs (`s3://`,
@@ -14,20 +14,14 @@ import logging
 import os
 import posixpath
 import re
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import fsspec
-from fsspec import AbstractFileSystem
 
 from store.errors import ServiceError
+from store.location import REMOTE_PROTOCOLS, Location
 
 log = logging.getLogger(__name__)
-# URI scheme -> fsspec protocol. gcsfs and adlfs are optional installs (`pip install packscore[gcs]` /
-# `[azure]`): fsspec knows their protocols and says which package to install when one is missing.
-REMOTE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "az", "abfs": "az", "abfss": "az"}
 GLOB_CHARACTERS = "*?["
 
 
@@ -35,7 +29,7 @@ def refusal(code: str, message: str, status: int = 400) -> ServiceError:
     return ServiceError(status, code, message)
 
 
-def store_error(location: "Location", exc: BaseException) -> ServiceError:
+def store_error(location: Location, exc: BaseException) -> ServiceError:
     """A failure of the store while an object or listing is looked at, as a refusal naming it: missing (404),
     refused to this server's credentials (403), the store unreachable (503, try again), anything else the
     store's library raised (400, with its kind; logged whole). The libraries of the three clouds raise their
@@ -53,56 +47,6 @@ def store_error(location: "Location", exc: BaseException) -> ServiceError:
         return refusal("storage_unreachable", f"{location.uri} could not be read now ({what}); try again", 503)
     log.warning("reading %s failed", location.uri, exc_info=exc)
     return refusal("input_unreadable", f"{location.uri} could not be read ({what})")
-
-
-@dataclass(frozen=True)
-class Location:
-    """One object or prefix: `protocol` ("file" or a remote protocol) and the path fsspec takes for it
-    (`/abs/path` or `bucket/key`)."""
-
-    protocol: str
-    path: str
-
-    @classmethod
-    def parse(cls, uri: str) -> "Location":
-        """A URI this module made (`uri`), already vetted: stored in a chunk row, say."""
-        if uri.startswith("file://"):
-            return cls("file", uri[len("file://"):])
-        scheme, path = uri.split("://", 1)
-        return cls(REMOTE_PROTOCOLS[scheme], path)
-
-    @property
-    def uri(self) -> str:
-        return f"file://{self.path}" if self.protocol == "file" else f"{self.scheme}://{self.path}"
-
-    @property
-    def scheme(self) -> str:
-        return {"gcs": "gs"}.get(self.protocol, self.protocol)
-
-    @property
-    def fs(self) -> AbstractFileSystem:
-        return filesystem(self.protocol)
-
-    def child(self, name: str) -> "Location":
-        return Location(self.protocol, posixpath.join(self.path.rstrip("/"), name))
-
-    @property
-    def name(self) -> str:
-        return posixpath.basename(self.path.rstrip("/"))
-
-
-@lru_cache
-def filesystem(protocol: str) -> AbstractFileSystem:
-    """One filesystem per protocol and process, with the host's credentials (fsspec caches its instances too)."""
-    if protocol == "file":
-        return fsspec.filesystem("file", auto_mkdir=True)
-    try:
-        return fsspec.filesystem(protocol)
-    except ImportError as exc:
-        raise refusal("storage_unavailable", f"{protocol}:// is not installed on this server ({exc})", 400) from None
-    except Exception as exc:  # noqa: BLE001  (adlfs without an account or connection string, say)
-        raise refusal("storage_unavailable", f"{protocol}:// is not configured on this server "
-                                             f"({type(exc).__name__}: {exc})", 400) from None
 
 
 class Access:

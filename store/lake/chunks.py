@@ -38,8 +38,9 @@ from core import RequestTokenizer, ScoringError
 from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
-from store.lake.access import Access, Location
+from store.lake.access import Access
 from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan, read_table, write_manifest
+from store.location import Location
 from store.models import ApiKey, Batch, Chunk, utcnow
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
 from store.schemas import BatchCounts, BatchOut, BatchSource, ChunkCounts, Progress, RowCounts, batch_out, eta_seconds
@@ -109,7 +110,7 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
         return held, False
     # Each object's format is checked as it is planned (format_of); the batch keeps the one given, if any.
     batch.source = {**options.to_json(), "input": body.input}
-    batch.output_uri = output.child(batch.id).uri
+    batch.output = output.child(batch.id)
     n = rows = 0
     known = True
     page: list[dict] = []
@@ -230,9 +231,9 @@ def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
                        _CHUNKS.start, _CHUNKS.stop)).first()
         if row is None:
             return None
-        source, output = session.execute(select(Batch.source, Batch.output_uri).where(Batch.id == row.batch_id)).one()
-    return ClaimedChunk(row.batch_id, row.index, row.attempts, Location.parse(row.input), row.part, row.start,
-                        row.stop, Options.from_json(source), Location.parse(output))
+        source, output = session.execute(select(Batch.source, Batch.output).where(Batch.id == row.batch_id)).one()
+    return ClaimedChunk(row.batch_id, row.index, row.attempts, row.input, row.part, row.start, row.stop,
+                        Options.from_json(source), output)
 
 
 def take_turn(chunk: ClaimedChunk, settings: Settings) -> bool:
@@ -387,7 +388,7 @@ def settle(batch_id: str) -> bool:
         full = session.scalar(select(Chunk.error_message).where(Chunk.batch_id == batch_id,
                                                                 Chunk.error_code == OUTPUT_FULL).limit(1))
         status = "failed" if full else "cancelled" if batch.status == "cancelling" else "completed"
-        output = Location.parse(batch.output_uri)
+        output = batch.output
         manifest = _manifest(session, batch, status)
     # Before the status changes: a reader that sees the batch over finds the manifest. A worker dying here
     # leaves the batch live, and the sweeper settles it again (the manifest is the same).
@@ -458,7 +459,7 @@ def _manifest(session: Session, batch: Batch, status: str) -> dict:
             select(Chunk.index, Chunk.input, Chunk.part, Chunk.start, Chunk.stop, Chunk.status, Chunk.output,
                    Chunk.rows_done, Chunk.rows_failed, Chunk.items_done, Chunk.error_code, Chunk.error_message,
                    Chunk.rows_total).where(Chunk.batch_id == batch.id)).all()):
-        where = {"chunk": chunk.index, "input": chunk.input, "part": chunk.part, "start": chunk.start,
+        where = {"chunk": chunk.index, "input": chunk.input.uri, "part": chunk.part, "start": chunk.start,
                  "stop": chunk.stop}
         if chunk.status == "succeeded":
             objects.append({"name": chunk.output, **where, "rows": chunk.rows_done, "rows_failed": chunk.rows_failed,
@@ -530,11 +531,11 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
         items_total = 0  # unknown until every chunk has been read
     eta = _eta(session, batch, rows_done, cancelled_rows, summed("span", "succeeded", "failed"),
                summed("span") - summed("span", "cancelled")) if live else None
-    output = Location.parse(batch.output_uri)
+    output = batch.output
     counts = BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
                          cancelled=cancelled_rows)
     return batch_out(batch, counts, Progress(items_done=items_done, items_total=items_total),
-                     latest_delivery(session, batch.id), chunks=chunks, output=batch.output_uri, eta_seconds=eta,
+                     latest_delivery(session, batch.id), chunks=chunks, output=output.uri, eta_seconds=eta,
                      manifest=None if live else output.child("_manifest.json").uri,
                      rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
 
@@ -579,16 +580,15 @@ def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
     """The committed objects' rows as JSONL, in chunk order (a failed chunk is one error line). Objects of
     uncommitted attempts are never read: only the names in the chunk rows are."""
     with session_factory()() as session:
-        output = session.scalar(select(Batch.output_uri).where(Batch.id == batch_id))
+        folder = session.scalar(select(Batch.output).where(Batch.id == batch_id))
         chunks = [chunk for chunk in in_input_order(session.execute(
             select(Chunk.index, Chunk.status, Chunk.output, Chunk.input, Chunk.part, Chunk.start, Chunk.error_code,
                    Chunk.error_message).where(Chunk.batch_id == batch_id)).all())
             if chunk.status in ("succeeded", "failed")]
-    folder = Location.parse(output)
     for chunk in chunks:
         if chunk.status == "failed":
             error = {"code": chunk.error_code, "message": chunk.error_message or ""}
-            line = {"custom_id": None, "chunk": chunk.index, "input": chunk.input, "scores": None, "error": error}
+            line = {"custom_id": None, "chunk": chunk.index, "input": chunk.input.uri, "scores": None, "error": error}
             yield (json.dumps(line) + "\n").encode()
             continue
         for k, rows in enumerate(read_table(folder.child(chunk.output))):

@@ -40,7 +40,8 @@ import zstandard
 from core import RequestTokenizer, ScoringError, TokenizedRequest
 from store.batches import LineError, parse_line
 from store.errors import ServiceError
-from store.lake.access import Location, store_error
+from store.lake.access import store_error
+from store.location import Location
 from store.schemas import RerankRequest, score_lists
 from store.settings import Settings
 
