@@ -25,7 +25,7 @@ from store.db import session_factory
 from store.retention import prune
 from store.settings import get_settings
 from worker import drain as drain_module
-from worker import lake
+from worker import lake as chunk_feed
 from worker.celery_app import app
 from worker.scorer import get_scorer
 from worker.webhooks import dispatch_due, stop_delivery
@@ -94,7 +94,7 @@ def _maintain() -> None:
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
     # for good while /readyz said ready); the jobs table, not the broker, is the queue of record.
-    if sweeper.sweep(settings) | lake.sweep(settings):  # both run: each also re-queues what dead workers held
+    if sweeper.sweep(settings) | chunk_feed.sweep(settings):  # both run: each also re-queues what dead workers held
         kick_drain(settings.worker_model)
         _drain()
 
@@ -151,7 +151,7 @@ def _stop_loops(**_: object) -> None:
     loop = _loop
     if loop is not None:
         loop.join(timeout=30)  # it finishes the pass in flight and hands its other jobs back
-    lake.close_feeds()
+    chunk_feed.close_feeds()
     try:
         workers.deregister(WORKER_ID)
     except Exception:

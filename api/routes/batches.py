@@ -16,7 +16,7 @@ from store import batches
 from store.broker import kick_drain
 from store.catalog import ModelCatalog
 from store.errors import ServiceError
-from store.lake import chunks as lake
+from store.lake import chunks
 from store.models import ApiKey, Batch
 from store.schemas import BatchCreate, BatchOut, BatchSource
 from store.settings import Settings
@@ -138,7 +138,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
 def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: ModelCatalog,
                       settings: Settings) -> tuple[Batch, bool]:
     try:
-        return lake.create_reference_batch(session, key, body, models.get(body.model).tokenizer, settings)
+        return chunks.create_reference_batch(session, key, body, models.get(body.model).tokenizer, settings)
     except Exception:
         session.rollback()  # nothing of a refused batch is kept
         raise
@@ -146,7 +146,7 @@ def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: 
 
 def read(session: Session, batch: Batch) -> BatchOut:
     """An uploaded batch's counts come from its jobs, a reference batch's from its chunks."""
-    return lake.read_reference(session, batch) if batch.source is not None else batches.read_batch(session, batch)
+    return chunks.read_reference(session, batch) if batch.source is not None else batches.read_batch(session, batch)
 
 
 async def _fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
@@ -178,7 +178,7 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
     "body"}, "error"}`. While the batch runs, the requests finished so far (call again for more); complete
     once the batch has ended."""
     batch = batches.get_batch(session, key, batch_id)
-    lines = lake.iter_results(batch.id, format == "openai") if batch.source is not None else \
+    lines = chunks.iter_results(batch.id, format == "openai") if batch.source is not None else \
         batches.iter_results(batch.id, settings.batch_chunk_rows, format == "openai")
     return StreamingResponse(lines,
                              media_type="application/jsonl", headers={"Batch-Status": batch.status})
@@ -189,7 +189,8 @@ def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, response: 
     """Requests not started are cancelled (200 once none is running; 202 `cancelling` while the running ones
     finish). Finished requests stay in the results. A batch that has ended: 409."""
     batch = batches.get_batch(session, key, batch_id)
-    batch = lake.cancel_reference(session, batch) if batch.source is not None else batches.cancel_batch(session, batch)
+    batch = (chunks.cancel_reference(session, batch) if batch.source is not None
+             else batches.cancel_batch(session, batch))
     if batch.status != "cancelled":
         response.status_code = 202
     return read(session, batch)
