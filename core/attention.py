@@ -33,6 +33,7 @@ the visible keys, never T x T:
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -83,7 +84,11 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
     Conservative per tile pair (a listed tile may be partly masked: the kernels mask
     exactly inside tiles), never missing a visible pair. Rows are padded by repeating
     the last visible id so a padded entry is a harmless reload, not a fault.
+
+    With ALIGNED_KEY_TILES (and not `items_only`), the kernels' tables instead: `window_tables`.
     """
+    if ALIGNED_KEY_TILES and not items_only:
+        return window_tables(q, kv, block_q, block_k, window)
     big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
     q_real = q.seq >= 0
     k_real = kv.seq >= 0
@@ -116,10 +121,16 @@ def block_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
     if window:
         vis &= kp_hi[None, :] > qp_lo[:, None] - window
 
+    return _listed_columns(vis)
+
+
+def _listed_columns(vis: np.ndarray, names: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's visible columns in order (their `names`, default their indices), then its last one repeated
+    (a padded entry is a harmless reload); rows seeing none list 0. Returns (ids, counts), int32."""
     counts = vis.sum(axis=1).astype(np.int32)
     width = max(int(counts.max(initial=0)), 1)
-    # Each row's visible columns in order (a stable sort puts them first), then its last one repeated.
-    visible = np.argsort(~vis, axis=1, kind="stable")[:, :width].astype(np.int32)
+    visible = np.argsort(~vis, axis=1, kind="stable")[:, :width]  # a stable sort puts them first, in order
+    visible = (visible if names is None else names[visible]).astype(np.int32)
     last = visible[np.arange(len(counts)), np.maximum(counts - 1, 0)]
     ids = np.where(np.arange(width)[None, :] < counts[:, None], visible, last[:, None])
     ids[counts == 0] = 0
@@ -519,16 +530,153 @@ def _padded_inputs(q, k, v, q_meta, kv_meta, q_len: int, kv_len: int):
     return q, k, v, q_meta, kv_meta
 
 
-def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref, k_meta_ref, q_ref, k_ref, v_ref,
-                o_ref, m_ref, l_ref, acc_ref, *, groups: int, width: int, scale: float, softcap: float | None = None,
-                window: int = 0):
+# ---- Key tiles aligned to each sequence's own positions (ALIGNED_KEY_TILES) ---------------------
+#
+# Today's kernels tile the key axis by absolute position in the pass, so a query's keys fall into different
+# tiles (a different online-softmax order and partial sums) when its prefix is cached rather than in the
+# pass, or when another request before it moves it: an H200 gave one request 0.070 apart (Pallas). The
+# aligned kernels read windows instead, as the CPU path's prefix windows (`prefix_windows`): a "part" is
+# one sequence's prefix or its items' span, contiguous in the keys (the cache or the pass), and its windows
+# start at its first key and every tile after it, each masked to the part's own keys. A row's windows, each
+# window's keys at the same lanes, and their order (its prefix's windows, then its items' ones) are then the
+# same wherever the sequence sits and whatever shares the pass; a window that holds none of a row's keys
+# leaves that row's sums exactly as they were. The cost: a part's windows are read apart from its
+# neighbours' (one more window per part a query tile sees, at most), the TPU kernel fetches the two tiles a
+# window spans and rotates them, the GPU kernel reads 8 shifted copies of K and V. Not yet run on a device (issue 45: a
+# kernel change that has only lowered stays behind a setting until a device run measures it): off by
+# default, PACKSCORE_ALIGNED_KEY_TILES=1 turns it on; the interpret-mode tests run it.
+ALIGNED_KEY_TILES = os.environ.get("PACKSCORE_ALIGNED_KEY_TILES", "0") == "1"
+
+
+def part_starts(seq, item):
+    """Per key, the index of the first key of its part (its sequence's prefix, or its sequence's items),
+    jnp or np; padding keys and hidden ones make parts of their own, which no query sees."""
+    xp = jnp if isinstance(seq, jax.Array) else np
+    index = xp.arange(seq.shape[0], dtype=xp.int32)
+    new = xp.concatenate([xp.ones(1, bool), (seq[1:] != seq[:-1]) | ((item[1:] < 0) != (item[:-1] < 0))])
+    starts = xp.where(new, index, 0)
+    return jax.lax.cummax(starts) if xp is jnp else np.maximum.accumulate(starts)
+
+
+def window_tables(q: TokenMeta, kv: TokenMeta, block_q: int, block_k: int,
+                  window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The aligned kernels' host tables: per query tile of block_q rows, the first keys of the windows of
+    block_k keys it may see (ascending), padded as `block_tables`' rows are; the same shapes as those.
+    A part's windows start at its first key and every block_k keys after it; a window listed is one of a
+    part some row of the tile sees and holds a key no later than that row (conservative, as block_tables)."""
+    Tk = len(kv.seq)
+    keys = np.arange(Tk)
+    part = part_starts(kv.seq, kv.item)
+    firsts = keys[(kv.seq >= 0) & ((keys - part) % block_k == 0)]  # each window's first key
+    window_keys = np.minimum(firsts[:, None] + np.arange(block_k)[None, :], Tk - 1)
+    inside = (firsts[:, None] + np.arange(block_k)[None, :] < Tk) & (part[window_keys] == part[firsts][:, None])
+    big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    low = lambda v: np.where(inside, v, big).min(axis=1)
+    high = lambda v: np.where(inside, v, small).max(axis=1)
+    k_group = kv.seq.astype(np.int64)[window_keys] * (1 << 32) + kv.item[window_keys]
+    k_pos = kv.pos.astype(np.int64)[window_keys]
+    w_seq, is_prefix = kv.seq[firsts].astype(np.int64), kv.item[firsts] < 0
+
+    q_real = q.seq >= 0
+    q_group = q.seq.astype(np.int64) * (1 << 32) + q.item
+    qs_lo, qs_hi = _tile_ranges(q.seq.astype(np.int64), q_real, block_q, small, big)
+    qg_lo, qg_hi = _tile_ranges(q_group, q_real & (q.item >= 0), block_q, small, big)
+    qp_lo, qp_hi = _tile_ranges(q.pos.astype(np.int64), q_real, block_q, small, big)
+    sees_prefix = is_prefix[None, :] & (qs_lo[:, None] <= w_seq[None, :]) & (w_seq[None, :] <= qs_hi[:, None])
+    sees_items = ~is_prefix[None, :] & (qg_lo[:, None] <= high(k_group)[None, :]) & (
+        low(k_group)[None, :] <= qg_hi[:, None])
+    vis = (sees_prefix | sees_items) & (low(k_pos)[None, :] <= qp_hi[:, None])
+    if window:
+        vis &= high(k_pos)[None, :] > qp_lo[:, None] - window
+    return _listed_columns(vis, firsts)
+
+
+def _compacted(keep, values):
+    """Per row, the `values` where `keep` (in order), then the row's last kept one repeated; (ids, counts)."""
+    counts = keep.sum(axis=1, dtype=jnp.int32)
+    order = jnp.argsort(jnp.logical_not(keep).astype(jnp.int32), axis=1, stable=True)
+    kept = jnp.take_along_axis(values, order, axis=1)
+    last = jnp.take_along_axis(kept, jnp.maximum(counts - 1, 0)[:, None], axis=1)
+    ids = jnp.where(jnp.arange(values.shape[1])[None, :] < counts[:, None], kept, last)
+    return jnp.where(counts[:, None] > 0, ids, 0).astype(jnp.int32), counts
+
+
+def window_kernel_tables(starts, counts, parts, block_q: int, block_k: int, tile_q: int, tile_k: int, q_len: int):
+    """Regrids `window_tables` (windows of block_k keys, query tiles of block_q rows) to the kernel's windows
+    of tile_k keys (a multiple of block_k) and query tiles of tile_q rows (a multiple or a divisor of block_q):
+    a host window at offset m * block_k in its part lies in the kernel window at m * block_k // tile_k *
+    tile_k. `parts`: `part_starts` of the keys. Returns (first keys [q_len / tile_q, width], counts, the
+    windows' parts [same shape]): ascending, duplicates dropped, padded with the last."""
+    rows, width = starts.shape
+    if rows < q_len // block_q:
+        starts = jnp.pad(starts, ((0, q_len // block_q - rows), (0, 0)))
+        counts = jnp.pad(counts, (0, q_len // block_q - rows))
+    part = parts[starts]
+    unlisted = jnp.iinfo(jnp.int32).max
+    firsts = jnp.where(jnp.arange(width)[None, :] < counts[:, None], part + (starts - part) // tile_k * tile_k,
+                       unlisted)
+    if tile_q >= block_q:  # the tile's host rows' windows, merged: each row's list is ascending already
+        firsts = jnp.sort(firsts.reshape(q_len // tile_q, -1), axis=1)
+    else:
+        firsts = jnp.repeat(firsts, block_q // tile_q, axis=0)
+    keep = (firsts != unlisted) & jnp.concatenate(
+        [jnp.ones((firsts.shape[0], 1), bool), firsts[:, 1:] != firsts[:, :-1]], axis=1)
+    ids, counts = _compacted(keep, firsts)
+    return ids, counts, parts[ids]
+
+
+def full_windows(firsts, q_meta, kv_meta, parts, tile_q: int, tile_k: int, window: int = 0):
+    """`full_tiles` for the aligned kernels' windows: 1 where the window is tile_k keys of one prefix (whose
+    positions run on from its first key's) that every query of the tile sees."""
+    q_seq, _, q_pos = (m.reshape(-1, tile_q) for m in q_meta)
+    k_seq, k_item, k_pos = kv_meta
+    last = jnp.minimum(firsts + tile_k - 1, k_seq.shape[0] - 1)
+    one_prefix = (parts[last] == parts[firsts]) & (last == firsts + tile_k - 1) & (k_item[firsts] < 0)
+    q_one_seq = (q_seq.min(axis=1) == q_seq.max(axis=1)) & (q_seq.min(axis=1) >= 0)
+    full = (one_prefix & (k_seq[firsts] >= 0) & q_one_seq[:, None] & (k_seq[firsts] == q_seq[:, :1])
+            & (k_pos[firsts] + tile_k - 1 <= q_pos.min(axis=1)[:, None]))
+    if window:
+        full &= q_pos.max(axis=1)[:, None] - k_pos[firsts] < window
+    return full.astype(jnp.int32)
+
+
+def tiles_of_windows(firsts, counts, block_k: int, kv_len: int):
+    """The key tiles (of block_k, ascending) that `window_tables`' windows touch, as `block_tables` lists
+    them: the XLA path's tables where the kernels' are windows."""
+    rows, width = firsts.shape
+    n_tiles = kv_len // block_k
+    listed = jnp.arange(width)[None, :] < counts[:, None]
+    touched = jnp.concatenate([firsts // block_k, jnp.minimum((firsts + block_k - 1) // block_k, n_tiles - 1)], 1)
+    cols = jnp.where(jnp.concatenate([listed, listed], axis=1), touched, n_tiles)
+    vis = jnp.zeros((rows, n_tiles + 1), bool).at[jnp.arange(rows)[:, None], cols].set(True)[:, :n_tiles]
+    ids, counts = _compacted(vis, jnp.broadcast_to(jnp.arange(n_tiles, dtype=jnp.int32), vis.shape))
+    return ids[:, :min(2 * width, n_tiles)], counts
+
+
+def _tpu_kernel(ids_ref, counts_ref, full_ref, *refs, groups: int, width: int, scale: float,
+                softcap: float | None = None, window: int = 0, aligned: bool = False):
     """One (query tile, KV head, table slot) step. q_ref [G, tq, D] (the G query heads of this KV head),
     k_ref/v_ref [tk, D] (the slot's key tile), q_*_ref [tq, 128] (ids broadcast over lanes),
-    k_meta_ref [8, tk] (rows: seq, item, pos). Scratch m/l [G, tq, 128], acc [G, tq, D] in float32."""
+    k_meta_ref [8, tk] (rows: seq, item, pos). Scratch m/l [G, tq, 128], acc [G, tq, D] in float32.
+    `aligned`: the slot's window (tk keys from its first key, ids_ref) spans two key tiles, so each of
+    k_meta_ref, k_ref and v_ref is a pair (the tiles), rotated here so that the window's first key comes first;
+    its meta has a fourth row, the keys' parts, and parts_ref (first in refs) holds each slot's window's part."""
+    parts_ref, refs = (refs[0], refs[1:]) if aligned else (None, refs)
+    q_seq_ref, q_item_ref, q_pos_ref = refs[:3]
+    if aligned:
+        *key_tiles, q_ref, k_lo, k_hi, v_lo, v_hi, o_ref, m_ref, l_ref, acc_ref = refs[3:]
+    else:
+        k_meta_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref = refs[3:]
     i, j = pl.program_id(0), pl.program_id(2)
-    tq, tk = q_ref.shape[1], k_ref.shape[0]
-    d = q_ref.shape[2]
+    tq, d = q_ref.shape[1], q_ref.shape[2]
+    tk = k_lo.shape[0] if aligned else k_ref.shape[0]
     reps = tk // _LANES
+    if aligned:
+        keys_of = partial(_window_of_tiles, shift=(2 * tk - ids_ref[i * width + j] % tk) % (2 * tk))
+        load_meta, load_k, load_v = (lambda: keys_of(*key_tiles, axis=1), lambda: keys_of(k_lo, k_hi, axis=0),
+                                     lambda: keys_of(v_lo, v_hi, axis=0))
+    else:
+        load_meta, load_k, load_v = (lambda: k_meta_ref[...], lambda: k_ref[...], lambda: v_ref[...])
 
     @pl.when(j == 0)
     def _init():
@@ -537,8 +685,8 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def update(mask):
-        k = k_ref[...]
-        v = v_ref[...]
+        k = load_k()
+        v = load_v()
         for g in range(groups):
             s = jax.lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32) * scale  # [tq, tk]
             s = _scores(s, softcap)
@@ -565,10 +713,13 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
 
     @pl.when(run & jnp.logical_not(full))
     def _masked():
-        km = k_meta_ref[...]
+        km = load_meta()
         k_seq, k_item, k_pos = km[0:1, :], km[1:2, :], km[2:3, :]  # [1, tk]
         q_seq, q_item, q_pos = (jnp.tile(r[...], (1, reps)) for r in (q_seq_ref, q_item_ref, q_pos_ref))  # [tq, tk]
-        update(visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos, window))
+        mask = visible(q_seq, q_item, q_pos, k_seq, k_item, k_pos, window)
+        if aligned:  # the window's own part: the keys after it are another part's (or another sequence's)
+            mask &= km[3:4, :] == parts_ref[i * width + j]
+        update(mask)
 
     @pl.when(j == width - 1)
     def _write():  # also for a query tile that sees nothing (padding): zeros
@@ -578,13 +729,26 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, q_seq_ref, q_item_ref, q_pos_ref,
             o_ref[g] = (acc_ref[g] * jnp.tile(inv, (1, pl.cdiv(d, _LANES)))[:, :d]).astype(o_ref.dtype)
 
 
+def _window_of_tiles(lo_ref, hi_ref, shift, axis: int):
+    """The window of lo_ref.shape[axis] keys along `axis` that starts `shift` keys before the end of the two
+    tiles lo_ref, hi_ref put together (its first key moved to the front by a rotation, in 32 bits)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    both = jnp.concatenate([lo_ref[...], hi_ref[...]], axis=axis)
+    rotated = pltpu.roll(both.astype(jnp.float32) if both.dtype.itemsize < 4 else both, shift, axis)
+    return jax.lax.slice_in_dim(rotated, 0, lo_ref.shape[axis], axis=axis).astype(both.dtype)
+
+
 def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
                   tile_q: int = TPU_TILE_Q, tile_k: int = TPU_TILE_K, interpret=False, scale: float | None = None,
-                  softcap: float | None = None, window: int = 0):
+                  softcap: float | None = None, window: int = 0, aligned: bool = False):
     """The TPU kernel, in the form of splash attention: tables in SMEM (scalar prefetch), grid
     (query tiles, KV heads, table slots), the slot's K/V tiles fetched by index maps that read the
     table, online softmax in VMEM scratch. Same arguments and result as `blocksparse_attention`;
-    `interpret`: False (compile for a TPU), True or a `pltpu.InterpretParams` (run on the CPU)."""
+    `interpret`: False (compile for a TPU), True or a `pltpu.InterpretParams` (run on the CPU).
+    `aligned`: the tables are `window_tables`, and each slot reads the window of tile_k keys at its first key
+    (see ALIGNED_KEY_TILES): Mosaic's DMAs start at whole tiles only (an element offset does not compile:
+    "Couldn't prove that tiling (128) divides index"), so it fetches the two tiles the window spans and rotates."""
     from jax.experimental.pallas import tpu as pltpu
 
     T, H, D = q.shape
@@ -593,33 +757,49 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     quantum_q, quantum_k = math.lcm(block_q, _LANES), math.lcm(block_k, _LANES)
     q_len, kv_len = _round_up(T, quantum_q), _round_up(Tk, quantum_k)
     tq, tk = _pick_tile(q_len, tile_q, quantum_q), _pick_tile(kv_len, tile_k, quantum_k)
+    if aligned:  # windows of tile_k keys whatever the pass's length; the last one's second tile is padding
+        assert tile_k % quantum_k == 0, f"tile_k {tile_k} is not a multiple of {quantum_k}"
+        tk, kv_len = tile_k, _round_up(Tk, tile_k) + tile_k
     q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
-    ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tq, tk, q_len, kv_len)
-    full = full_tiles(ids, q_meta, kv_meta, tq, tk, window)
+    if aligned:
+        parts = part_starts(kv_meta[0], kv_meta[1])
+        ids, counts, window_parts = window_kernel_tables(tile_ids, tile_counts, parts, block_q, block_k, tq, tk, q_len)
+        full = full_windows(ids, q_meta, kv_meta, parts, tq, tk, window)
+        k_rows = jnp.stack([*kv_meta, parts]).astype(jnp.int32)
+        window_parts = (window_parts.reshape(-1),)
+        halves = (0, 1)  # a window is read as the two key tiles it spans (a DMA's offset must be a whole tile)
+        tile_of = lambda first: first // tk
+    else:
+        ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tq, tk, q_len, kv_len)
+        full = full_tiles(ids, q_meta, kv_meta, tq, tk, window)
+        k_rows, window_parts = jnp.stack(kv_meta).astype(jnp.int32), ()
+        halves, tile_of = (0,), lambda tile: tile
     nq, width = ids.shape
 
     q_lanes = [jax.lax.broadcast_in_dim(m.astype(jnp.int32), (q_len, _LANES), (0,)) for m in q_meta]
-    k_rows = jnp.zeros((_SUBLANES, kv_len), jnp.int32).at[:3].set(jnp.stack(kv_meta).astype(jnp.int32))
+    k_rows = jnp.zeros((_SUBLANES, kv_len), jnp.int32).at[:len(k_rows)].set(k_rows)
     qh = q.transpose(1, 0, 2)  # [H, T, D]: heads h*G .. h*G+G-1 share KV head h
     kh = k.transpose(1, 0, 2)  # [Hkv, Tk, D]
     vh = v.transpose(1, 0, 2)
 
-    def kv_tile(i, h, j, ids_ref, counts_ref, full_ref):
-        return h, ids_ref[i * width + j], 0
+    def key_specs(block, index):
+        return [pl.BlockSpec(block, lambda i, h, j, ids_ref, *_, half=half: index(h, tile_of(ids_ref[i * width + j])
+                                                                                 + half)) for half in halves]
 
     q_meta_spec = pl.BlockSpec((tq, _LANES), lambda i, h, j, *_: (i, 0))
-    kernel = partial(_tpu_kernel, groups=G, width=width, scale=_scale(scale, D), softcap=softcap, window=window)
+    kernel = partial(_tpu_kernel, groups=G, width=width, scale=_scale(scale, D), softcap=softcap, window=window,
+                     aligned=aligned)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=3 + len(window_parts),
             grid=(nq, Hkv, width),
             in_specs=[
                 q_meta_spec, q_meta_spec, q_meta_spec,
-                pl.BlockSpec((_SUBLANES, tk), lambda i, h, j, ids_ref, *_: (0, ids_ref[i * width + j])),
+                *key_specs((_SUBLANES, tk), lambda h, tile: (0, tile)),
                 pl.BlockSpec((G, tq, D), lambda i, h, j, *_: (h, i, 0)),
-                pl.BlockSpec((None, tk, D), kv_tile),
-                pl.BlockSpec((None, tk, D), kv_tile),
+                *key_specs((None, tk, D), lambda h, tile: (h, tile, 0)),
+                *key_specs((None, tk, D), lambda h, tile: (h, tile, 0)),
             ],
             out_specs=pl.BlockSpec((G, tq, D), lambda i, h, j, *_: (h, i, 0)),
             scratch_shapes=[
@@ -632,7 +812,8 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         out_shape=jax.ShapeDtypeStruct((H, q_len, D), q.dtype),
         interpret=interpret,
         name="packed_attention_tpu",
-    )(ids.reshape(-1), counts, full.reshape(-1), *q_lanes, k_rows, qh, kh, vh)
+    )(ids.reshape(-1), counts, full.reshape(-1), *window_parts, *q_lanes, *(k_rows,) * len(halves), qh,
+      *(kh,) * len(halves), *(vh,) * len(halves))
     return out.transpose(1, 0, 2)[:T]
 
 
@@ -680,25 +861,37 @@ def _choose(platform: str, name: str, kernel, fallback, args):
     return kernel if use_kernel else fallback
 
 
-@partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "scale", "softcap", "window"))
+@partial(jax.jit, static_argnames=("block_q", "block_k", "interpret", "scale", "softcap", "window", "aligned"))
 def pallas_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
-                     interpret=False, scale: float | None = None, softcap: float | None = None, window: int = 0):
+                     interpret=False, scale: float | None = None, softcap: float | None = None, window: int = 0,
+                     aligned: bool | None = None):
     """Pallas block-sparse attention; same arguments and result as `blocksparse_attention`.
 
     interpret=False: the kernel of the platform the program is lowered for (`lax.platform_dependent`):
     the TPU kernel on TPU, the Mosaic GPU kernel on CUDA where it lowers (see `GPU_KERNEL`), else (and
     on CPU) the XLA block-sparse path. interpret=True or a `pltpu.InterpretParams`: the TPU kernel run
     on the CPU in interpret mode. q is rounded to the keys' dtype: the kernels' matmuls take one dtype.
+    `aligned` (None: ALIGNED_KEY_TILES, as `block_tables` made the tables): the tables are `window_tables`
+    and the kernels read windows; the XLA path reads the tiles those windows touch.
     """
+    aligned = ALIGNED_KEY_TILES if aligned is None else aligned
     q = q.astype(k.dtype)
     args = (q, k, v, tuple(q_meta), tuple(kv_meta), tile_ids, tile_counts)
     layer = {"scale": scale, "softcap": softcap, "window": window}
     if interpret:
-        return tpu_attention(*args, block_q, block_k, interpret=interpret, **layer)
+        return tpu_attention(*args, block_q, block_k, interpret=interpret, aligned=aligned, **layer)
     xla = partial(blocksparse_attention, block_q=block_q, block_k=block_k, **layer)
+    if aligned:
+        xla = partial(_on_tiles_of_windows, xla, block_k)
+        layer["aligned"] = True
     tpu = _choose("tpu", "pallas-tpu", partial(tpu_attention, block_q=block_q, block_k=block_k, **layer), xla, args)
     gpu = _choose("cuda", "pallas-mosaic-gpu", _gpu_kernel_for(q, k, block_q, block_k, **layer), xla, args)
     return jax.lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=xla)
+
+
+def _on_tiles_of_windows(attention, block_k: int, q, k, v, q_meta, kv_meta, firsts, counts):
+    """`attention` (the XLA path) over the tiles that `window_tables`' windows touch."""
+    return attention(q, k, v, q_meta, kv_meta, *tiles_of_windows(firsts, counts, block_k, k.shape[0]))
 
 
 def _gpu_kernel_for(q, k, block_q: int, block_k: int, **layer):
@@ -712,15 +905,18 @@ def _gpu_kernel_for(q, k, block_q: int, block_k: int, **layer):
 
 GPU_KERNEL = True  # False: attention="auto" uses the XLA path on GPU
 GPU_TILE_Q, GPU_TILE_K = 64, 64  # one warpgroup's WGMMA rows; key tiles as the engine's tables
+_GPU_ROW_TILE = 8  # rows of a tile of K/V in shared memory (WGMMA's 8 x 128-byte core matrices)
 
 
 def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
                   tile_q: int = GPU_TILE_Q, tile_k: int = GPU_TILE_K, max_concurrent_steps: int = 2,
-                  interpret=None, scale: float | None = None, softcap: float | None = None, window: int = 0):
+                  interpret=None, scale: float | None = None, softcap: float | None = None, window: int = 0,
+                  aligned: bool = False):
     """The same tables driving a Mosaic GPU pipeline (bf16/f16, head_dim a multiple of 64): a CTA per
     (query head, query tile) holds its Q tile in shared memory, and `plgpu.emit_pipeline` streams the
     visible K/V tiles (its grid is the tile's count; the index maps read the table in global memory),
-    QK^T and PV on WGMMA, the online softmax in registers."""
+    QK^T and PV on WGMMA, the online softmax in registers. `aligned`: the tables are `window_tables`, and
+    each step reads the window of tile_k keys at its first key (see ALIGNED_KEY_TILES)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     T, H, D = q.shape
@@ -728,17 +924,34 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     G = H // Hkv
     dtype = q.dtype
     quantum_q, quantum_k = math.lcm(block_q, tile_q), math.lcm(block_k, tile_k)
-    q_len, kv_len = _round_up(T, quantum_q), _round_up(Tk, quantum_k)
+    q_len, kv_len = _round_up(T, quantum_q), _round_up(Tk, quantum_k) + (tile_k if aligned else 0)
     q, k, v, q_meta, kv_meta = _padded_inputs(q, k, v, tuple(q_meta), tuple(kv_meta), q_len, kv_len)
-    ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tile_q, tile_k, q_len, kv_len)
+    if aligned:
+        parts = part_starts(kv_meta[0], kv_meta[1])
+        ids, counts, window_parts = window_kernel_tables(tile_ids, tile_counts, parts, block_q, block_k, tile_q,
+                                                         tile_k, q_len)
+        k_rows = [m.astype(jnp.int32) for m in (*kv_meta, parts)]
+        window_parts = (window_parts.reshape(-1),)
+        keys = pl.Element(tile_k)  # element offsets: the window's first key
+        # A K/V copy into tiled shared memory starts at a whole tile of _GPU_ROW_TILE rows (its TMA index is
+        # split into tile and row), so K and V come in _GPU_ROW_TILE copies, copy r moved up by r rows: a
+        # window starting at key s is copy s % 8's rows from s - s % 8. The cost: 8 times K and V written
+        # per layer (not measured).
+        shifted = lambda x: jnp.concatenate([jnp.roll(x, -r, axis=1) for r in range(_GPU_ROW_TILE)])
+    else:
+        ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tile_q, tile_k, q_len, kv_len)
+        k_rows = [m.astype(jnp.int32) for m in kv_meta]
+        window_parts = ()
+        keys = tile_k
     nq, width = ids.shape
     scale = _scale(scale, D)
     q_rows = jnp.stack(q_meta).astype(jnp.int32)  # [3, T]: seq, item, pos
-    k_rows = [m.astype(jnp.int32) for m in kv_meta]
     qh = q.transpose(1, 0, 2)  # [H, T, D]
     kh = k.transpose(1, 0, 2)  # [Hkv, Tk, D]
     vh = v.transpose(1, 0, 2)
-    tiling = plgpu.TilingTransform((8, 64 * 2 // jnp.dtype(dtype).itemsize))
+    if aligned:
+        kh, vh = shifted(kh), shifted(vh)  # [8 * Hkv, Tk, D]: copy r of KV head h at r * Hkv + h
+    tiling = plgpu.TilingTransform((_GPU_ROW_TILE, 64 * 2 // jnp.dtype(dtype).itemsize))
     swizzle = plgpu.SwizzleTransform(128)
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per key column
@@ -746,8 +959,9 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
 
-    def body(ids_ref, counts_ref, qm_ref, ks_ref, ki_ref, kp_ref, q_ref, k_ref, v_ref, o_ref,
-             qo_smem, qm_smem, barriers):
+    def body(ids_ref, counts_ref, *refs):
+        parts_ref, refs = (refs[0], refs[1:]) if aligned else (None, refs)
+        qm_ref, *k_meta_refs, q_ref, k_ref, v_ref, o_ref, qo_smem, qm_smem, barriers = refs
         h, i = jax.lax.axis_index("heads"), jax.lax.axis_index("q_tiles")
         kv_head = jax.lax.div(h, jnp.int32(G))
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(i * tile_q, tile_q)], qo_smem, barriers.at[0])
@@ -759,8 +973,8 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         by_row = lambda x: jax.lax.broadcast_in_dim(x, (tile_q, tile_k), [0])
         by_col = lambda x: jax.lax.broadcast_in_dim(x, (tile_q, tile_k), [1])
 
-        def step(_, k_smem, v_smem, ks_smem, ki_smem, kp_smem, carry):
-            acc, m_i, l_i = carry
+        def step(step_index, k_smem, v_smem, *k_meta_smem_and_carry):
+            *k_meta_smem, (acc, m_i, l_i) = k_meta_smem_and_carry
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, k_smem.transpose((1, 0)))
@@ -770,11 +984,13 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((tile_q, tile_k), jnp.float32)) * scale
             s = _scores(s, softcap)
-            k_seq, k_item, k_pos = (load(r, col) for r in (ks_smem, ki_smem, kp_smem))
+            k_seq, k_item, k_pos = (load(r, col) for r in k_meta_smem[:3])
             mask = ((by_row(q_seq) == by_col(k_seq)) & ((by_col(k_item) < 0) | (by_col(k_item) == by_row(q_item)))
                     & (by_col(k_pos) <= by_row(q_pos)))
             if window:
                 mask &= by_row(q_pos) - by_col(k_pos) < window
+            if aligned:  # the window's own part: the keys after it are another part's (or another sequence's)
+                mask &= by_col(load(k_meta_smem[3], col)) == parts_ref[i * width + step_index[0]]
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp(m_i - m_new)
@@ -792,14 +1008,21 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
             return acc, m_new, l_i
 
         key_tile = lambda j: ids_ref[i * width + j]
-        kv_spec = plgpu.BlockSpec((tile_k, D), lambda j: (key_tile(j), 0), transforms=(tiling, swizzle))
-        meta_spec = plgpu.BlockSpec((tile_k,), lambda j: (key_tile(j),))
+        if aligned:
+            copy = lambda j: key_tile(j) % _GPU_ROW_TILE
+            kv_spec = plgpu.BlockSpec((None, keys, D), lambda j: (copy(j) * Hkv + kv_head, key_tile(j) - copy(j), 0),
+                                      transforms=(tiling, swizzle))
+            kv_refs = (k_ref, v_ref)
+        else:
+            kv_spec = plgpu.BlockSpec((keys, D), lambda j: (key_tile(j), 0), transforms=(tiling, swizzle))
+            kv_refs = (k_ref.at[kv_head], v_ref.at[kv_head])
+        meta_spec = plgpu.BlockSpec((keys,), lambda j: (key_tile(j),))
         init = (cast(jnp.zeros((tile_q, D), jnp.float32), plgpu.Layout.WGMMA),
                 cast(jnp.full((tile_q,), _MASKED, jnp.float32), row), cast(jnp.zeros((tile_q,), jnp.float32), row))
         acc, _, l_i = plgpu.emit_pipeline(
-            step, grid=(counts_ref[i],), in_specs=[kv_spec, kv_spec, meta_spec, meta_spec, meta_spec],
+            step, grid=(counts_ref[i],), in_specs=[kv_spec, kv_spec] + [meta_spec] * len(k_meta_refs),
             max_concurrent_steps=max_concurrent_steps, init_carry=init,
-        )(k_ref.at[kv_head], v_ref.at[kv_head], ks_ref, ki_ref, kp_ref)
+        )(*kv_refs, *k_meta_refs)
         l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # a row that sees nothing (padding) gets zeros
         qo_smem[...] = (acc / jax.lax.broadcast_in_dim(l_i, (tile_q, D), [0])).astype(dtype)
         plgpu.commit_smem()
@@ -818,5 +1041,5 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         grid_names=("heads", "q_tiles"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(ids.reshape(-1), counts, q_rows, *k_rows, qh, kh, vh)
+    )(ids.reshape(-1), counts, *window_parts, q_rows, *k_rows, qh, kh, vh)
     return out.transpose(1, 0, 2)[:T]

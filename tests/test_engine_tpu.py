@@ -11,6 +11,7 @@ Layouts are random: several sequences, cached prefixes, 0 to 300 items of length
 """
 
 import logging
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -226,3 +227,158 @@ def test_a_kernel_that_does_not_compile_here_falls_back_once(monkeypatch, caplog
     assert len(warnings) == 1 and "pallas-tpu" in warnings[0].getMessage()
     assert A.attention_path("tpu") == "xla"
     A.pallas_attention.clear_cache()
+
+
+# ---- The same request's rows, bitwise, wherever it sits (issue 45, item 4) ----------------------------------
+# One request (a query, items of other lengths, an empty one) laid out with its query in the pass, with its query
+# cached, and packed between other requests of other lengths (their queries in the pass or cached): each key and
+# query vector is a function of its request, item and position only, so the request's rows must come out
+# bitwise the same. The aligned kernels (ALIGNED_KEY_TILES) read windows that start at each part's own first key.
+
+def request_layouts(query: int, items: tuple[int, ...], others: list[tuple[int, tuple[int, ...], bool]]):
+    """(plan, the request's sequence id) for: its query in the pass, cached, and packed between `others`
+    ((query length, item lengths, cached)), once with its query in the pass and once cached."""
+    def sequence(length, sizes, cached, tag):
+        items = [(tag, i, tuple(range(n))) for i, n in enumerate(sizes) if n]
+        return PackedSequence(tuple(range(length)), cached, items=items,
+                              scored_at_prefix_end=[(tag, i) for i, n in enumerate(sizes) if not n])
+    before, after = others[: len(others) // 2], others[len(others) // 2:]
+    plans = []
+    for cached, packed in ((False, False), (True, False), (False, True), (True, True)):
+        around = [sequence(*o, tag=t + 1) for t, o in enumerate(others)] if packed else []
+        mine = sequence(query, items, cached, tag=0)
+        plans.append((PassPlan(around[: len(before)] + [mine] + around[len(before):]), len(before) if packed else 0))
+    return plans
+
+
+def token_vectors(meta, mine: int, heads: int, dim: int, table: np.ndarray) -> np.ndarray:
+    """Per token, table[request, item + 1, position] (heads x dim); the request is 0 for sequence `mine`, else
+    1 + the sequence id (the others' vectors need only differ from the request's); padding and hidden keys 0."""
+    tag = np.where(meta.seq == mine, 0, 1 + meta.seq % (table.shape[0] - 1))
+    out = table[tag, meta.item + 1, meta.pos].reshape(-1, heads, dim)
+    return np.where((meta.seq >= 0)[:, None, None], out, 0.0)
+
+
+def request_rows(kernel, plans, heads: int, kv_heads: int, dim: int, dtype, block_q: int, block_k: int, **layer):
+    """The request's output rows (its items' tokens, and the row scoring its query alone), keyed by (item,
+    position), per layout; and each layout's largest distance from the dense reference over its real rows."""
+    rng = np.random.default_rng(11)
+    tables = [rng.normal(size=(4, 16, 640, h * dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads)]
+    rows, distances = [], []
+    for plan, mine in plans:
+        arrays = build_pass(plan, block_q, block_k)
+        q, k, v = (jnp.asarray(token_vectors(m, mine, h, dim, t), dtype)
+                   for m, h, t in zip((arrays.q_meta, arrays.kv_meta, arrays.kv_meta), (heads, kv_heads, kv_heads),
+                                      tables))
+        qm, km = ((jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
+                  for m in (arrays.q_meta, arrays.kv_meta))
+        ids, counts = A.window_tables(arrays.q_meta, arrays.kv_meta, block_q, block_k, layer.get("window", 0))
+        out = np.asarray(kernel(q, k, v, qm, km, jnp.asarray(ids), jnp.asarray(counts), block_q, block_k,
+                                **layer).astype(jnp.float32))
+        ref = reference(q, k, v, qm, km, **layer)
+        real = arrays.q_meta.seq >= 0
+        distances.append(np.abs(out[real] - ref[real]).max())
+        query_end = int(np.max(arrays.q_meta.pos[(arrays.q_meta.seq == mine) & (arrays.q_meta.item < 0)]))
+        keep = (arrays.q_meta.seq == mine) & ((arrays.q_meta.item >= 0) | (arrays.q_meta.pos == query_end))
+        keys = sorted(zip(arrays.q_meta.item[keep].tolist(), arrays.q_meta.pos[keep].tolist(), np.flatnonzero(keep)))
+        rows.append(({(item, pos) for item, pos, _ in keys}, out[[row for *_, row in keys]]))
+    return rows, distances
+
+
+def tpu_aligned(*args, **layer):
+    tpu_interpreter.reset_tpu_interpret_mode_state()
+    out = A.tpu_attention(*args, tile_q=128, tile_k=128, interpret=STRICT, aligned=True, **layer)
+    assert not tpu_interpreter.races.races_found
+    return out
+
+
+@pytest.mark.parametrize("query,items,others,layer", [
+    (150, (40, 1, 0, 97, 3), [(90, (5, 0, 60), True), (7, (2, 130), False), (300, (1,) * 9, False)], {}),
+    (300, (20,) * 12 + (0,), [(13, (129,), False), (200, (3, 4), True)], {"window": 70, "softcap": 5.0}),
+])
+def test_tpu_kernel_rows_do_not_move_with_the_cache_or_the_pass(query, items, others, layer):
+    rows, distances = request_rows(tpu_aligned, request_layouts(query, items, others), 4, 2, 64, jnp.float32,
+                                   128, 64, **layer)
+    (keys, first), *rest = rows
+    for other_keys, other in rest:
+        assert other_keys == keys and np.array_equal(other, first)
+    assert max(distances) < 2e-5
+
+
+def test_gpu_kernel_rows_do_not_move_with_the_cache_or_the_pass():
+    """GPU interpret mode runs one block: every layout fits one 64-token query tile."""
+    run = partial(A.gpu_attention, interpret=InterpretGPUParams(detect_races=True), aligned=True)
+    for query, items, others, layer in ((20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)], {}),
+                                        (9, (17, 0, 6), [(40, (1, 1), True), (3, (4,), False)], {"window": 12})):
+        rows, distances = request_rows(run, request_layouts(query, items, others), 1, 1, 64, jnp.bfloat16, 64, 64,
+                                       **layer)
+        (keys, first), *rest = rows
+        for other_keys, other in rest:
+            assert other_keys == keys and np.array_equal(other, first)
+        assert max(distances) < 3e-2
+
+
+def test_engine_scores_do_not_move_with_the_cache_or_the_pass(monkeypatch):
+    """The engine on CPU with the aligned TPU kernel in interpret mode inside the whole pass program, bitwise: a
+    request's log-probs with its query in the pass, read from the prefix cache, and packed between other
+    requests (their queries new or cached). The passes differ in length (256 and 512 tokens) and cache length."""
+    from core import Scorer
+    from core import scorer as engine
+
+    monkeypatch.setattr(A, "ALIGNED_KEY_TILES", True)  # block_tables and pallas_attention read it when tracing
+    monkeypatch.setattr(engine, "_PROGRAMS", engine._Programs())
+    jax.clear_caches()
+    scorer = Scorer.from_pretrained("tiny-random", pass_tokens=512, attention="pallas-interpret")
+    rng = np.random.default_rng(12)
+    tokens = lambda n: rng.integers(5, 49152, n).tolist()
+    mine = scorer.tokenize(tokens(150), [tokens(n) for n in (40, 1, 0, 97, 3)], [1, 7, 400])
+    others = [scorer.tokenize(tokens(q), [tokens(n) for n in sizes], [2, 3])
+              for q, sizes in ((90, (5, 0, 60)), (7, (2, 130)), (33, (1,) * 9))]
+
+    def logprobs(requests: list, index: int, engine=scorer) -> np.ndarray:
+        out = np.full((mine.n_items, len(mine.label_token_ids)), np.nan)
+        for p in engine.iter_passes(requests):
+            for part in p.scores:
+                if part.request == index:
+                    out[part.items] = part.logprobs
+        return out
+
+    in_pass = logprobs([mine], 0)
+    cached = logprobs([mine], 0)  # its query is in the prefix cache now
+    scorer.clear_prefix_cache()
+    list(scorer.iter_passes([others[0]]))  # that one's query cached
+    packed = logprobs([others[0], mine, others[1]], 1)
+    packed_cached = logprobs([others[2], others[1], mine], 2)
+    xla = Scorer(scorer.config, scorer.model, scorer.tokenizer, name="tiny", pass_tokens=512, attention="xla")
+    assert np.abs(logprobs([mine], 0, xla) - in_pass).max() <= 1e-5
+    for other in (cached, packed, packed_cached):
+        assert np.array_equal(other, in_pass)
+    jax.clear_caches()
+
+
+def test_window_tables_never_drop_a_visible_pair():
+    """Every visible (query, key) pair lies in a window listed for the query's kernel tile, of the key's own part,
+    and the windows start at multiples of the kernel's tile from their part's first key; the XLA path's tiles
+    from the windows give the dense result."""
+    for seed in range(3):
+        arrays = build_pass(layout(np.random.default_rng(seed), 3, 80), 128, 64)
+        q, kv = arrays.q_meta, arrays.kv_meta
+        mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+        parts = A.part_starts(kv.seq, kv.item)
+        host = A.window_tables(q, kv, 128, 64)
+        for tq, tk in ((128, 128), (256, 512), (64, 64)):
+            q_len = A._round_up(len(q.seq), max(tq, 128))
+            ids, counts, window_parts = (np.asarray(t) for t in A.window_kernel_tables(
+                *(jnp.asarray(t) for t in host), jnp.asarray(parts), 128, 64, tq, tk, q_len))
+            for i in range(len(counts)):
+                firsts = ids[i, : counts[i]]
+                assert (np.diff(firsts) > 0).all() and ((firsts - parts[firsts]) % tk == 0).all()
+                assert (window_parts[i, : counts[i]] == parts[firsts]).all()
+                rows, keys = np.nonzero(mask[i * tq:(i + 1) * tq])
+                for key in set(keys.tolist()):
+                    assert ((firsts <= key) & (key < firsts + tk) & (parts[firsts] == parts[key])).any()
+    args = inputs(arrays, 4, 2, 16, jnp.float32, 2)
+    out = np.asarray(A.pallas_attention(*args[:5], *(jnp.asarray(t) for t in host), block_q=128, block_k=64,
+                                        aligned=True))
+    real = arrays.q_meta.seq >= 0  # (the XLA path leaves padding rows that share a tile with real ones unset)
+    assert np.abs(out[real] - reference(*args[:5])[real]).max() < 2e-5
