@@ -174,7 +174,8 @@ def plan_passes(requests: list[TokenizedRequest], pass_tokens: int, mode: str = 
         chunks = [PackedSequence(group.prefix, True, items=c)
                   for c in _split_items(group.items, max(pass_tokens - rerun, 1))]
         if not cached:
-            ordered.append(PackedSequence(group.prefix, keep_prefix=True, scored_at_prefix_end=group.scored_at_prefix_end))
+            ordered.append(PackedSequence(group.prefix, keep_prefix=True,
+                                          scored_at_prefix_end=group.scored_at_prefix_end))
         elif chunks:
             chunks[0].scored_at_prefix_end = group.scored_at_prefix_end
         else:

@@ -29,7 +29,8 @@ def build(target: str, model: str, pass_tokens: int = 16384, dtype: str = "bfloa
     # The suite's JAX_PLATFORMS ("cpu") hides libtpu; its XLA_FLAGS (tests/conftest.py) are for CPU programs.
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     proc = subprocess.run([sys.executable, "-m", "core.aot", "--target", target, "--model", model,
-                           "--pass-tokens", str(pass_tokens), "--dtype", dtype, "--tensor-parallel", str(tensor_parallel)],
+                           "--pass-tokens", str(pass_tokens), "--dtype", dtype,
+                           "--tensor-parallel", str(tensor_parallel)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, \
