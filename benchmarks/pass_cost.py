@@ -330,7 +330,7 @@ def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platfor
     per_op = sorted(((runs * program.bytes_accessed(op), runs, program.kind(op), op) for op, runs in program.ops()),
                     key=lambda entry: -entry[0])[:top_ops]
     top = [{"bytes": b, "runs": runs, "kind": kind, "op": op.name, "shape": re.sub(r"\{[^}]*\}", "", op.shape)[:80],
-            "source": _op_name(op).removeprefix("jit(run)/jit(_run_pass)/")[-90:]} for b, runs, kind, op in per_op]
+            "source": _op_name(op).removeprefix("jit(run)/jit(run_pass)/")[-90:]} for b, runs, kind, op in per_op]
     matmul = kinds["matmul"]["flops"]
     return {
         "pass_tokens": T, "real_tokens": real, "padded_tokens": T - real,

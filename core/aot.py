@@ -155,7 +155,7 @@ def program_args(config: ModelConfig, arrays: PassArrays, dtype, sharding=None, 
 def pass_program(config: ModelConfig, dtype, mesh=None):
     """The function one pass runs: `core.scorer`'s jitted pass with the Pallas attention path (split over
     a tensor-parallel `mesh` where given)."""
-    from core.scorer import _run_pass
+    from core.scorer import run_pass
 
     model_def = model_specs(config, dtype, mesh.size if mesh is not None else 1)[0]
 
@@ -163,9 +163,9 @@ def pass_program(config: ModelConfig, dtype, mesh=None):
             n_rows, n_tokens):
         # The contract's request fits one pass and keeps no prefix: no keys/values come out.
         tables = ((tile_ids, tile_counts),) * len(config.attention_windows)  # one set per window (same shapes)
-        return _run_pass(weights, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows,
-                         score_labels, n_rows, n_tokens, model_def=model_def, impl="pallas", block_q=BLOCK_Q,
-                         block_k=BLOCK_K, keep_kv=False, mesh=mesh)
+        return run_pass(weights, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows,
+                        score_labels, n_rows, n_tokens, model_def=model_def, impl="pallas", block_q=BLOCK_Q,
+                        block_k=BLOCK_K, keep_kv=False, mesh=mesh)
     return run
 
 

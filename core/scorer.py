@@ -32,9 +32,10 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
 # attention's exp and masks, the norms, SwiGLU) made the float32 pass about 5% faster, with the same results to
 # the contract's tolerances. But with that flag bfloat16 dots go to YNNPACK too, which does not use AMX or
 # AVX512-BF16 (issue 21: bfloat16 then ran slower than float32); XLA's default CPU path does. XLA reads
-# XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the DTYPE setting, and again by
-# `Scorer.from_pretrained` for its dtype if no computation has started the backend yet. An XLA_FLAGS that
-# names the option itself wins.
+# XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the Scorer's default dtype (float32), and
+# again by `Scorer.from_pretrained` for its dtype if no computation has started the backend yet (a service that
+# starts JAX before it builds its Scorer chooses them itself, for its DTYPE setting: `packscore check`). An
+# XLA_FLAGS that names the option itself wins.
 _YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type"
 _YNN_FOR_FLOAT32 = f"{_YNN_FUSION}=dot,eltwise,reduce"
 _XLA_FLAGS_CHOSEN_OUTSIDE = _YNN_FUSION in os.environ.get("XLA_FLAGS", "")
@@ -52,7 +53,7 @@ def choose_xla_flags(dtype: str) -> bool:
     return True
 
 
-choose_xla_flags(os.environ.get("DTYPE", os.environ.get("dtype", "float32")))
+choose_xla_flags("float32")
 
 
 @dataclass
@@ -130,9 +131,9 @@ def _default_attention() -> str:
 
 
 @partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows", "mesh"))
-def _run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows, score_labels,
-              n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
-              token_rows: int | None = None, mesh: Mesh | None = None):
+def run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows, score_labels,
+             n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
+             token_rows: int | None = None, mesh: Mesh | None = None):
     """One packed pass: (log P(label) [S, labels] float32 at each score row for the row's label ids, computed
     against the whole vocabulary on the device, and the pass's (k, v) if keep_kv else None). Only the labels'
     log-probabilities leave the device, not [S, vocab] logits. `tables`: the attention's host tables, one set
@@ -237,7 +238,7 @@ class _Programs:
                tuple(sorted(statics.items())))
         program = self.resident.pop(key, None)
         if program is None:
-            program = _run_pass.lower(*args, **statics).compile()
+            program = run_pass.lower(*args, **statics).compile()
             self.compiles += 1
         self.resident[key] = program
         if len(self.resident) > limit:

@@ -136,7 +136,9 @@ def check(args: argparse.Namespace) -> None:
     if chips and chips.platform == "cpu" and "JAX_PLATFORMS" not in os.environ:
         os.environ["JAX_PLATFORMS"] = "cpu"  # as the plan's CPU workers get it: no probing for a TPU
     from core import check as engine  # JAX starts here, after the plan (which must not open the chips)
+    from core.scorer import choose_xla_flags
 
+    choose_xla_flags(settings.dtype)  # before the device check starts JAX's CPU backend (see core.scorer)
     report = engine.Report(echo=not args.json)
     report.add("plan", "ok" if chips else "fail", plan[0],
                groups=[{"name": g.name, "env": g.env} for g in groups], left=list(left) if chips else [])
