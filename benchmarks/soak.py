@@ -64,6 +64,8 @@ MODELS = ("a", "b")
 # the receiver's four minutes down fail some deliveries after their last retry.
 WEBHOOK_RETRY_SCHEDULE = (1, 2, 4, 8, 15, 30)
 FULL_DISK_BYTES = 96 << 10
+# uvicorn's graceful stop waits for the calls in flight (a /v1/score call waits up to SCORE_TIMEOUT_SECONDS).
+API_STOP_SECONDS = 90
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
 ALL_FAULTS = ("kill", "receiver", "api", "database", "broker", "store", "disk")
 
@@ -114,7 +116,9 @@ class Deployment:
 
     name = ""
 
-    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path,
+                 settings: dict[str, str] | None = None) -> None:
+        """`settings`: environment variables of the deployment's processes, over the soak's."""
         self.home = home
         self.logs = home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,8 @@ class Deployment:
                     "RESULT_TTL_DAYS": str(run_minutes / 3 / 1440),
                     "RETENTION_INTERVAL_SECONDS": str(min(20.0, run_minutes * 60 / 20)),
                     "LEASE_SECONDS": "15", "SWEEP_INTERVAL_SECONDS": "1", "RETRY_AFTER_SECONDS": "1",
-                    "COMPILE_CACHE_DIR": str(compile_cache), "MODEL_CACHE_DIR": str(home / "model-cache")}
+                    "COMPILE_CACHE_DIR": str(compile_cache), "MODEL_CACHE_DIR": str(home / "model-cache"),
+                    **(settings or {})}
         self.base_url = self.key = self.secret = ""
         self.plain: subprocess.Popen | None = None
         self.plain_starts = 0
@@ -190,7 +195,7 @@ class Deployment:
     def restart_api(self) -> None:
         raise NotImplementedError
 
-    def database_bytes(self) -> int:
+    def database_bytes(self) -> int | None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -201,8 +206,9 @@ class Deployment:
 class Embedded(Deployment):
     name = "embedded"
 
-    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
-        super().__init__(home, run_minutes, compile_cache)
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path,
+                 settings: dict[str, str] | None = None) -> None:
+        super().__init__(home, run_minutes, compile_cache, settings)
         state = home / ".packscore"
         self.database_url = f"sqlite:///{state / 'packscore.db'}"
         # Explicit, so that the plain worker beside the embedded service finds the same database and broker.
@@ -236,11 +242,16 @@ class Embedded(Deployment):
 
     def restart_api(self) -> None:
         """`packscore serve --embedded` stopped (SIGTERM, its worker child with it) and started again."""
-        self.serve.terminate()
-        self.serve.wait(timeout=60)
+        child_pids = children(self.serve.pid)
+        stop_processes([self.serve], API_STOP_SECONDS)
+        for pid in child_pids:  # a supervisor SIGKILLed after its grace did not stop its child
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._start_serve()
 
-    def database_bytes(self) -> int:
+    def database_bytes(self) -> int | None:
         state = self.home / ".packscore"
         return sum(p.stat().st_size for p in state.glob("packscore.db*"))
 
@@ -252,8 +263,9 @@ class Embedded(Deployment):
 class Postgres(Deployment):
     name = "postgres"
 
-    def __init__(self, home: Path, run_minutes: float, compile_cache: Path) -> None:
-        super().__init__(home, run_minutes, compile_cache)
+    def __init__(self, home: Path, run_minutes: float, compile_cache: Path,
+                 settings: dict[str, str] | None = None) -> None:
+        super().__init__(home, run_minutes, compile_cache, settings)
         from migrations import upgrade
 
         self.postgres = PrivatePostgres()
@@ -287,7 +299,7 @@ class Postgres(Deployment):
         return named
 
     def restart_api(self) -> None:
-        self.service.stop_api()
+        stop_processes([self.service.api], API_STOP_SECONDS)
         self.service.start_api(600)
 
     def restart_database(self, seconds: float = 10) -> None:
@@ -300,13 +312,16 @@ class Postgres(Deployment):
         time.sleep(seconds)
         self.redis.start()
 
-    def database_bytes(self) -> int:
+    def database_bytes(self) -> int | None:
         from sqlalchemy import create_engine, text
+        from sqlalchemy.exc import OperationalError
 
         engine = create_engine(self.database_url)
         try:
             with engine.connect() as conn:
                 return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar())
+        except OperationalError:
+            return None  # stopped by a fault just now
         finally:
             engine.dispose()
 
@@ -589,6 +604,8 @@ class Soak:
         failure, with no object and no _SUCCESS left half-written."""
         folder = self.deployment.lake / "full"
         folder.mkdir(exist_ok=True)
+        if self.stop.is_set():  # the run ended (or failed) meanwhile: no mount left behind
+            return {"skipped": "the run had ended"}
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_BYTES}", "tmpfs", str(folder)], check=True)
         try:
             # Most of it taken: the first part object (tens of KB) cannot fit; a manifest of a few hundred bytes can.
@@ -699,7 +716,7 @@ class Soak:
             "interactive_p95_ms": round(float(np.percentile(interactive, 95)) * 1000) if interactive else None,
             "items_per_s": round(items / (end - start), 2),
             "processes": processes,
-            "database_mb": round(self.deployment.database_bytes() / 2**20, 2),
+            "database_mb": round(size / 2**20, 2) if (size := self.deployment.database_bytes()) is not None else None,
             "compile_cache_mb": round(folder_bytes(cache) / 2**20, 1),
             "result_folders_mb": round((folder_bytes(self.deployment.lake / "out")
                                         + folder_bytes(self.deployment.s3.folder)) / 2**20, 1),
@@ -719,20 +736,23 @@ class Soak:
                          request_timeout_s=900, webhook_url=self.receiver.url, models=MODELS, cancel_share=0.1,
                          resend_share=0.2, healthz_interval_s=5, sample_interval_s=3600, tag=self.tag)
         self.runner = runner = Runner(cfg, self.deployment.base_url, self.deployment.key, dict)
+        injector = threading.Thread(target=self.inject, daemon=True)
         threads = [threading.Thread(target=runner.run, name="load"),
                    threading.Thread(target=self.every, args=(4.0, self.rerank), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.upload_batch), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.reference_batch),
                                     daemon=True),
-                   threading.Thread(target=self.inject, daemon=True),
-                   threading.Thread(target=self.sample, daemon=True)]
+                   injector, threading.Thread(target=self.sample, daemon=True)]
         for thread in threads:
             thread.start()
         window_s = seconds / 6
-        for index in range(6):
-            time.sleep(max(0.0, (index + 1) * window_s - self.now()))
-            self.windows.append(self.window(index, index * window_s, (index + 1) * window_s, runner))
-        self.stop.set()
+        try:
+            for index in range(6):
+                time.sleep(max(0.0, (index + 1) * window_s - self.now()))
+                self.windows.append(self.window(index, index * window_s, (index + 1) * window_s, runner))
+        finally:
+            self.stop.set()
+            injector.join(timeout=600)  # a fault under way ends before the deployment is closed (the tmpfs)
         threads[0].join()
         for thread in threads[1:]:
             thread.join(timeout=1200)  # a batch followed to its end; a fault to its end

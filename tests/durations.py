@@ -33,7 +33,7 @@ NOTES = {
     "test_engine_tiny.py": "compiles of the tiny model's shapes",
     "test_engine_attention.py": "compiles of randomized layouts",
     "test_engine_tpu.py": "the kernels in TPU and GPU interpret mode",
-    "test_reliability_soak.py": "real work: load at concurrency 64 on two workers (PACKSCORE_SOAK_SECONDS)",
+    "test_reliability_soak.py": "a deployment, its traffic and faults (benchmarks/soak.py, PACKSCORE_SOAK_MINUTES)",
     "test_reliability_chaos.py":
         "real work under load (PACKSCORE_CHAOS_SECONDS per fault), a private Postgres and Redis",
     "test_security_fuzz.py": "schemathesis' cases against a live service",
