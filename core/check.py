@@ -472,14 +472,15 @@ def _intervals_length(spans: list[tuple[float, float]]) -> float:
 def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> None:
     """Device time per op kind over one run of the request, from JAX's profiler: the device's op events
     (TPU, GPU); on a CPU, which has no device, XLA's ops as its CPU runtime runs them on the host's threads.
-    Host gaps: the run's time with no op running."""
+    Host gaps: the run's time with no op running. Beside them, the passes' host and device seconds as a worker
+    exports them (core.scorer.PassResult)."""
     kinds = _op_kinds([program.as_text() for program in _PROGRAMS.resident.values()])
     with tempfile.TemporaryDirectory() as folder:
         scorer.clear_prefix_cache()
         with jax.profiler.trace(folder):
             start = time.perf_counter()
             scorer.clear_prefix_cache()
-            scorer.logprobs(*request)
+            passes = list(scorer.iter_passes([scorer.tokenize(*request)]))
             wall_us = (time.perf_counter() - start) * 1e6
         files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
         events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
@@ -513,8 +514,13 @@ def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> Non
              for k in ("matmuls", "attention kernel", "element-wise", "copies", "host gaps")}
     total = sum(table.values()) or 1.0
     rows = "".join(f"\n         {k:<18}{v:>12.1f} ms {100 * v / total:>6.1f}%" for k, v in table.items())
+    host_ms = [round(p.host_seconds * 1e3, 2) for p in passes]
+    device_ms = [round(p.device_seconds * 1e3, 2) for p in passes]
+    rows += (f"\n         {'pass host, device':<18}{sum(host_ms):>12.1f} ms {sum(device_ms):>9.1f} ms ({len(passes)} "
+             "pass(es); host: packing and launch; device: its start to the results on the host)")
     report.add(section, "info", f"profile ({source}; one request, {wall_us / 1e3:.0f} ms; ops on parallel threads "
-               f"add up):{rows}", profile_ms=table, source=source, wall_ms=round(wall_us / 1e3, 2))
+               f"add up):{rows}", profile_ms=table, source=source, wall_ms=round(wall_us / 1e3, 2),
+               pass_host_ms=host_ms, pass_device_ms=device_ms)
 
 
 def main(argv: list[str] | None = None) -> None:

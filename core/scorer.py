@@ -5,6 +5,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Collection, Iterator, Sequence
@@ -68,8 +69,11 @@ class PassResult:
     scores: list[ItemScores]
     tokens: int  # real tokens computed by the pass
     padded_tokens: int  # tokens after rounding up to the shape bucket
-    seconds: float
+    seconds: float  # from its launch's start to its scores (a pass launched ahead waits for the one before it)
     shape_key: tuple  # the padded shapes that select the compiled program
+    host_seconds: float  # the host's work to plan, pack and launch it (tables, cached prefixes, tokens to device)
+    device_seconds: float  # from the device's start on it (its launch, or the previous pass's results) to its results
+    device_idle_seconds: float  # the device's idle time before it: from the previous pass's results to its launch
 
 
 # glibc keeps the memory a pass frees in its heaps for reuse, and passes of varying sizes (prefix-cache entries
@@ -210,18 +214,19 @@ def _place_rows(out: jax.Array, window: jax.Array, offset: jax.Array, length: ja
 class InFlightPass:
     """A launched pass (see Scorer.launch)."""
 
-    def __init__(self, scorer: "Scorer", requests: list[TokenizedRequest], arrays, handle, shape_key: tuple,
-                 start: float) -> None:
-        self._scorer, self._requests, self._arrays, self._handle = scorer, requests, arrays, handle
-        self.shape_key, self._start = shape_key, start
+    def __init__(self, requests: list[TokenizedRequest], arrays, fetched: Future, shape_key: tuple, start: float,
+                 host_seconds: float) -> None:
+        self._requests, self._arrays, self._fetched = requests, arrays, fetched
+        self.shape_key, self._start, self._host_seconds = shape_key, start, host_seconds
 
     def result(self) -> PassResult:
         """Waits for the pass and returns its scores (once)."""
-        logprobs = self._scorer._fetch(self._handle)
+        logprobs, device_seconds, idle_seconds = self._fetched.result()
         _return_free_memory()
         arrays = self._arrays
         return PassResult(_collect_scores(self._requests, arrays, logprobs), arrays.real_tokens,
-                          len(arrays.tokens), time.perf_counter() - self._start, self.shape_key)
+                          len(arrays.tokens), time.perf_counter() - self._start, self.shape_key, self._host_seconds,
+                          device_seconds, idle_seconds)
 
 
 class _Programs:
@@ -317,6 +322,10 @@ class Scorer:
         self._prefix_cache = PrefixCache(prefix_cache_bytes)
         self.max_programs = max_programs
         self._engine_lock = threading.Lock()
+        # Passes' results are fetched by one thread, in launch order (the device's order): it sees when each is
+        # ready, which the pass loop, busy launching the next pass, would see late (see `_fetch_timed`).
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="pass-results")
+        self._last_ready: float | None = None  # when the last pass's results reached the host (the fetcher's)
 
     @property
     def attention_path(self) -> str:
@@ -435,14 +444,15 @@ class Scorer:
         plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached)
         return plans[0] if plans else None
 
-    def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan,
-               needed: Collection[tuple[int, ...]] = ()) -> "InFlightPass":
+    def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan, needed: Collection[tuple[int, ...]] = (),
+               planned_from: float | None = None) -> "InFlightPass":
         """Dispatches one planned pass without waiting for the device (JAX dispatches asynchronously), so
         the host can plan the next pass while this one runs; `InFlightPass.result()` waits for its scores.
         Passes run in launch order. A prefix the pass keeps counts as cached from now on. `needed`: the
-        prefixes of requests under way (items of theirs still to run), evicted from the prefix cache last."""
+        prefixes of requests under way (items of theirs still to run), evicted from the prefix cache last.
+        `planned_from`: when the host began planning it (time.perf_counter()), counted in its host_seconds."""
         with self._engine_lock:  # also guards the prefix cache
-            return self._launch_plan(list(requests), plan, needed)
+            return self._launch_plan(list(requests), plan, needed, planned_from)
 
     def _run_plan(self, requests: list[TokenizedRequest], plan: PassPlan) -> PassResult:
         with self._engine_lock:
@@ -450,7 +460,7 @@ class Scorer:
         return launched.result()
 
     def _launch_plan(self, requests: list[TokenizedRequest], plan: PassPlan,
-                     needed: Collection[tuple[int, ...]] = ()) -> "InFlightPass":
+                     needed: Collection[tuple[int, ...]] = (), planned_from: float | None = None) -> "InFlightPass":
         start = time.perf_counter()
         cached = []  # held here: computing one prefix again may evict another this pass needs
         cached_lengths = []
@@ -466,10 +476,15 @@ class Scorer:
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
+        launched = time.perf_counter()
+        # Before the prefix is kept: on CPU keeping it waits for the pass (its keys/values are copied out).
+        fetched = self._fetcher.submit(self._fetch_timed, handle, launched)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, kv, lo, hi, needed)
-        return InFlightPass(self, requests, arrays, handle, shape_key, start)
+        # A prefix evicted since planning and computed again above counts here too: the host waited for it.
+        host_seconds = launched - (start if planned_from is None else planned_from)
+        return InFlightPass(requests, arrays, fetched, shape_key, start, host_seconds)
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
         """The XLA path loops over each query tile's own windows and tiles, so its tables take the widest
@@ -577,6 +592,17 @@ class Scorer:
     def _fetch(self, handle) -> np.ndarray:  # type: ignore[no-untyped-def]
         """Waits for a launched pass's log-probabilities and copies them to the host."""
         return np.asarray(handle)
+
+    def _fetch_timed(self, handle, launched: float) -> tuple[np.ndarray, float, float]:  # type: ignore[no-untyped-def]
+        """In the fetcher's thread, one pass at a time in launch order: the pass's log-probabilities, its device
+        seconds (from its launch, or the previous pass's results if it queued behind them, to its own) and the
+        device's idle seconds before it (from the previous pass's results to its launch)."""
+        logprobs = self._fetch(handle)
+        ready = time.perf_counter()
+        previous, self._last_ready = self._last_ready, ready
+        if previous is None:
+            return logprobs, ready - launched, 0.0
+        return logprobs, ready - max(launched, previous), max(launched - previous, 0.0)
 
     # ---- one-request convenience API --------------------------------------------------
 

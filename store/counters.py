@@ -33,17 +33,21 @@ def count(session: Session, name: str, amount: float = 1.0, label: str = "") -> 
     pending[name, label] = pending.get((name, label), 0.0) + amount
 
 
-def count_pass(session: Session, n_items: int, tokens: int, seconds: float) -> None:
+def count_pass(session: Session, n_items: int, tokens: int, seconds: float, host_seconds: float,
+               device_seconds: float, device_idle_seconds: float) -> None:
+    """A pass's totals. Its host and device seconds (see core.scorer.PassResult) count from this version on: their
+    histograms count their own passes ("timed_passes"), where "passes" holds the history from before them."""
     count(session, "passes")
-    count(session, "pass_items", n_items)
+    count(session, "timed_passes")
     count(session, "pass_tokens", tokens)
-    count(session, "pass_seconds", seconds)
-    for bucket in ITEMS_BUCKETS:
-        if n_items <= bucket:
-            count(session, "pass_items_bucket", label=str(bucket))
-    for bucket in SECONDS_BUCKETS:
-        if seconds <= bucket:
-            count(session, "pass_seconds_bucket", label=str(bucket))
+    count(session, "device_idle_seconds", device_idle_seconds)
+    for measure, value, buckets in (("pass_items", n_items, ITEMS_BUCKETS), ("pass_seconds", seconds, SECONDS_BUCKETS),
+                                    ("pass_host_seconds", host_seconds, SECONDS_BUCKETS),
+                                    ("pass_device_seconds", device_seconds, SECONDS_BUCKETS)):
+        count(session, measure, value)
+        for bucket in buckets:
+            if value <= bucket:
+                count(session, f"{measure}_bucket", label=str(bucket))
 
 
 @event.listens_for(Session, "before_commit")
@@ -67,10 +71,11 @@ def _drop_counts(session: Session, previous_transaction: SessionTransaction) -> 
         session.info.pop(_PENDING, None)
 
 
-def _pass_histogram(name: str, doc: str, totals: dict, buckets: tuple, measure: str) -> HistogramMetricFamily:
+def _pass_histogram(name: str, doc: str, totals: dict, buckets: tuple, measure: str,
+                    passes: str = "passes") -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc)
     family.add_metric([], [(str(b), totals.get((f"{measure}_bucket", str(b)), 0)) for b in buckets]
-                      + [("+Inf", totals.get(("passes", ""), 0))], sum_value=totals.get((measure, ""), 0))
+                      + [("+Inf", totals.get((passes, ""), 0))], sum_value=totals.get((measure, ""), 0))
     return family
 
 
@@ -125,6 +130,13 @@ class DatabaseCollector(Collector):
                                   value=totals.get(("pass_tokens", ""), 0))
         yield _pass_histogram("packscore_pass_items", "Items scored per pass", totals, ITEMS_BUCKETS, "pass_items")
         yield _pass_histogram("packscore_pass_seconds", "Pass latency", totals, SECONDS_BUCKETS, "pass_seconds")
+        yield _pass_histogram("packscore_pass_host_seconds", "Host time to plan, pack and launch a pass", totals,
+                              SECONDS_BUCKETS, "pass_host_seconds", "timed_passes")
+        yield _pass_histogram("packscore_pass_device_seconds", "Device time of a pass (its start to its results on "
+                              "the host)", totals, SECONDS_BUCKETS, "pass_device_seconds", "timed_passes")
+        yield CounterMetricFamily("packscore_device_idle_seconds", "Seconds devices sat idle waiting for the host: "
+                                  "from a pass's results to the next pass's launch, where work was waiting",
+                                  value=totals.get(("device_idle_seconds", ""), 0))
 
         yield GaugeMetricFamily("packscore_webhook_deliveries_pending", "Webhook deliveries waiting to succeed",
                                 value=pending_deliveries)

@@ -63,15 +63,15 @@ def _enqueue_webhooks(session: Session, job_ids: list[str], results: dict[str, n
         enqueue_job_webhook(session, job, (results or {}).get(job.id))
 
 
-def record_pass(session: Session, owner: str, n_jobs: int, n_items: int, tokens: int, padded_tokens: int,
-                seconds: float) -> None:
+def record_pass(session: Session, owner: str, n_jobs: int, boundary: "Boundary") -> None:
     """The pass's running totals (/metrics); a Pass row too where it ran jobs. A pass of reference-batch
     chunks only leaves no row: a billion-row backfill would leave hundreds of thousands of them, where its
     chunk rows are the record (at most chunks + 100 rows per batch)."""
     if n_jobs:
-        session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=n_items, tokens=tokens, padded_tokens=padded_tokens,
-                         seconds=seconds))
-    count_pass(session, n_items, tokens, seconds)
+        session.add(Pass(worker=owner, n_jobs=n_jobs, n_items=boundary.n_items, tokens=boundary.tokens,
+                         padded_tokens=boundary.padded_tokens, seconds=boundary.seconds))
+    count_pass(session, boundary.n_items, boundary.tokens, boundary.seconds, boundary.host_seconds,
+               boundary.device_seconds, boundary.device_idle_seconds)
 
 
 def set_progress(session: Session, owner: str, progress: list[tuple[str, int]]) -> None:
@@ -91,6 +91,9 @@ class Boundary:
     tokens: int
     padded_tokens: int
     seconds: float
+    host_seconds: float  # the PassResult's, as are the two above and below
+    device_seconds: float
+    device_idle_seconds: float  # the device waiting for the host before the pass (see worker/drain.py)
     progress: list[tuple[str, int]]  # (job id, items done) of jobs the pass advanced
     finished: list[tuple[Any, np.ndarray]]  # (claimed job, its log-probabilities) of jobs the pass completed
     open_ids: list[str]  # the jobs still running after it: their cancel flags and leases are checked
@@ -102,8 +105,7 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     drop: finished, cancelled, or no longer leased to it."""
     owner = boundaries[0].owner
     for b in boundaries:
-        record_pass(session, owner, len(b.progress) + len(b.finished), b.n_items, b.tokens, b.padded_tokens,
-                    b.seconds)
+        record_pass(session, owner, len(b.progress) + len(b.finished), b)
     finished = {job.id: logprobs for b in boundaries for job, logprobs in b.finished}
     progress = {job_id: done for b in boundaries for job_id, done in b.progress if job_id not in finished}
     open_ids = {job_id for b in boundaries for job_id in b.open_ids} - finished.keys()

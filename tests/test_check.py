@@ -92,6 +92,12 @@ def test_check_reports_a_good_host_and_fails_for_each_reason() -> None:
     table = {line[:28].strip(): float(line.split()[-3]) for line in profile.splitlines()[1:6]}
     assert list(table) == ["matmuls", "attention kernel", "element-wise", "copies", "host gaps"], profile
     assert table["matmuls"] > 0 and table["attention kernel"] == 0, profile  # the CPU's attention: XLA matmuls
+    # Beside the table, the passes' host and device time as a worker exports them: within the run's own time.
+    host_device = profile.splitlines()[6]
+    assert host_device.startswith("         pass host, device"), profile
+    host_ms, device_ms = float(host_device.split()[3]), float(host_device.split()[5])
+    wall_ms = float(profile.splitlines()[0].split("one request, ")[1].split()[0])
+    assert host_ms > 0 and device_ms > 0 and host_ms + device_ms <= wall_ms + 1, profile
     assert "[skip] service: no service" in text and text.rstrip().endswith("check passed")
 
     too_big = out["too_big"]

@@ -2,6 +2,7 @@
 and webhook deliveries (issue 12, item 9)."""
 
 import json
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -89,10 +90,11 @@ def sqlite_sessions(tmp_path):  # type: ignore[no-untyped-def]
 def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: ignore[no-untyped-def]
     for n_items, seconds in ((3, 0.02), (40, 0.7), (40, 12.0)):
         with sqlite_sessions.begin() as session:
-            count_pass(session, n_items, tokens=10 * n_items, seconds=seconds)
+            count_pass(session, n_items, tokens=10 * n_items, seconds=seconds, host_seconds=seconds / 4,
+                       device_seconds=seconds / 2, device_idle_seconds=0.1)
             count(session, "jobs_finished", label="succeeded")
     with sqlite_sessions() as session:
-        count_pass(session, 1000, tokens=1, seconds=1)
+        count_pass(session, 1000, tokens=1, seconds=1, host_seconds=1, device_seconds=1, device_idle_seconds=1)
         count(session, "jobs_finished", 5, label="failed")
         session.rollback()
         session.commit()  # nothing is left to write: the rolled-back counts are gone
@@ -106,6 +108,12 @@ def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: 
     assert metrics['packscore_pass_items_bucket{"le": "64"}'] == 3
     assert metrics['packscore_pass_seconds_bucket{"le": "1"}'] == 2
     assert metrics['packscore_pass_seconds_bucket{"le": "+Inf"}'] == 3
+    assert metrics['packscore_pass_host_seconds_bucket{"le": "0.01"}'] == 1
+    assert metrics['packscore_pass_device_seconds_bucket{"le": "0.25"}'] == 1
+    assert metrics['packscore_pass_device_seconds_bucket{"le": "5"}'] == 2
+    assert metrics["packscore_pass_host_seconds_count"] == metrics["packscore_pass_device_seconds_count"] == 3
+    assert metrics["packscore_pass_host_seconds_sum"] == pytest.approx(12.72 / 4)
+    assert metrics["packscore_device_idle_seconds_total"] == pytest.approx(0.3)
     assert metrics['packscore_jobs_finished_total{"status": "succeeded"}'] == 3
     assert metrics['packscore_jobs_finished_total{"status": "failed"}'] == 0
 
@@ -122,3 +130,53 @@ def test_workers_report_their_attention_path(database: str) -> None:
     assert metrics['packscore_worker_attention{"path": "xla"}'] >= 1
     assert metrics["packscore_workers"] == sum(v for k, v in metrics.items()
                                                if k.startswith("packscore_worker_attention"))
+
+
+def test_a_pass_reports_its_host_and_device_time() -> None:
+    """On CPU the host launches a pass and the device runs it after: the two add up to about the pass's own
+    time. The device's idle time before a pass is the time since the last pass's results."""
+    from worker.scorer import get_scorer
+
+    scorer = get_scorer()
+    request = scorer.tokenize("a question of some length, to score", [f"item number {i}" for i in range(12)], [1, 2])
+    scorer.launch([request], scorer.plan_pass([request])).result()  # its program compiled (host time)
+    planned_from = time.perf_counter()
+    time.sleep(0.2)
+    result = scorer.launch([request], scorer.plan_pass([request]), planned_from=planned_from).result()
+    assert result.host_seconds >= 0.2 and result.device_seconds > 0 and result.device_idle_seconds >= 0.2
+    result = scorer.launch([request], scorer.plan_pass([request])).result()
+    assert result.host_seconds > 0 and result.device_seconds > 0
+    # Both end before the scores are collected: about the pass's own time, never more.
+    assert 0.75 * result.seconds - 0.02 <= result.host_seconds + result.device_seconds <= result.seconds
+
+
+def test_passes_export_host_and_device_time(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import func, select
+
+    from store.db import session_scope
+    from store.models import Pass
+    from store.settings import get_settings
+    from worker import drain
+    from worker.scorer import get_scorer
+
+    key, _ = make_key()
+    body = {"query": "Which of these answers is right?", "items": [f"answer number {i}" for i in range(200)],
+            "label_token_ids": [5, 17]}
+    assert client.post("/jobs", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 202
+    before = scrape(None)
+    assert drain.drain(get_scorer(), "worker-metrics", get_settings()) == 1
+    after = scrape(None)
+    with session_scope() as session:
+        passes, seconds = session.execute(select(func.count(), func.sum(Pass.seconds))).one()
+    assert passes >= 2  # one after another: the device waits for the host between them
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    for measure in ("packscore_pass_host_seconds", "packscore_pass_device_seconds"):
+        assert delta(f"{measure}_count") == delta('packscore_pass_seconds_bucket{"le": "+Inf"}') == passes
+        assert delta(f'{measure}_bucket{{"le": "60"}}') == passes and delta(f"{measure}_sum") > 0
+    host, device = delta("packscore_pass_host_seconds_sum"), delta("packscore_pass_device_seconds_sum")
+    # The host's share counts the planning too, which the pass's own time does not.
+    assert 0.75 * seconds - 0.02 * passes <= host + device <= 1.25 * seconds + 0.02 * passes
+    assert 0 < delta("packscore_device_idle_seconds_total") < seconds

@@ -154,15 +154,17 @@ class JobBook:
             self.held.pop(job_id, None)
         return closed
 
-    def write_pass(self, result: PassResult) -> None:
-        """Queues a pass's boundary: written whether or not a job was in it (the pass's totals)."""
+    def write_pass(self, result: PassResult, device_idle_seconds: float) -> None:
+        """Queues a pass's boundary: written whether or not a job was in it (the pass's totals).
+        `device_idle_seconds`: how long the device waited for the host before the pass."""
         finished, self._finished = self._finished, []
         progress, self._progress = self._progress, []
         jobs = [*(job for job, _ in finished), *self.held.values()]
         self.writer.boundary(Boundary(
             owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
-            padded_tokens=result.padded_tokens, seconds=result.seconds, progress=progress, finished=finished,
-            open_ids=list(self.held)), {job.id: job.batch_id for job in jobs if job.batch_id})
+            padded_tokens=result.padded_tokens, seconds=result.seconds, host_seconds=result.host_seconds,
+            device_seconds=result.device_seconds, device_idle_seconds=device_idle_seconds, progress=progress,
+            finished=finished, open_ids=list(self.held)), {job.id: job.batch_id for job in jobs if job.batch_id})
 
     def write(self) -> None:
         """Queues the writes reported outside a pass: jobs with no item to score, jobs handed back."""
@@ -232,6 +234,7 @@ def job_sinks(jobs: list[ClaimedJob]) -> list[JobSink]:
 class _Launched:
     scheduled: ScheduledPass
     flight: InFlightPass
+    after_dry_spell: bool  # the loop had nothing to launch since the pass before: the device's wait was not the host's
 
 
 @dataclass
@@ -260,6 +263,7 @@ class PassLoop:
         self._urgent_lock = threading.Lock()
         self._urgent_busy = False  # a wake-up's claim is queued or running in the writer
         self._claim_again = False  # a wake-up came while it ran: it may have read the queue before that job
+        self._ran_dry = True  # nothing to launch since the last pass launched (or none launched yet)
 
     def _claim_now(self) -> None:
         with self._urgent_lock:
@@ -347,10 +351,14 @@ class PassLoop:
     # ---- passes -----------------------------------------------------------------------------------------
 
     def _launch_next(self) -> _Launched | None:
+        planned_from = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            self._ran_dry = True
             return None
-        return _Launched(scheduled, self.scorer.launch(scheduled.views, scheduled.plan, scheduled.needed))
+        flight = self.scorer.launch(scheduled.views, scheduled.plan, scheduled.needed, planned_from)
+        after_dry_spell, self._ran_dry = self._ran_dry, False
+        return _Launched(scheduled, flight, after_dry_spell)
 
     def _collect(self, launched: _Launched) -> None:
         """Waits for a launched pass, hands its scores to their sinks and queues the jobs' boundary writes."""
@@ -361,7 +369,8 @@ class PassLoop:
                 run.sink.finish(run.logprobs)
             else:
                 run.sink.advance(run.done)
-        self.jobs.write_pass(result)
+        # The device's idle time before the pass counts as waiting for the host only where the loop had work.
+        self.jobs.write_pass(result, 0.0 if launched.after_dry_spell else result.device_idle_seconds)
 
     # ---- the loop ---------------------------------------------------------------------------------------
 
