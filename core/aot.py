@@ -299,7 +299,8 @@ def build(target_name: str, model: str, pass_tokens: int, dtype_name: str, tenso
             cost = cost[0] if cost else {}
         mem = compiled.memory_analysis()
         out.update(stage="compiled", device_kind=topology.devices[0].device_kind,
-                   pallas_kernels=count_kernels(text, "tpu"), all_reduces=len(re.findall(r"all[-_]reduce", compiled.as_text())),
+                   pallas_kernels=count_kernels(text, "tpu"),
+                   all_reduces=len(re.findall(r"all[-_]reduce", compiled.as_text())),
                    flops=cost.get("flops"), bytes_accessed=cost.get("bytes accessed"))
         if mem is not None:  # per chip: an SPMD program's analysis is one chip's
             peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
