@@ -192,14 +192,17 @@ def one_request(scorer: Scorer, rng: np.random.Generator, args: argparse.Namespa
     report["packed_query_cached"] = rates(cached_s, args.items, args.items * args.item_tokens)
     report["packed"]["model_gflops_per_s"] = round(flops / packed_s / 1e9, 1)
     report["packed_vs_single"] = round(report["packed"]["items_per_s"] / report["single"]["items_per_s"], 2)
-    report["max_abs_logprob_diff"] = {"packed_vs_single": float(np.abs(packed_lp[: len(single_items)] - single_lp).max())}
+    single_diff = np.abs(packed_lp[: len(single_items)] - single_lp).max()
+    report["max_abs_logprob_diff"] = {"packed_vs_single": float(single_diff)}
     if args.transformers_items and args.model == "smollm2-135m":
         hf_items = items[: args.transformers_items]
         hf_s, hf_lp = transformers_prefix_cache(query, hf_items, labels)
-        report["transformers_prefix_cache"] = rates(hf_s, len(hf_items), args.query_tokens + len(hf_items) * args.item_tokens)
+        hf_tokens = args.query_tokens + len(hf_items) * args.item_tokens
+        report["transformers_prefix_cache"] = rates(hf_s, len(hf_items), hf_tokens)
         report["packed_vs_transformers"] = round(
             report["packed"]["items_per_s"] / report["transformers_prefix_cache"]["items_per_s"], 2)
-        report["max_abs_logprob_diff"]["packed_vs_transformers"] = float(np.abs(packed_lp[: len(hf_items)] - hf_lp).max())
+        hf_diff = np.abs(packed_lp[: len(hf_items)] - hf_lp).max()
+        report["max_abs_logprob_diff"]["packed_vs_transformers"] = float(hf_diff)
     return flops / packed_s
 
 

@@ -310,7 +310,8 @@ def cascade_tables(q: TokenMeta, kv: TokenMeta, window: int = 0) -> CascadeTable
     # Each sequence's prefix keys are contiguous: in the cache, or at the start of its span of the pass.
     prefix_keys = np.flatnonzero((kv.seq >= 0) & (kv.item < 0))
     seqs, first, lengths = np.unique(kv.seq[prefix_keys], return_index=True, return_counts=True)
-    prefix = {int(seq): (int(start), prefix_windows(int(n))) for seq, start, n in zip(seqs, prefix_keys[first], lengths)}
+    prefix = {int(seq): (int(start), prefix_windows(int(n)))
+              for seq, start, n in zip(seqs, prefix_keys[first], lengths)}
     starts = np.zeros(shape, np.int32)
     sizes = np.zeros_like(starts)
     counts = np.zeros((T // tile, 2), np.int32)
@@ -375,7 +376,8 @@ def cascade_attention(q, k, v, q_meta, kv_meta, prefix_starts, prefix_sizes, pre
 
     def one_tile(args):
         q_tile, q_seq, q_item, q_pos, starts, sizes, count, ids, counts = args
-        q_tile = q_tile.reshape(n, sub, Hkv, G, D).transpose(2, 0, 3, 1, 4).reshape(Hkv, n, G * sub, D) * _scale(scale, D)
+        q_tile = q_tile.reshape(n, sub, Hkv, G, D).transpose(2, 0, 3, 1, 4).reshape(Hkv, n, G * sub, D)
+        q_tile = q_tile * _scale(scale, D)
         rows = lambda m: jnp.broadcast_to(m.reshape(n, 1, sub), (n, G, sub)).reshape(n, G * sub, 1)
         q_seq, q_item, q_pos = rows(q_seq), rows(q_item), rows(q_pos)
 

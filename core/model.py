@@ -5,7 +5,8 @@ families (biases, norm style, activation, soft-caps, windows and RoPE per layer,
 `CausalLM` holds the weights (see `core.weights` for loading them into it). The decoder
 layers are one `DecoderLayer` whose parameters carry a leading layer axis, so the stack
 runs under one `lax.scan` (one compiled layer body). Matrices are (in, out): x @ w; q/k/v
-and gate/up are fused for larger matmuls (their columns chip by chip when split over chips: core.sharding). Parameter shapes, for L layers:
+and gate/up are fused for larger matmuls (their columns chip by chip when split over chips: core.sharding).
+Parameter shapes, for L layers:
   embed [V, D], final_norm [D], lm_head [V, D] (absent when tied),
   layers: attn_norm [L, D], attn.wqkv [L, D, q+2kv], attn.wo [L, q, D], mlp_norm [L, D],
           mlp.w_gate_up [L, D, 2F], mlp.w_down [L, F, D], and where the family has them attn.bqkv [L, q+2kv]
@@ -228,9 +229,9 @@ class CausalLM(nnx.Module):
                  n_tokens: jax.Array, score_rows: jax.Array, score_labels: jax.Array, n_rows: jax.Array,
                  attention: AttentionFn, keep_kv: bool = True, token_rows: int | None = None):
         """Runs the pass (its first n_tokens tokens are real, the rest padding; the projections and the MLP run
-        `token_rows` tokens a step, see `over_tokens`) and returns (log P(label) [S, labels] float32 for the first `n_rows` score rows, each
-        row's label ids in `score_labels` (zeros after them); (k, v) [L, T, Hkv, hd] each, or None without
-        keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
+        `token_rows` tokens a step, see `over_tokens`) and returns (log P(label) [S, labels] float32 for the first
+        `n_rows` score rows, each row's label ids in `score_labels` (zeros after them); (k, v) [L, T, Hkv, hd]
+        each, or None without keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
 
         cache_k/v [L, C, Hkv, hd] hold keys/values computed by an earlier pass (a shared prefix reused
         across chunks); the new tokens attend to them through `attention`.
