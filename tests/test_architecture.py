@@ -1,6 +1,7 @@
 """The import rules of docs/architecture.md, as import-linter contracts in pyproject.toml: the CLI on top; api
 (HTTP) and worker (Celery and the pass loop) side by side, never importing each other; store (the data layer)
-under both; core (the engine) at the bottom, importing none of them; no import circle inside any package."""
+under both; core (the engine) at the bottom, importing none of them; no import circle inside any package. And the
+line length of pyproject's tool.ruff, over every Python file of the repository."""
 
 import subprocess
 import sys
@@ -38,3 +39,9 @@ def test_import_rules_catch_an_api_module_importing_the_worker(tmp_path: Path) -
     deps.write_text(deps.read_text().replace("from worker.drain import heartbeat", "from benchmarks import capacity"))
     result = lint_imports(tmp_path)
     assert result.returncode != 0 and "api is not allowed to import benchmarks" in result.stdout, result.stdout
+
+
+def test_lines_fit_the_line_length() -> None:
+    result = subprocess.run([str(Path(sys.executable).parent / "ruff"), "check", "--no-cache", "--output-format",
+                             "concise", "."], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
