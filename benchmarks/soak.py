@@ -516,10 +516,19 @@ class Soak:
         table = table.set_column(2, "pair_id", pa.array([f"{i}-{k}" for k in range(rows)]))
         name = f"ref-{i}.{fmt}"
         if remote:
-            fs = self.s3_fs()
             where, out = f"{self.deployment.s3.bucket}/in/{name}", f"s3://{self.deployment.s3.bucket}/out/ref-{i}/"
-            with fs.open(where, "wb") as f:
-                write_pairs(table, fmt, f)
+
+            # The store may be down (a fault): the input is written once it is back, as a user's export would be.
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    with self.s3_fs().open(where, "wb") as f:
+                        write_pairs(table, fmt, f)
+                    break
+                except Exception:  # noqa: BLE001  (botocore's connection errors are no OSError)
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(2)
             uri = f"s3://{where}"
         else:
             path = self.deployment.lake / "in" / name
