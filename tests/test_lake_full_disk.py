@@ -45,6 +45,14 @@ def full_disk_write(location, table, output_format) -> None:  # type: ignore[no-
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def submit(client, key: str, output: str) -> str:  # type: ignore[no-untyped-def]
+    """The pair table as a reference batch into `output`; its id."""
+    created = client.post("/batches", json={"input": "pairs.parquet", "output": output, "columns": COLUMNS,
+                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
+    assert created.status_code == 201, created.text
+    return created.json()["id"]
+
+
 def run_until_over(client, key: str, batch_id: str, seconds: float) -> dict:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + seconds
     while True:
@@ -58,11 +66,9 @@ def run_until_over(client, key: str, batch_id: str, seconds: float) -> dict:  # 
 def test_a_full_disk_fails_its_batch_at_once(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
                                              root: Path) -> None:
     key, _ = make_key()
-    created = client.post("/batches", json={"input": "pairs.parquet", "output": "out", "columns": COLUMNS,
-                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
-    assert created.status_code == 201, created.text
+    batch_id = submit(client, key, "out")
     with patch("worker.lake.write_table", full_disk_write):
-        batch = run_until_over(client, key, created.json()["id"], 300)
+        batch = run_until_over(client, key, batch_id, 300)
     assert batch["status"] == "failed", batch
     # Each chunk failed at its first attempt: no write retried for a minute, no attempt run again.
     with session_scope() as session:
@@ -79,9 +85,7 @@ def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_qu
                                                      root: Path) -> None:
     """The objects fitted, the manifest did not: no `_SUCCESS`, and no object left that no manifest lists."""
     key, _ = make_key()
-    created = client.post("/batches", json={"input": "pairs.parquet", "output": "out2", "columns": COLUMNS,
-                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
-    assert created.status_code == 201, created.text
+    batch_id = submit(client, key, "out2")
     real = tables.write_manifest
 
     def no_room_for_a_completed_manifest(prefix, manifest, success) -> None:  # type: ignore[no-untyped-def]
@@ -90,7 +94,7 @@ def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_qu
         real(prefix, manifest, success)
 
     with patch.object(chunks_module, "write_manifest", no_room_for_a_completed_manifest):
-        batch = run_until_over(client, key, created.json()["id"], 300)
+        batch = run_until_over(client, key, batch_id, 300)
     assert batch["status"] == "failed" and batch["error"]["code"] == "output_full", batch
     folder = root / "out2" / batch["id"]
     assert sorted(p.name for p in folder.iterdir()) == ["_manifest.json"]  # saying failed, listing no object
