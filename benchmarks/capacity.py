@@ -112,6 +112,9 @@ def simulated_scorer(settings, tokens_per_second: float):  # type: ignore[no-unt
             time.sleep(max(0.0, ready_at - time.monotonic()))
             return logprobs
 
+        def _is_ready(self, handle) -> bool:  # type: ignore[no-untyped-def]
+            return time.monotonic() >= handle[0]
+
         def _prefix_rows(self, keys_or_values, lo: int, hi: int):  # type: ignore[no-untyped-def]
             # A stand-in as large as the real rows (the cache evicts as it would), holding nothing.
             return SimulatedRows(self.prefix_bytes(hi - lo) // 2)

@@ -75,10 +75,19 @@ class PrefixCache(Mapping[Prefix, Entry]):
             self.pop(prefix)
         self._entries[prefix] = (keys, values)
         self.bytes += _entry_bytes((keys, values))
-        # A stable sort: least recently used first within each group.
-        for old in sorted((p for p in self._entries if p != prefix), key=lambda p: p in needed):
-            if self.bytes <= self.budget:
-                return
+        if self.bytes <= self.budget:
+            return
+        # Least recently used first within each group; the walk stops as soon as enough is freed (a full cache
+        # evicts one or two entries per prefix it keeps: sorting all its entries each time was most of the cost).
+        excess, evicted = self.bytes - self.budget, []
+        for evict_needed in (False, True):
+            for old, entry in self._entries.items():
+                if excess <= 0:
+                    break
+                if old != prefix and (old in needed) == evict_needed:
+                    evicted.append(old)
+                    excess -= _entry_bytes(entry)
+        for old in evicted:
             self.pop(old)
 
 

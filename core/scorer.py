@@ -5,7 +5,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Collection, Iterator, Sequence
@@ -212,17 +211,35 @@ def _place_rows(out: jax.Array, window: jax.Array, offset: jax.Array, length: ja
 
 
 class InFlightPass:
-    """A launched pass (see Scorer.launch)."""
+    """A launched pass (see Scorer.launch). Its results are fetched in the thread that asks for them (`result()`).
+    When they were ready is the first look that found them so: the engine looks at the passes in flight at each
+    launch (`Scorer._look_back`), `result()` at the latest; the device runs passes in launch order."""
 
-    def __init__(self, requests: list[TokenizedRequest], arrays, fetched: Future, shape_key: tuple, start: float,
-                 host_seconds: float) -> None:
-        self._requests, self._arrays, self._fetched = requests, arrays, fetched
-        self.shape_key, self._start, self._host_seconds = shape_key, start, host_seconds
+    def __init__(self, scorer: "Scorer", requests: list[TokenizedRequest], arrays, handle, shape_key: tuple,
+                 start: float, launched: float, host_seconds: float, previous: "InFlightPass | None") -> None:
+        self._scorer, self._requests, self._arrays, self._handle = scorer, requests, arrays, handle
+        self.shape_key, self._start, self._launched, self._host_seconds = shape_key, start, launched, host_seconds
+        self._previous = previous  # the pass launched before it (None once its own result is in)
+        self._ready_at: float | None = None  # when its results were first seen ready (time.perf_counter())
+
+    def _look(self, now: float) -> bool:
+        """Whether its results are ready, without waiting (noted at `now` the first time)."""
+        if self._ready_at is None and self._scorer._is_ready(self._handle):
+            self._ready_at = now
+        return self._ready_at is not None
 
     def result(self) -> PassResult:
         """Waits for the pass and returns its scores (once)."""
-        logprobs, device_seconds, idle_seconds = self._fetched.result()
+        logprobs = self._scorer._fetch(self._handle)
+        if self._ready_at is None:
+            self._ready_at = time.perf_counter()
+        ready, self._handle = self._ready_at, None
         _return_free_memory()
+        # The device's start on it: its launch, or the previous pass's results if it queued behind them.
+        previous, self._previous = self._previous, None
+        before = min(previous._ready_at, ready) if previous is not None and previous._look(ready) else None
+        device_seconds = ready - (self._launched if before is None else max(self._launched, before))
+        idle_seconds = 0.0 if before is None else max(self._launched - before, 0.0)
         arrays = self._arrays
         return PassResult(_collect_scores(self._requests, arrays, logprobs), arrays.real_tokens,
                           len(arrays.tokens), time.perf_counter() - self._start, self.shape_key, self._host_seconds,
@@ -322,10 +339,7 @@ class Scorer:
         self._prefix_cache = PrefixCache(prefix_cache_bytes)
         self.max_programs = max_programs
         self._engine_lock = threading.Lock()
-        # Passes' results are fetched by one thread, in launch order (the device's order): it sees when each is
-        # ready, which the pass loop, busy launching the next pass, would see late (see `_fetch_timed`).
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="pass-results")
-        self._last_ready: float | None = None  # when the last pass's results reached the host (the fetcher's)
+        self._last_launched: InFlightPass | None = None  # the pass launched last (see InFlightPass)
 
     @property
     def attention_path(self) -> str:
@@ -441,6 +455,7 @@ class Scorer:
     def plan_pass(self, requests: Sequence[TokenizedRequest]) -> PassPlan | None:
         """The first pass the engine would run for these requests (None if they hold no item): a pass loop
         that takes new requests between passes plans one pass at a time."""
+        self._look_back(time.perf_counter())
         plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached)
         return plans[0] if plans else None
 
@@ -477,14 +492,25 @@ class Scorer:
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
         launched = time.perf_counter()
-        # Before the prefix is kept: on CPU keeping it waits for the pass (its keys/values are copied out).
-        fetched = self._fetcher.submit(self._fetch_timed, handle, launched)
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, kv, lo, hi, needed)
         # A prefix evicted since planning and computed again above counts here too: the host waited for it.
         host_seconds = launched - (start if planned_from is None else planned_from)
-        return InFlightPass(requests, arrays, fetched, shape_key, start, host_seconds)
+        flight = InFlightPass(self, requests, arrays, handle, shape_key, start, launched, host_seconds,
+                              self._last_launched)
+        self._last_launched = flight
+        # On CPU keeping a prefix waited for the pass (its keys/values are copied out): it may be ready now.
+        self._look_back(time.perf_counter())
+        return flight
+
+    def _look_back(self, now: float) -> None:
+        """Notes which passes in flight have their results ready at `now` (at each launch, and before each plan:
+        the pass loop collects a pass only after it launched the next, which would see its end late)."""
+        flight = self._last_launched
+        while flight is not None and flight._ready_at is None:
+            flight._look(now)
+            flight = flight._previous
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
         """The XLA path loops over each query tile's own windows and tiles, so its tables take the widest
@@ -593,16 +619,9 @@ class Scorer:
         """Waits for a launched pass's log-probabilities and copies them to the host."""
         return np.asarray(handle)
 
-    def _fetch_timed(self, handle, launched: float) -> tuple[np.ndarray, float, float]:  # type: ignore[no-untyped-def]
-        """In the fetcher's thread, one pass at a time in launch order: the pass's log-probabilities, its device
-        seconds (from its launch, or the previous pass's results if it queued behind them, to its own) and the
-        device's idle seconds before it (from the previous pass's results to its launch)."""
-        logprobs = self._fetch(handle)
-        ready = time.perf_counter()
-        previous, self._last_ready = self._last_ready, ready
-        if previous is None:
-            return logprobs, ready - launched, 0.0
-        return logprobs, ready - max(launched, previous), max(launched - previous, 0.0)
+    def _is_ready(self, handle) -> bool:  # type: ignore[no-untyped-def]
+        """Whether a launched pass's log-probabilities are ready, without waiting."""
+        return handle.is_ready()
 
     # ---- one-request convenience API --------------------------------------------------
 

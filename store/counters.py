@@ -4,6 +4,7 @@ at ten rows of history or ten million: running totals are kept in the `counters`
 (`count`), and the gauges count only live rows (queued and running jobs, pending deliveries) through indexes."""
 
 import random
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -36,18 +37,21 @@ def count(session: Session, name: str, amount: float = 1.0, label: str = "") -> 
 def count_pass(session: Session, n_items: int, tokens: int, seconds: float, host_seconds: float,
                device_seconds: float, device_idle_seconds: float) -> None:
     """A pass's totals. Its host and device seconds (see core.scorer.PassResult) count from this version on: their
-    histograms count their own passes ("timed_passes"), where "passes" holds the history from before them."""
+    histograms count their own passes ("timed_passes"), where "passes" holds the history from before them.
+    A histogram's value counts in its own bucket only ("{measure}_in_bucket", none past the last bucket), which
+    the scrape sums into cumulative buckets (`_pass_histogram`): one counter row per measure and pass, not one
+    per bucket from the value up (those rows, "{measure}_bucket", hold the counts from before this version)."""
     count(session, "passes")
     count(session, "timed_passes")
     count(session, "pass_tokens", tokens)
-    count(session, "device_idle_seconds", device_idle_seconds)
+    if device_idle_seconds:
+        count(session, "device_idle_seconds", device_idle_seconds)
     for measure, value, buckets in (("pass_items", n_items, ITEMS_BUCKETS), ("pass_seconds", seconds, SECONDS_BUCKETS),
                                     ("pass_host_seconds", host_seconds, SECONDS_BUCKETS),
                                     ("pass_device_seconds", device_seconds, SECONDS_BUCKETS)):
         count(session, measure, value)
-        for bucket in buckets:
-            if value <= bucket:
-                count(session, f"{measure}_bucket", label=str(bucket))
+        if value <= buckets[-1]:
+            count(session, f"{measure}_in_bucket", label=str(buckets[bisect_left(buckets, value)]))
 
 
 @event.listens_for(Session, "before_commit")
@@ -73,9 +77,14 @@ def _drop_counts(session: Session, previous_transaction: SessionTransaction) -> 
 
 def _pass_histogram(name: str, doc: str, totals: dict, buckets: tuple, measure: str,
                     passes: str = "passes") -> HistogramMetricFamily:
+    """The cumulative buckets: the counts kept per bucket from the value up (before the per-bucket counts) plus the
+    per-bucket counts ("{measure}_in_bucket", see count_pass) of this bucket and those below it."""
     family = HistogramMetricFamily(name, doc)
-    family.add_metric([], [(str(b), totals.get((f"{measure}_bucket", str(b)), 0)) for b in buckets]
-                      + [("+Inf", totals.get((passes, ""), 0))], sum_value=totals.get((measure, ""), 0))
+    below, cumulative = 0.0, []
+    for b in buckets:
+        below += totals.get((f"{measure}_in_bucket", str(b)), 0)
+        cumulative.append((str(b), totals.get((f"{measure}_bucket", str(b)), 0) + below))
+    family.add_metric([], cumulative + [("+Inf", totals.get((passes, ""), 0))], sum_value=totals.get((measure, ""), 0))
     return family
 
 

@@ -118,6 +118,27 @@ def test_totals_follow_committed_events_only(sqlite_sessions) -> None:  # type: 
     assert metrics['packscore_jobs_finished_total{"status": "failed"}'] == 0
 
 
+def test_histograms_add_per_bucket_counts_to_earlier_cumulative_ones(sqlite_sessions) -> None:  # type: ignore[no-untyped-def]
+    """A pass counts in its own bucket only; the counts from before, one per bucket from the value up, still add."""
+    from store.counters import SECONDS_BUCKETS
+
+    with sqlite_sessions.begin() as session:  # two passes of 0.3 s, as the earlier versions counted them
+        count(session, "passes", 2)
+        for bucket in SECONDS_BUCKETS[SECONDS_BUCKETS.index(0.5):]:
+            count(session, "pass_seconds_bucket", 2, label=str(bucket))
+    with sqlite_sessions.begin() as session:
+        count_pass(session, 5, tokens=50, seconds=0.02, host_seconds=0.01, device_seconds=0.01, device_idle_seconds=0)
+    metrics = scrape(sqlite_sessions)
+    assert metrics['packscore_pass_seconds_bucket{"le": "0.01"}'] == 0
+    assert metrics['packscore_pass_seconds_bucket{"le": "0.025"}'] == 1
+    assert metrics['packscore_pass_seconds_bucket{"le": "0.25"}'] == 1
+    assert metrics['packscore_pass_seconds_bucket{"le": "0.5"}'] == 3
+    assert metrics['packscore_pass_seconds_bucket{"le": "60"}'] == 3
+    assert metrics['packscore_pass_seconds_bucket{"le": "+Inf"}'] == 3
+    assert metrics['packscore_pass_host_seconds_bucket{"le": "0.01"}'] == 1
+    assert metrics["packscore_pass_host_seconds_count"] == 1
+
+
 def test_workers_report_their_attention_path(database: str) -> None:
     from store.settings import get_settings
     from worker.drain import heartbeat
