@@ -544,9 +544,12 @@ def _padded_inputs(q, k, v, q_meta, kv_meta, q_len: int, kv_len: int):
 # same wherever the sequence sits and whatever shares the pass; a window that holds none of a row's keys
 # leaves that row's sums exactly as they were. The cost: a part's windows are read apart from its
 # neighbours' (one more window per part a query tile sees, at most), the TPU kernel fetches the two tiles a
-# window spans and rotates them, the GPU kernel reads 8 shifted copies of K and V. Not yet run on a device (issue 45: a
-# kernel change that has only lowered stays behind a setting until a device run measures it): off by
-# default, PACKSCORE_ALIGNED_KEY_TILES=1 turns it on; the interpret-mode tests run it.
+# window spans and rotates them, the GPU kernel reads 8 shifted copies of K and V. On an H200 (2026-11-28, JAX
+# 0.11.2) the GPU kernel gave the contract's scores bitwise the same with the query cached and computed (0.0097
+# apart with today's kernel) at 0.79 of its speed, and stopped with an illegal instruction on parts that start
+# at keys not a multiple of 4 (its keys' rows read from there); that fix is lowered, not yet run on a device.
+# The TPU kernel has not run on a TPU. Off by default (issue 45: a kernel change stays behind a setting until a
+# device run measures it), PACKSCORE_ALIGNED_KEY_TILES=1 turns it on; the interpret-mode tests run it.
 ALIGNED_KEY_TILES = os.environ.get("PACKSCORE_ALIGNED_KEY_TILES", "0") == "1"
 
 
@@ -937,9 +940,12 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         keys = pl.Element(tile_k)  # element offsets: the window's first key
         # A K/V copy into tiled shared memory starts at a whole tile of _GPU_ROW_TILE rows (its TMA index is
         # split into tile and row), so K and V come in _GPU_ROW_TILE copies, copy r moved up by r rows: a
-        # window starting at key s is copy s % 8's rows from s - s % 8. The cost: 8 times K and V written
-        # per layer (not measured).
+        # window starting at key s is copy s % 8's rows from s - s % 8. The keys' rows too: a TMA copy starts
+        # at a 16-byte boundary, and a window's first key at any position (on the H200, int32 rows read from
+        # an odd key stopped the kernel with an illegal instruction). The cost: 8 times K and V written per
+        # layer (on the H200, the contract ran 0.79 as fast as the default kernel).
         shifted = lambda x: jnp.concatenate([jnp.roll(x, -r, axis=1) for r in range(_GPU_ROW_TILE)])
+        k_rows = [shifted(m[None]) for m in k_rows]  # [8, Tk] each: copy r at row r
     else:
         ids, counts = kernel_tables(tile_ids, tile_counts, block_q, block_k, tile_q, tile_k, q_len, kv_len)
         k_rows = [m.astype(jnp.int32) for m in kv_meta]
@@ -1012,13 +1018,17 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         key_tile = lambda j: ids_ref[i * width + j]
         if aligned:
             copy = lambda j: key_tile(j) % _GPU_ROW_TILE
-            kv_spec = plgpu.BlockSpec((None, keys, D), lambda j: (copy(j) * Hkv + kv_head, key_tile(j) - copy(j), 0),
-                                      transforms=(tiling, swizzle))
+            # (multiple_of: JAX 0.11's Mosaic GPU must be shown that the copy starts at a whole tile of rows)
+            kv_spec = plgpu.BlockSpec((None, keys, D), lambda j: (
+                copy(j) * Hkv + kv_head, pl.multiple_of(key_tile(j) - copy(j), _GPU_ROW_TILE), 0),
+                transforms=(tiling, swizzle))
+            meta_spec = plgpu.BlockSpec((None, keys), lambda j: (
+                copy(j), pl.multiple_of(key_tile(j) - copy(j), _GPU_ROW_TILE)))
             kv_refs = (k_ref, v_ref)
         else:
             kv_spec = plgpu.BlockSpec((keys, D), lambda j: (key_tile(j), 0), transforms=(tiling, swizzle))
+            meta_spec = plgpu.BlockSpec((keys,), lambda j: (key_tile(j),))
             kv_refs = (k_ref.at[kv_head], v_ref.at[kv_head])
-        meta_spec = plgpu.BlockSpec((keys,), lambda j: (key_tile(j),))
         init = (cast(jnp.zeros((tile_q, D), jnp.float32), plgpu.Layout.WGMMA),
                 cast(jnp.full((tile_q,), _MASKED, jnp.float32), row), cast(jnp.zeros((tile_q,), jnp.float32), row))
         acc, _, l_i = plgpu.emit_pipeline(

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -277,6 +278,7 @@ class CheckOptions:
     full_contract: bool = False  # the contract shape on a CPU too
     seed: int = 0
     profile: bool = False
+    profile_dir: str | None = None  # where the profile's trace and the programs' HLO are kept (None: not kept)
 
 
 def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> None:
@@ -347,7 +349,8 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
     if fallback:
         _fallback_cost(report, section, config, model, contract)
     if options.profile:
-        profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed))
+        profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed),
+                options.profile_dir)
 
 
 def _fit(report: Report, section: str, scorer: Scorer, weight_bytes: int, budget: int, where: str) -> None:
@@ -445,8 +448,10 @@ def _op_kinds(hlo_texts: list[str]) -> dict[str, str]:
     def kind(opcode: str, rest: str, depth: int = 0) -> str:
         if opcode in _CONTAINERS:
             return "control"
-        if opcode == "custom-call":
-            return "attention kernel" if re.search(r"mosaic|tpu_custom_call|pallas|attention", rest) else "element-wise"
+        if opcode == "custom-call":  # a Pallas kernel, a cuBLAS/cuDNN matmul, or another library call
+            if re.search(r"mosaic|tpu_custom_call|pallas|attention", rest):
+                return "attention kernel"
+            return "matmuls" if re.search(r"cublas|gemm|matmul|cudnn\$conv", rest) else "element-wise"
         if opcode in _MATMUL:
             return "matmuls"
         if opcode == "fusion" and depth < 4 and (called := re.search(r"calls=%?([\w.\-]+)", rest)):
@@ -460,6 +465,16 @@ def _op_kinds(hlo_texts: list[str]) -> dict[str, str]:
     return {name: kind(opcode, rest) for body in computations.values() for name, opcode, rest in body}
 
 
+def _kernel_kind(name: str) -> str:
+    """An op's kind by the name of the kernel that ran it, where its HLO op says nothing (on a GPU, kernels run
+    inside CUDA graphs report the graph's command buffer as their op): cuBLAS's Hopper kernels are nvjet_*."""
+    if re.search(r"mosaic|attention", name):
+        return "attention kernel"
+    if re.search(r"nvjet|gemm|xmma|cutlass|cublas|matmul|\bdot|convolution", name, re.IGNORECASE):
+        return "matmuls"
+    return "copies" if re.search(r"copy|memcpy|transpose|slice|concatenate", name, re.IGNORECASE) else "element-wise"
+
+
 def _intervals_length(spans: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for start, stop in sorted(spans):
@@ -469,21 +484,9 @@ def _intervals_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> None:
-    """Device time per op kind over one run of the request, from JAX's profiler: the device's op events
-    (TPU, GPU); on a CPU, which has no device, XLA's ops as its CPU runtime runs them on the host's threads.
-    Host gaps: the run's time with no op running. Beside them, the passes' host and device seconds as a worker
-    exports them (core.scorer.PassResult)."""
-    kinds = _op_kinds([program.as_text() for program in _PROGRAMS.resident.values()])
-    with tempfile.TemporaryDirectory() as folder:
-        scorer.clear_prefix_cache()
-        with jax.profiler.trace(folder):
-            start = time.perf_counter()
-            scorer.clear_prefix_cache()
-            passes = list(scorer.iter_passes([scorer.tokenize(*request)]))
-            wall_us = (time.perf_counter() - start) * 1e6
-        files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
-        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+def op_times(events: list[dict], kinds: dict[str, str]) -> tuple[dict[str, float], list[tuple[float, float]], str]:
+    """A trace's op time per kind (microseconds), the ops' spans, and where the ops came from: the device's op
+    lines (TPU, GPU), else XLA's CPU ops on the host's threads. `kinds`: `_op_kinds` of the programs' HLO."""
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -496,15 +499,39 @@ def profile(report: Report, section: str, scorer: Scorer, request: tuple) -> Non
     per_kind: dict[str, float] = defaultdict(float)
     spans = []
     for e in on_device or ops:
-        name = e.get("args", {}).get("hlo_op") or e["name"]
-        k = kinds.get(name) or kinds.get(name.split(":")[0]) or (
-            "attention kernel" if re.search(r"attention|mosaic", name) else
-            "matmuls" if re.search(r"dot|gemm|matmul|conv", name) else
-            "copies" if re.search(r"copy|memcpy|transpose|slice", name) else "element-wise")
+        hlo_op = e.get("args", {}).get("hlo_op") or ""
+        k = kinds.get(hlo_op) or kinds.get(hlo_op.split(":")[0]) or _kernel_kind(e["name"])
         if k == "control":
             continue
         per_kind[k] += e["dur"]
         spans.append((e["ts"], e["ts"] + e["dur"]))
+    return per_kind, spans, source
+
+
+def profile(report: Report, section: str, scorer: Scorer, request: tuple, keep: str | None = None) -> None:
+    """Device time per op kind over one run of the request, from JAX's profiler: the device's op events
+    (TPU, GPU); on a CPU, which has no device, XLA's ops as its CPU runtime runs them on the host's threads.
+    Host gaps: the run's time with no op running (the request's tokenizing not counted). Beside them, the
+    passes' host and device seconds as a worker exports them (core.scorer.PassResult). `keep`: a folder to copy
+    the trace (for Perfetto or TensorBoard) and the programs' HLO into."""
+    texts = [program.as_text() for program in _PROGRAMS.resident.values()]
+    kinds = _op_kinds(texts)
+    tokens = scorer.tokenize(*request)  # (not the pass's host work)
+    with tempfile.TemporaryDirectory() as folder:
+        scorer.clear_prefix_cache()
+        with jax.profiler.trace(folder):
+            start = time.perf_counter()
+            passes = list(scorer.iter_passes([tokens]))
+            wall_us = (time.perf_counter() - start) * 1e6
+        files = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for file in files[:1]:
+                shutil.copy(file, os.path.join(keep, "trace.json.gz"))
+            with gzip.open(os.path.join(keep, "programs.hlo.txt.gz"), "wt") as f:
+                f.write("\n".join(texts))
+    per_kind, spans, source = op_times(events, kinds)
     if not spans:
         report.add(section, "warn", "profile: the trace holds no op events")
         return

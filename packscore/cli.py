@@ -155,8 +155,8 @@ def check(args: argparse.Namespace) -> None:
                                                                  engine.CPU_SHAPE))
     options = engine.CheckOptions(
         workers_per_host=max(len(groups), 1), shape=shape, full_contract=args.full_contract, seed=args.seed,
-        profile=args.profile, memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb else None,
-        tolerance=args.tolerance)
+        profile=args.profile, profile_dir=args.profile_dir,
+        memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb else None, tolerance=args.tolerance)
     for name, source in settings.served_models.items():
         engine.check_model(report, engine.ModelCheck(
             name, source, settings.model_cache_dir, settings.dtype, settings.attention, settings.tensor_parallel,
@@ -478,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "fit, attention path, scores against the CPU's float32, speed; exits 1 on a failure")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.add_argument("--profile", action="store_true", help="device time per op kind (JAX's profiler)")
+    p.add_argument("--profile-dir", help="with --profile: keep the trace (Perfetto, TensorBoard) and the programs' "
+                   "HLO in this folder")
     p.add_argument("--query-tokens", "-P", type=int, help="a request shape (as benchmarks.bench's; unset ones from "
                    "500,100,20): the scored request, and timed besides the contract's")
     p.add_argument("--items", "-N", type=int)

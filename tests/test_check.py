@@ -124,3 +124,21 @@ def test_check_reports_a_good_host_and_fails_for_each_reason() -> None:
 
 if __name__ == "__main__":
     print(json.dumps(report()), flush=True)
+
+
+def test_profile_reads_a_gpu_trace_by_kernel_names() -> None:
+    """The op table of a trace from an H200 (the contract request, 2026-11-28; each kernel's events summed into
+    one): kernels inside CUDA graphs name their graph's command buffer as their HLO op, so the kernel's own name
+    says what it is (cuBLAS's Hopper matmuls are nvjet_*, the Pallas kernel body_mosaic_gpu_kernel)."""
+    import gzip
+
+    from core.check import op_times
+
+    events = json.load(gzip.open(ROOT / "tests" / "data" / "h200-contract-trace.json.gz"))["traceEvents"]
+    per_kind, spans, source = op_times(events, {})
+    assert source == "trace: device ops"
+    ms = {k: round(v / 1e3, 1) for k, v in per_kind.items()}
+    assert ms == {"attention kernel": 21.0, "matmuls": 14.9, "element-wise": 10.5, "copies": 8.6}, ms
+    # An op its HLO names (the TPU's, a GPU op outside a graph) goes by the programs' HLO instead.
+    named = [{**e, "args": {"hlo_op": "fusion.1"}} for e in events if e.get("name") == "loop_convert_fusion_1"]
+    assert set(op_times(events[:2] + named, {"fusion.1": "matmuls"})[0]) == {"matmuls"}
