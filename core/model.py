@@ -60,11 +60,16 @@ def dense(x: jax.Array, w: nnx.Param) -> jax.Array:
 def over_tokens(fn: Callable, n_tokens: jax.Array, rows: int | None, *xs: jax.Array):
     """`fn` (row by row) on the first `n_tokens` rows of `xs` (each [T, ...]), `rows` rows a step (None: all
     T at once), for as many steps as those rows need: a pass pays for its real tokens, not for the ladder
-    length it is padded to. Rows past them come out as zeros (their keys are masked, nothing reads them)."""
+    length it is padded to. Rows past them come out as zeros, or with None as `fn` makes them (their keys are
+    masked, nothing reads them)."""
+    if rows is None:
+        # One step of all T rows, with no loop around it: an accelerator runs a loop's control from the host, a
+        # predicate read back each trip (on an H200, 54 reads a pass, the device idle between: docs/performance.md).
+        return fn(*xs)
     T = xs[0].shape[0]
-    if rows is not None and T < rows:
+    if T < rows:
         return _over_first_rows(fn, n_tokens, *xs)
-    rows = min(rows or T, T)
+    rows = min(rows, T)
     shapes = jax.eval_shape(fn, *(x[:rows] for x in xs))
     # A last step that would run past T is moved back to end at T (dynamic slices clamp), recomputing rows
     # that are already done: fn is row by row, so they come out the same.
@@ -246,9 +251,10 @@ class CausalLM(nnx.Module):
         tables = [rotary_tables(positions, rope) for rope in c.rope_list]
         cos_all, sin_all = (jnp.stack(t) for t in zip(*tables))
         layer_def, layer_state = nnx.split(self.layers)
-        # The last layer runs its output projection and MLP on the score rows only (x comes out as those rows):
-        # a few per cent of a typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly one
-        # layer's matmuls out of L.
+        # On CPU the last layer runs its output projection and MLP on the score rows only (x comes out as those
+        # rows): a few per cent of a typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly
+        # one layer's matmuls out of L. On accelerators (token_rows None) a step is the whole pass either way, so
+        # every layer runs all rows and the score rows are taken after the last: no branch in the layer loop.
         last = self.config.num_layers - 1
         if x.shape[0] != score_rows.shape[0]:  # the rows must fit in x's shape to carry them through the scan
             raise ValueError("a pass offers one score row per token")
@@ -258,11 +264,16 @@ class CausalLM(nnx.Module):
             rope = (cos_all[r], sin_all[r]) if len(tables) > 1 else tables[0]
             run = lambda rows: nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows, rows,
                                                            kind)
-            x, k, v = jax.lax.cond(i == last, lambda: run((score_rows, n_rows)), lambda: run(None))
+            if token_rows is None:  # every layer on all rows (one step each): no branch for the host to read
+                x, k, v = run(None)
+            else:
+                x, k, v = jax.lax.cond(i == last, lambda: run((score_rows, n_rows)), lambda: run(None))
             return x, ((k, v) if keep_kv else None)
 
         per_layer = (jnp.asarray(c.layer_kinds, jnp.int32), jnp.asarray(c.layer_rope_index, jnp.int32))
         x, kv = jax.lax.scan(step, x, (jnp.arange(last + 1), layer_state, cache_k, cache_v, *per_layer))
+        if token_rows is None:
+            x = x[score_rows]
         return self.label_logprobs(self.final_norm(x), score_labels, n_rows), kv
 
     def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array) -> jax.Array:

@@ -401,3 +401,23 @@ def test_accelerator_ladder_covers_every_length_with_little_padding_and_few_rung
     assert pass_length(12000, 500, 16384, 128, None, steps) == 12288
     assert pass_length(20000, 0, 16384, 128, None, steps) == 32768  # one sequence longer than a pass
     assert tiny.ladder_steps == 1  # on CPU
+
+
+def test_pass_as_on_accelerators_has_no_branch_and_scores_the_same(tiny):
+    """On accelerators (token_rows None) a pass runs every layer on all rows in one step, with no loop over
+    rows and no branch for the last layer (XLA runs both from the host on a GPU, reading each predicate back);
+    on CPU it runs in steps, the last layer on the score rows only. The same log-probs either way, with the
+    query in the pass and from the prefix cache."""
+    from core import scorer as engine
+
+    rng = np.random.default_rng(15)
+    query, items = rng.integers(5, 49152, 300).tolist(), [rng.integers(5, 49152, n).tolist() for n in (7, 0, 40, 3)]
+    got = {}
+    for token_rows in (engine.TOKEN_ROWS, None):
+        scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=640)
+        scorer.token_rows = token_rows
+        got[token_rows] = [scorer.logprobs(query, items, [4, 5]) for _ in range(2)]  # computed, then cached
+    for a, b in zip(got[engine.TOKEN_ROWS], got[None]):
+        assert np.isfinite(b).all() and np.abs(a - b).max() <= 1e-5
+    programs = [p.as_text() for key, p in engine._PROGRAMS.resident.items() if ("token_rows", None) in key[2]]
+    assert programs and not any(" conditional(" in text for text in programs)
