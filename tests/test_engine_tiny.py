@@ -411,10 +411,10 @@ def test_pass_as_on_accelerators_has_no_branch_and_scores_the_same(tiny):
     from core import scorer as engine
 
     rng = np.random.default_rng(15)
-    query, items = rng.integers(5, 49152, 300).tolist(), [rng.integers(5, 49152, n).tolist() for n in (7, 0, 40, 3)]
+    query, items = rng.integers(5, 49152, 150).tolist(), [rng.integers(5, 49152, n).tolist() for n in (7, 0, 40, 3)]
     got = {}
     for token_rows in (engine.TOKEN_ROWS, None):
-        scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=640)
+        scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=256)
         scorer.token_rows = token_rows
         got[token_rows] = [scorer.logprobs(query, items, [4, 5]) for _ in range(2)]  # computed, then cached
     for a, b in zip(got[engine.TOKEN_ROWS], got[None]):
