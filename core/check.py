@@ -29,7 +29,7 @@ import numpy as np
 
 from core import aot, sharding
 from core.requests import ModelSource
-from core.scorer import _PROGRAMS, Scorer
+from core.scorer import Scorer, program_texts
 
 # The accelerators' contract request (core.aot), and the smaller one timed on a CPU by default: the contract
 # shape takes minutes there, and the check is meant to take two.
@@ -514,7 +514,7 @@ def profile(report: Report, section: str, scorer: Scorer, request: tuple, keep: 
     Host gaps: the run's time with no op running (the request's tokenizing not counted). Beside them, the
     passes' host and device seconds as a worker exports them (core.scorer.PassResult). `keep`: a folder to copy
     the trace (for Perfetto or TensorBoard) and the programs' HLO into."""
-    texts = [program.as_text() for program in _PROGRAMS.resident.values()]
+    texts = program_texts()
     kinds = _op_kinds(texts)
     tokens = scorer.tokenize(*request)  # (not the pass's host work)
     with tempfile.TemporaryDirectory() as folder:

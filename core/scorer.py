@@ -275,6 +275,11 @@ class _Programs:
 _PROGRAMS = _Programs()
 
 
+def program_texts() -> list[str]:
+    """The compiled HLO of the pass programs this process holds (`packscore check --profile` reads op kinds)."""
+    return [program.as_text() for program in _PROGRAMS.resident.values()]
+
+
 class Scorer:
     """Scores (query, items, label_token_ids) with one model. See README and docs/score-semantics.md."""
 
