@@ -322,7 +322,10 @@ def test_gpu_kernel_rows_do_not_move_with_the_cache_or_the_pass():
 def test_engine_scores_do_not_move_with_the_cache_or_the_pass(monkeypatch):
     """The engine on CPU with the aligned TPU kernel in interpret mode inside the whole pass program, bitwise: a
     request's log-probs with its query in the pass, read from the prefix cache, and packed between other
-    requests (their queries new or cached). The passes differ in length (256 and 512 tokens) and cache length."""
+    requests (their queries new or cached). The passes differ in cache length; the cached one runs in a pass of
+    256 tokens, the others in passes of 512: bitwise among the 512-token passes; between the lengths within 2e-6,
+    since XLA's CPU programs for the two lengths need not give a row the same bits (the same on an AMD EPYC with
+    AVX512-BF16; 9.5e-7 apart on an Intel Xeon without it, 2026-11-28: docs/score-semantics.md)."""
     from core import Scorer
     from core import scorer as engine
 
@@ -352,8 +355,9 @@ def test_engine_scores_do_not_move_with_the_cache_or_the_pass(monkeypatch):
     packed_cached = logprobs([others[2], others[1], mine], 2)
     xla = Scorer(scorer.config, scorer.model, scorer.tokenizer, name="tiny", pass_tokens=512, attention="xla")
     assert np.abs(logprobs([mine], 0, xla) - in_pass).max() <= 1e-5
-    for other in (cached, packed, packed_cached):
+    for other in (packed, packed_cached):
         assert np.array_equal(other, in_pass)
+    assert np.abs(cached - in_pass).max() <= 2e-6
     jax.clear_caches()
 
 
