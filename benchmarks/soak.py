@@ -868,7 +868,7 @@ class Soak:
         ids = [r.job_id for r in runner.records if not r.sync and r.job_id and r.outcome in ("ok", "cancelled")]
         ids += [b["id"] for b in self.batches if b.get("status") in TERMINAL_BATCH and b["kind"] != "full-disk"]
         seen = self.receiver.by_id()
-        wrong, redelivered, delivered, failed, gone = [], [], 0, 0, 0
+        wrong, redelivered, delivered, failed, gone, gone_unanswered = [], [], 0, 0, 0, 0
         retries = len(WEBHOOK_RETRY_SCHEDULE)
         with self.deployment.http() as http:
             for item_id in ids:
@@ -889,6 +889,8 @@ class Soak:
                     ok_answers = ok_answers[:1]
                 if state == "gone":
                     gone += 1
+                    # (no 2xx at the receiver: failed after its retries; retention hid its state from the API)
+                    gone_unanswered += not ok_answers
                     if len({a[0] for a in answers}) > 1 or len(ok_answers) > 1:
                         wrong.append((item_id, "gone", answers))
                 elif state is None or state["status"] == "pending":
@@ -902,7 +904,8 @@ class Soak:
                     if ok_answers or state["attempts"] != retries + 1:
                         wrong.append((item_id, f"failed after {state['attempts']}", answers))
         return {"checked": len(ids), "delivered": delivered, "failed_after_retries": failed,
-                "deleted_by_retention": gone, "redelivered_after_a_kill": redelivered, "wrong": wrong[:20]}
+                "deleted_by_retention": gone, "deleted_by_retention_without_a_2xx": gone_unanswered,
+                "redelivered_after_a_kill": redelivered, "wrong": wrong[:20]}
 
 
 def write_pairs(table: pa.Table, fmt: str, sink) -> None:  # type: ignore[no-untyped-def]
