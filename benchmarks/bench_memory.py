@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--every", type=int, default=10, help="print RSS after every this many requests")
     parser.add_argument("--warmup", action="store_true", help="compile the shape ladder first (WARMUP=ladder)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-programs", type=int, default=24,
+                        help="MAX_PROGRAMS: fewer than the shapes met makes programs evicted and compiled again")
     args = parser.parse_args(argv)
 
-    scorer = Scorer.from_pretrained(args.model, dtype="float32")
+    scorer = Scorer.from_pretrained(args.model, dtype="float32", max_programs=args.max_programs)
     rng = np.random.default_rng(args.seed)
     random_tokens = lambda n: rng.integers(10, scorer.vocab_size, int(n)).tolist()
     start = time.perf_counter()

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -135,6 +136,7 @@ class Deployment:
                     # Retention a third of the run: the jobs of its first two thirds go before it ends.
                     "RESULT_TTL_DAYS": str(run_minutes / 3 / 1440),
                     "RETENTION_INTERVAL_SECONDS": str(min(20.0, run_minutes * 60 / 20)),
+                    "PACKSCORE_MEMORY_LOG_SECONDS": str(min(300.0, run_minutes * 60 / 12)),
                     "LEASE_SECONDS": "15", "SWEEP_INTERVAL_SECONDS": "1", "RETRY_AFTER_SECONDS": "1",
                     "COMPILE_CACHE_DIR": str(compile_cache), "MODEL_CACHE_DIR": str(home / "model-cache"),
                     **(settings or {})}
@@ -146,6 +148,20 @@ class Deployment:
               cwd: Path = REPO) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "packscore.cli", *args], env={**self.env, **(env or {})},
                                 cwd=cwd, stdout=open(self.logs / log, "ab"), stderr=subprocess.STDOUT)
+
+    def prefix_caches_mb(self) -> dict[str, float]:
+        """Each worker log's last reported prefix-cache size (worker/tasks.py logs its memory now and then)."""
+        sizes = {}
+        for log in self.logs.glob("worker*.log"):
+            found = re.findall(r"memory: RSS [\d.]+ MB; prefix cache ([\d.]+) of", log.read_text(errors="replace"))
+            if found:
+                sizes[log.stem] = float(found[-1])
+        return sizes
+
+    def programs_compiled(self) -> int:
+        """Pass programs the workers compiled for shapes met after their warm-up (core.scorer logs each)."""
+        return sum(log.read_text(errors="replace").count("compiled a pass program for a new shape")
+                   for log in self.logs.glob("*.log"))
 
     def start_plain_worker(self) -> None:
         self.plain_starts += 1
@@ -410,6 +426,7 @@ class Soak:
     samples: list[tuple[float, str, int, float, int]] = field(default_factory=list)  # (t, name, pid, MB, files)
     windows: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    compiled_before: int = 0  # the workers' compiles after warm-up, as their logs said at the last window's end
 
     def __post_init__(self) -> None:
         self.stop = threading.Event()
@@ -717,6 +734,7 @@ class Soak:
             if start <= t < end:
                 processes[f"{name}:{pid}"] = {"rss_mb": round(rss, 1), "open_files": files}  # the last sample
         cache = Path(self.deployment.env["COMPILE_CACHE_DIR"])
+        compiled, self.compiled_before = self.compiled_before, self.deployment.programs_compiled()
         window = {
             "window": index, "minutes": [round(start / 60, 1), round(end / 60, 1)],
             "load_1m": os.getloadavg()[0],
@@ -727,6 +745,8 @@ class Soak:
             "processes": processes,
             "database_mb": round(size / 2**20, 2) if (size := self.deployment.database_bytes()) is not None else None,
             "compile_cache_mb": round(folder_bytes(cache) / 2**20, 1),
+            "programs_compiled": self.compiled_before - compiled,  # by workers after their warm-up
+            "prefix_cache_mb": self.deployment.prefix_caches_mb(),  # bounded (PREFIX_CACHE_BYTES): part of RSS
             "result_folders_mb": round((folder_bytes(self.deployment.lake / "out")
                                         + folder_bytes(self.deployment.s3.folder)) / 2**20, 1),
             "faults": [f["fault"] for f in self.fault_log if start <= f["at_s"] < end],

@@ -1,6 +1,7 @@
 """The public engine: validation, tokenization, packed passes and host-side scores."""
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -74,6 +75,8 @@ class PassResult:
     device_seconds: float  # from the device's start on it (its launch, or the previous pass's results) to its results
     device_idle_seconds: float  # the device's idle time before it: from the previous pass's results to its launch
 
+
+log = logging.getLogger(__name__)
 
 # glibc keeps the memory a pass frees in its heaps for reuse, and passes of varying sizes (prefix-cache entries
 # of every length, cache inputs, outputs) fragment them: a long-lived engine's RSS grew by about 100 MB every
@@ -343,6 +346,7 @@ class Scorer:
             prefix_cache_bytes = per_chip * tensor_parallel or PREFIX_CACHE_BYTES_CPU
         self._prefix_cache = PrefixCache(prefix_cache_bytes)
         self.max_programs = max_programs
+        self._warming = False  # warm_up compiles the ladder: those compiles are not logged one by one
         self._engine_lock = threading.Lock()
         self._last_launched: InFlightPass | None = None  # the pass launched last (see InFlightPass)
 
@@ -553,7 +557,15 @@ class Scorer:
                 i32(score_rows, label_width), i32(), i32())
         statics = {"model_def": self._model_def, "impl": self.attention, "block_q": self.block_q,
                    "block_k": self.block_k, "keep_kv": keep_kv, "token_rows": self.token_rows, "mesh": self.mesh}
-        return _PROGRAMS.get(self.max_programs, args, statics)
+        compiled = _PROGRAMS.compiles
+        program = _PROGRAMS.get(self.max_programs, args, statics)
+        if _PROGRAMS.compiles > compiled and not self._warming:
+            # Each new shape costs a compile and some memory that is not all given back when the program is
+            # evicted (docs/soak.md): operators see here which traffic brings new shapes.
+            log.info("%s: compiled a pass program for a new shape (tokens %d, cached keys %d, table width %d, "
+                     "labels %d, keys/values out %s): %d compiled in this process, %d resident", self.model_name,
+                     tokens, cache_len, width, label_width, keep_kv, _PROGRAMS.compiles, len(_PROGRAMS.resident))
+        return program
 
     def warm_up(self, on_program: Callable[[int, int], None] | None = None) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
@@ -573,10 +585,14 @@ class Scorer:
         if on_program is not None:
             on_program(0, len(shapes))
         with self._engine_lock:
-            for done, (T, C, keep) in enumerate(shapes, 1):
-                self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
-                if on_program is not None:
-                    on_program(done, len(shapes))
+            self._warming = True
+            try:
+                for done, (T, C, keep) in enumerate(shapes, 1):
+                    self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
+                    if on_program is not None:
+                        on_program(done, len(shapes))
+            finally:
+                self._warming = False
         return len(shapes)
 
     def _prefix_rows(self, keys_or_values: jax.Array, lo: int, hi: int):

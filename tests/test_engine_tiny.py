@@ -273,9 +273,12 @@ def test_resident_programs_are_capped_least_recently_used_first(tiny):
     assert capped.resident_programs == 2
 
 
-def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
+def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog):
     """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
-    queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder."""
+    queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder. A shape
+    off it (9 labels) compiles, and the engine's log says so (the warm-up's compiles are not logged one by one)."""
+    caplog.set_level("INFO", logger="core.scorer")
+    new_shape = "compiled a pass program for a new shape"
     scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
     progress = []
     assert scorer.warm_up(lambda done, total: progress.append((done, total))) == 21  # 7 pass lengths, without
@@ -298,6 +301,12 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny):
         assert T in lengths and C in (0, 512, 4096) and S == T and width == (C + T) // 64 and label_width == 8
         assert keep_kv  # on CPU every pass returns its keys/values
     assert {C for _, C, *_ in shapes} == {0, 512, 4096}  # passes against cached queries were among them
+    assert new_shape not in caplog.text
+    scorer.logprobs([5, 6, 7], [[8, 9]], list(range(100, 109)))
+    assert scorer.compiled_programs == before + 1
+    assert [r.getMessage() for r in caplog.records if new_shape in r.getMessage()] == [
+        f"tiny: {new_shape} (tokens 64, cached keys 0, table width 1, labels 16, keys/values out True): "
+        f"{before + 1} compiled in this process, {scorer.resident_programs} resident"]
 
 
 def test_prefix_cache_as_on_accelerators_scores_the_same_and_compiles_few_programs(tiny):

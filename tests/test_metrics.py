@@ -165,10 +165,14 @@ def test_a_pass_reports_its_host_and_device_time() -> None:
     time.sleep(0.2)
     result = scorer.launch([request], scorer.plan_pass([request]), planned_from=planned_from).result()
     assert result.host_seconds >= 0.2 and result.device_seconds > 0 and result.device_idle_seconds >= 0.2
-    result = scorer.launch([request], scorer.plan_pass([request])).result()
-    assert result.host_seconds > 0 and result.device_seconds > 0
-    # Both end before the scores are collected: about the pass's own time, never more.
-    assert 0.75 * result.seconds - 0.02 <= result.host_seconds + result.device_seconds <= result.seconds
+    # Both end before the scores are collected: about the pass's own time, never more. "About": on a loaded host
+    # the thread collecting the scores may wait for a core (75 of 119 ms once, beside the suite), so of a few
+    # passes one at least; time missing from the accounting would be missing from all of them.
+    results = [scorer.launch([request], scorer.plan_pass([request])).result() for _ in range(5)]
+    for result in results:
+        assert result.host_seconds > 0 and result.device_seconds > 0
+        assert result.host_seconds + result.device_seconds <= result.seconds
+    assert any(0.75 * r.seconds - 0.02 <= r.host_seconds + r.device_seconds for r in results), results
 
 
 def test_passes_export_host_and_device_time(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]

@@ -45,6 +45,10 @@ def test_soak(tmp_path: Path) -> None:
         assert summary["requests"] > 0
         assert summary["errors"] == 0, summary["errors_by_kind"]
         assert summary["verified"] == summary["ok"] == summary["requests"] - summary["cancelled"]
+        # The workers' memory is told apart: programs compiled after start (here every one: WARMUP=none) and the
+        # prefix cache's size, from their logs (worker/tasks.py), beside RSS.
+        assert sum(w["programs_compiled"] for w in report["windows"]) > 0
+        assert any(w["prefix_cache_mb"] for w in report["windows"]), report["windows"]
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}
         assert {"api", "supervisor", "worker-plain"} <= sampled and len(sampled) >= 3, sampled
         assert 0 < summary["sync_ok"] < summary["ok"], "both ways in were used"

@@ -45,6 +45,10 @@ STOP_DELIVERY_SECONDS = 3.0
 # programs done and total, for /readyz) and nothing drains.
 _ready = threading.Event()
 _warmup: tuple[int, int] | None = None
+# How often a ready worker logs its memory: the bounded parts (the prefix cache, the resident programs) beside its
+# RSS, so that an operator (and benchmarks/soak.py) can tell a cache filling up from a leak.
+MEMORY_LOG_SECONDS = float(os.environ.get("PACKSCORE_MEMORY_LOG_SECONDS", "300"))
+_memory_logged_at = float("-inf")
 
 
 def _drain() -> None:
@@ -71,6 +75,19 @@ def _run_loop() -> None:
                 return
 
 
+def _log_memory() -> None:
+    global _memory_logged_at
+    if time.monotonic() - _memory_logged_at < MEMORY_LOG_SECONDS:
+        return
+    _memory_logged_at = time.monotonic()
+    scorer = get_scorer()
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled)",
+             rss / 2**20, scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
+             scorer.resident_programs, scorer.compiled_programs)
+
+
 @app.task(name=DRAIN_TASK, acks_late=True, reject_on_worker_lost=True)
 def drain() -> None:
     _drain()
@@ -90,6 +107,7 @@ def _maintain() -> None:
                            "ready" if _ready.is_set() else "warming", _warmup)
     if not _ready.is_set():
         return
+    _log_memory()
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
