@@ -142,7 +142,7 @@ def test_pace_counts_a_shapes_passes_after_its_first() -> None:
                                     (1024, ("y",), 1 / 512)):
         scheduled = scheduler.schedule()
         scheduler.update_from_output(scheduled, scores_of(scheduled, tokens, shape))
-        assert scheduler.seconds_per_token == expected
+        assert scheduler.pace.seconds_per_token == expected
 
 
 def test_dropped_and_unscored_requests_leave_the_scheduler() -> None:
@@ -188,13 +188,13 @@ def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
     assert scheduler.pass_budget([middling]) == 512  # the shortest pass that holds it (302 tokens)
     # A host whose passes ran at the AVX2-only kind's pace (2.3 s per 1,024 tokens) cuts the passes a small call
     # may wait for to what it runs in about CPU_WAIT_SECONDS; one at the AVX-512 kind's (0.7 s) keeps them.
-    scheduler.seconds_per_token = 2.3 / 1024
+    scheduler.pace.seconds_per_token = 2.3 / 1024
     assert scheduler.pass_budget([big]) == 256
     scheduler.interactive_at = time.monotonic()
     assert scheduler.pass_budget([batch_job]) == 256
     scheduler.interactive_at -= scheduler_module.INTERACTIVE_RECENT_SECONDS  # a backfill alone keeps its passes
     assert scheduler.pass_budget([batch_job]) == 1024
-    scheduler.seconds_per_token = 0.7 / 1024
+    scheduler.pace.seconds_per_token = 0.7 / 1024
     assert scheduler.pass_budget([big]) == 1024
     # BATCH_ROUND_TOKENS wins; accelerators (passes launched ahead) keep whole passes.
     assert scheduler_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}),

@@ -485,3 +485,20 @@ def test_a_job_claimed_while_a_pass_runs_goes_into_the_next_pass(client, make_ke
     drain_module.drain(scorer, "worker-a", get_settings(), wake=wake)
     late = scorer.tokenize("A late small question", ["yes"], [5]).query
     assert late in passes[1], [len(p) for p in passes]
+
+
+def test_the_engines_pace_outlives_a_pass_loop(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    """A loop that starts after an idle spell cuts its passes to the host's pace at once (worker/scheduler.py,
+    Pace): the pace earlier loops measured is kept per engine, not measured again from full passes."""
+    key, _ = make_key()
+    submit(client, key, many_items(2500))  # passes of one shape after the first: the pace is measured
+    scorer = get_scorer()
+    drain_module.drain(scorer, "worker-a", get_settings())
+    pace = drain_module._PACES[scorer]
+    assert pace.seconds_per_token is not None
+    writer = job_writer.JobWriter(lambda ids: None)
+    try:
+        loop = drain_module.PassLoop(scorer, "worker-a", get_settings(), writer, lambda interactive_only: [])
+        assert loop.scheduler.pace is pace and loop.scheduler.pace.seconds_per_token is not None
+    finally:
+        writer.close()

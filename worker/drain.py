@@ -18,6 +18,7 @@ lease was lost (or by a worker killed with writes still queued, whose jobs run a
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -34,7 +35,7 @@ from store.finishing import Boundary
 from store.job_writer import JobWriter, WriterFailed
 from store.settings import Settings, get_settings
 from worker import lake as chunk_feed
-from worker.scheduler import ScheduledPass, Scheduler, batch_pass_tokens
+from worker.scheduler import Pace, ScheduledPass, Scheduler, batch_pass_tokens
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,10 @@ class _Claim:
     all_lanes: bool  # whether it may take batch work too, else interactive jobs only
 
 
+# Each engine's pace (worker/scheduler.py, Pace), kept from one pass loop to the next.
+_PACES: "weakref.WeakKeyDictionary[Scorer, Pace]" = weakref.WeakKeyDictionary()
+
+
 class PassLoop:
     """Runs claimed requests in packed passes until none is left or it is told to stop (see the module's doc):
     it moves data between the claims, the scheduler (worker/scheduler.py), the engine and the sinks."""
@@ -256,7 +261,7 @@ class PassLoop:
         self.scorer, self.owner, self.settings, self.writer = scorer, owner, settings, writer
         self._claim = claim
         self._busy = busy
-        self.scheduler = Scheduler(scorer, settings)
+        self.scheduler = Scheduler(scorer, settings, _PACES.setdefault(scorer, Pace()))
         self.jobs = JobBook(writer, owner, settings)
         self.claimed_total = 0
         self._urgent: list[Future] = []  # claims made for wake-ups (see WakeUp)

@@ -118,14 +118,33 @@ def batch_pass_tokens(engine: Engine, settings: Settings, interactive_recently: 
     return min(settings.batch_round_tokens or default, engine.pass_tokens)
 
 
+class Pace:
+    """The recent passes' seconds per token on this host (CPU: see CPU_WAIT_SECONDS). An engine's pace outlives
+    a pass loop: kept per worker, a loop that starts after an idle spell cuts its passes from its first one (a
+    fresh pace made the first small calls beside a 3,000-item call wait 2-2.8 s, behind full 1,024-token passes
+    while their shapes were timed again)."""
+
+    def __init__(self) -> None:
+        self.seconds_per_token: float | None = None
+        self._timed_shapes: set[tuple] = set()
+
+    def record(self, result: "PassResult") -> None:
+        # A shape's first pass may have compiled its program; short passes are mostly per-pass overhead.
+        if result.shape_key in self._timed_shapes and result.tokens >= MIN_CPU_PASS_TOKENS:
+            pace = result.seconds / result.tokens
+            self.seconds_per_token = pace if self.seconds_per_token is None else \
+                0.7 * self.seconds_per_token + 0.3 * pace
+        self._timed_shapes.add(result.shape_key)
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: Engine, settings: Settings, pace: Pace | None = None) -> None:
+        """`pace`: the engine's pace as earlier loops measured it (a new one by default)."""
         self.engine, self.settings = engine, settings
+        self.pace = pace or Pace()
         self.running: list[Running] = []
         self._order = 0
         self.interactive_at = float("-inf")  # when an interactive request was last added (monotonic)
-        self.seconds_per_token: float | None = None  # the recent passes' pace (CPU: see CPU_WAIT_SECONDS)
-        self._timed_shapes: set[tuple] = set()
 
     # ---- what the loop asks ----------------------------------------------------------------------------
 
@@ -196,12 +215,7 @@ class Scheduler:
 
     def update_from_output(self, scheduled: ScheduledPass, result: "PassResult") -> list[Running]:
         """Keeps a pass's scores; returns the requests it advanced (those it finished no longer held)."""
-        # A shape's first pass may have compiled its program; short passes are mostly per-pass overhead.
-        if result.shape_key in self._timed_shapes and result.tokens >= MIN_CPU_PASS_TOKENS:
-            pace = result.seconds / result.tokens
-            self.seconds_per_token = pace if self.seconds_per_token is None else \
-                0.7 * self.seconds_per_token + 0.3 * pace
-        self._timed_shapes.add(result.shape_key)
+        self.pace.record(result)
         touched: dict[Running, None] = {}
         for part in result.scores:
             run, taken = scheduled.owners[part.request]
@@ -285,7 +299,7 @@ class Scheduler:
     def _within_wait(self, tokens: int) -> int:
         """On CPU, the longest pass length up to `tokens` that runs within CPU_WAIT_SECONDS at the recent pace
         (at least MIN_CPU_PASS_TOKENS); `tokens` until a pass was timed, and on accelerators."""
-        pace = self.seconds_per_token
+        pace = self.pace.seconds_per_token
         if self.engine.launches_ahead or pace is None:
             return tokens
         fits = [n for n in self.engine.pass_lengths
