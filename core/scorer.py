@@ -74,6 +74,7 @@ class PassResult:
     host_seconds: float  # the host's work to plan, pack and launch it (tables, cached prefixes, tokens to device)
     device_seconds: float  # from the device's start on it (its launch, or the previous pass's results) to its results
     device_idle_seconds: float  # the device's idle time before it: from the previous pass's results to its launch
+    compiled: bool = False  # its program was compiled (or loaded from the compile cache) for it: its time counts that
 
 
 log = logging.getLogger(__name__)
@@ -219,9 +220,11 @@ class InFlightPass:
     launch (`Scorer._look_back`), `result()` at the latest; the device runs passes in launch order."""
 
     def __init__(self, scorer: "Scorer", requests: list[TokenizedRequest], arrays, handle, shape_key: tuple,
-                 start: float, launched: float, host_seconds: float, previous: "InFlightPass | None") -> None:
+                 start: float, launched: float, host_seconds: float, previous: "InFlightPass | None",
+                 compiled: bool = False) -> None:
         self._scorer, self._requests, self._arrays, self._handle = scorer, requests, arrays, handle
         self.shape_key, self._start, self._launched, self._host_seconds = shape_key, start, launched, host_seconds
+        self.compiled = compiled
         self._previous = previous  # the pass launched before it (None once its own result is in)
         self._ready_at: float | None = None  # when its results were first seen ready (time.perf_counter())
 
@@ -246,7 +249,7 @@ class InFlightPass:
         arrays = self._arrays
         return PassResult(_collect_scores(self._requests, arrays, logprobs), arrays.real_tokens,
                           len(arrays.tokens), time.perf_counter() - self._start, self.shape_key, self._host_seconds,
-                          device_seconds, idle_seconds)
+                          device_seconds, idle_seconds, self.compiled)
 
 
 class _Programs:
@@ -499,7 +502,9 @@ class Scorer:
         arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass, self.ladder_steps)
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
+        compiles = _PROGRAMS.compiles
         handle, kv, shape_key = self._launch(arrays, cached, cached_lengths, labels, keep_kv)
+        compiled = _PROGRAMS.compiles > compiles
         launched = time.perf_counter()
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
@@ -507,7 +512,7 @@ class Scorer:
         # A prefix evicted since planning and computed again above counts here too: the host waited for it.
         host_seconds = launched - (start if planned_from is None else planned_from)
         flight = InFlightPass(self, requests, arrays, handle, shape_key, start, launched, host_seconds,
-                              self._last_launched)
+                              self._last_launched, compiled)
         self._last_launched = flight
         # On CPU keeping a prefix waited for the pass (its keys/values are copied out): it may be ready now.
         self._look_back(time.perf_counter())

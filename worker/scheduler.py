@@ -119,22 +119,20 @@ def batch_pass_tokens(engine: Engine, settings: Settings, interactive_recently: 
 
 
 class Pace:
-    """The recent passes' seconds per token on this host (CPU: see CPU_WAIT_SECONDS). An engine's pace outlives
-    a pass loop: kept per worker, a loop that starts after an idle spell cuts its passes from its first one (a
-    fresh pace made the first small calls beside a 3,000-item call wait 2-2.8 s, behind full 1,024-token passes
-    while their shapes were timed again)."""
+    """The recent passes' seconds per token on this host (CPU: see CPU_WAIT_SECONDS), from the first pass that
+    compiled nothing. An engine's pace outlives a pass loop: kept per worker, a loop that starts after an idle
+    spell cuts its passes from its first one. (Measured afresh by each loop from each shape's second pass, the
+    first small calls beside a 3,000-item call waited 2-2.8 s on the AVX2-only host, behind 1,024-token passes.)"""
 
     def __init__(self) -> None:
         self.seconds_per_token: float | None = None
-        self._timed_shapes: set[tuple] = set()
 
     def record(self, result: "PassResult") -> None:
-        # A shape's first pass may have compiled its program; short passes are mostly per-pass overhead.
-        if result.shape_key in self._timed_shapes and result.tokens >= MIN_CPU_PASS_TOKENS:
+        # A pass that compiled its program is no measure; short passes are mostly per-pass overhead.
+        if not result.compiled and result.tokens >= MIN_CPU_PASS_TOKENS:
             pace = result.seconds / result.tokens
             self.seconds_per_token = pace if self.seconds_per_token is None else \
                 0.7 * self.seconds_per_token + 0.3 * pace
-        self._timed_shapes.add(result.shape_key)
 
 
 class Scheduler:
@@ -298,10 +296,13 @@ class Scheduler:
 
     def _within_wait(self, tokens: int) -> int:
         """On CPU, the longest pass length up to `tokens` that runs within CPU_WAIT_SECONDS at the recent pace
-        (at least MIN_CPU_PASS_TOKENS); `tokens` until a pass was timed, and on accelerators."""
+        (at least MIN_CPU_PASS_TOKENS), at most CPU_BATCH_PASS_TOKENS until a pass was timed (a 1,024-token pass
+        took 2.3 s on the AVX2-only kind); `tokens` on accelerators."""
         pace = self.pace.seconds_per_token
-        if self.engine.launches_ahead or pace is None:
+        if self.engine.launches_ahead:
             return tokens
+        if pace is None:
+            return min(tokens, CPU_BATCH_PASS_TOKENS)
         fits = [n for n in self.engine.pass_lengths
                 if MIN_CPU_PASS_TOKENS <= n <= tokens and n * pace <= CPU_WAIT_SECONDS]
         return max(fits, default=min(tokens, MIN_CPU_PASS_TOKENS))
