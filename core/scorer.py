@@ -565,8 +565,8 @@ class Scorer:
         compiled = _PROGRAMS.compiles
         program = _PROGRAMS.get(self.max_programs, args, statics)
         if _PROGRAMS.compiles > compiled and not self._warming:
-            # Each new shape costs a compile and some memory that is not all given back when the program is
-            # evicted (docs/soak.md): operators see here which traffic brings new shapes.
+            # A new shape costs a compile (seconds on CPU) and its program's memory: operators (and
+            # benchmarks/soak.py) see here which traffic brings new shapes after the warm-up.
             log.info("%s: compiled a pass program for a new shape (tokens %d, cached keys %d, table width %d, "
                      "labels %d, keys/values out %s): %d compiled in this process, %d resident", self.model_name,
                      tokens, cache_len, width, label_width, keep_kv, _PROGRAMS.compiles, len(_PROGRAMS.resident))

@@ -42,8 +42,9 @@ def test_a_small_score_is_answered_while_a_long_job_runs(redis_url: str, run_id:
                                          "FROM passes ORDER BY id")).all()
             engine.dispose()
             # The pass in flight when it came, then its own (short: 64 tokens), and the API's and the claim's
-            # work: measured against this host's own long passes, not a fixed time.
-            long_pass = max(seconds for _, _, n_items, _, _, seconds in passes if n_items > 100)
+            # work: measured against this host's own passes of the long job, not a fixed time. (Those hold about
+            # 40 items on a slow host, where CPU_WAIT_SECONDS cuts them to 256 tokens; 150 on others.)
+            long_pass = max(seconds for _, _, n_items, _, _, seconds in passes if n_items > 10)
             assert took < long_pass + 3, f"the 1-item score took {took:.1f} s beside the long job; passes:\n" + \
                 "\n".join(map(str, passes))
             client.cancel_job(long_job["id"])
