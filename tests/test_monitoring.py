@@ -128,3 +128,31 @@ def test_queue_depth_by_lane(client, make_key, clean) -> None:  # type: ignore[n
     assert upload(client, key, [request_line(i) for i in range(3)]).status_code == 201
     assert lane_depth(client) == {"interactive": 2, "batch": 3}
     assert re.search(r"^packscore_queue_depth 5\.0$", client.get("/metrics").text, re.M)
+
+
+def test_a_worker_logs_what_its_memory_holds(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The memory log an operator (and benchmarks/soak.py) reads: RSS beside the bounded parts, and with
+    PACKSCORE_TRACE_PYTHON_MEMORY the lines whose Python allocations grew since the last log."""
+    import tracemalloc
+    from types import SimpleNamespace
+
+    from worker import tasks
+
+    monkeypatch.setattr(tasks, "get_scorer", lambda: SimpleNamespace(
+        cached_prefix_bytes=3 << 20, prefix_cache_bytes=256 << 20, resident_programs=4, compiled_programs=21))
+    monkeypatch.setattr(tasks, "MEMORY_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(tasks, "TRACE_PYTHON_MEMORY", True)
+    monkeypatch.setattr(tasks, "_traced", None)
+    caplog.set_level("INFO", logger="worker.tasks")
+    try:
+        tasks._log_memory()
+        kept = [bytearray(4096) for _ in range(500)]  # 2 MB that the second log must name
+        tasks._log_memory()
+    finally:
+        tracemalloc.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert re.match(r"memory: RSS [\d.]+ MB; prefix cache 3\.0 of 256\.0 MB; 4 pass programs resident \(21 compiled\); "
+                    r"Arrow's \w+ pool [\d.]+ MB", lines[0])
+    grew = [line for line in lines if "grew most" in line]
+    assert len(grew) == 1 and "test_monitoring.py" in grew[0].split("|")[0], grew
+    assert len(kept) == 500

@@ -14,9 +14,11 @@ import os
 import socket
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable
 
+import pyarrow as pa
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from store import sweeper, workers
@@ -49,6 +51,10 @@ _warmup: tuple[int, int] | None = None
 # RSS, so that an operator (and benchmarks/soak.py) can tell a cache filling up from a leak.
 MEMORY_LOG_SECONDS = float(os.environ.get("PACKSCORE_MEMORY_LOG_SECONDS", "300"))
 _memory_logged_at = float("-inf")
+# PACKSCORE_TRACE_PYTHON_MEMORY=1: each memory log also names the lines whose Python allocations grew most since
+# the last one (tracemalloc: slows the process; for hunting a leak, not for serving).
+TRACE_PYTHON_MEMORY = os.environ.get("PACKSCORE_TRACE_PYTHON_MEMORY") == "1"
+_traced: tracemalloc.Snapshot | None = None
 
 
 def _drain() -> None:
@@ -83,9 +89,24 @@ def _log_memory() -> None:
     scorer = get_scorer()
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled)",
-             rss / 2**20, scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
-             scorer.resident_programs, scorer.compiled_programs)
+    log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's "
+             "%s pool %.1f MB (the lake's tables)", rss / 2**20, scorer.cached_prefix_bytes / 2**20,
+             scorer.prefix_cache_bytes / 2**20, scorer.resident_programs, scorer.compiled_programs,
+             pa.default_memory_pool().backend_name, pa.total_allocated_bytes() / 2**20)
+    if TRACE_PYTHON_MEMORY:
+        _log_python_growth()
+
+
+def _log_python_growth() -> None:
+    global _traced
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+    snapshot = tracemalloc.take_snapshot()
+    if _traced is not None:
+        grew = snapshot.compare_to(_traced, "lineno")[:8]
+        log.info("memory: Python's allocations %.1f MB; grew most since the last log: %s",
+                 tracemalloc.get_traced_memory()[0] / 2**20, " | ".join(map(str, grew)))
+    _traced = snapshot
 
 
 @app.task(name=DRAIN_TASK, acks_late=True, reject_on_worker_lost=True)
