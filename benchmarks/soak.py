@@ -136,7 +136,7 @@ class Deployment:
                     # Retention a third of the run: the jobs of its first two thirds go before it ends.
                     "RESULT_TTL_DAYS": str(run_minutes / 3 / 1440),
                     "RETENTION_INTERVAL_SECONDS": str(min(20.0, run_minutes * 60 / 20)),
-                    "PACKSCORE_MEMORY_LOG_SECONDS": str(min(300.0, run_minutes * 60 / 12)),
+                    "MEMORY_LOG_SECONDS": str(min(300.0, run_minutes * 60 / 12)),
                     "LEASE_SECONDS": "15", "SWEEP_INTERVAL_SECONDS": "1", "RETRY_AFTER_SECONDS": "1",
                     "COMPILE_CACHE_DIR": str(compile_cache), "MODEL_CACHE_DIR": str(home / "model-cache"),
                     **(settings or {})}

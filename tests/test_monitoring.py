@@ -132,22 +132,22 @@ def test_queue_depth_by_lane(client, make_key, clean) -> None:  # type: ignore[n
 
 def test_a_worker_logs_what_its_memory_holds(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     """The memory log an operator (and benchmarks/soak.py) reads: RSS beside the bounded parts, and with
-    PACKSCORE_TRACE_PYTHON_MEMORY the lines whose Python allocations grew since the last log."""
+    TRACE_PYTHON_MEMORY the lines whose Python allocations grew since the last log."""
     import tracemalloc
     from types import SimpleNamespace
 
+    from store.settings import Settings
     from worker import tasks
 
     monkeypatch.setattr(tasks, "get_scorer", lambda: SimpleNamespace(
         cached_prefix_bytes=3 << 20, prefix_cache_bytes=256 << 20, resident_programs=4, compiled_programs=21))
-    monkeypatch.setattr(tasks, "MEMORY_LOG_SECONDS", 0.0)
-    monkeypatch.setattr(tasks, "TRACE_PYTHON_MEMORY", True)
+    settings = Settings(memory_log_seconds=1e-9, trace_python_memory=True)
     monkeypatch.setattr(tasks, "_traced", None)
     caplog.set_level("INFO", logger="worker.tasks")
     try:
-        tasks._log_memory()
+        tasks._log_memory(settings)
         kept = [bytearray(4096) for _ in range(500)]  # 2 MB that the second log must name
-        tasks._log_memory()
+        tasks._log_memory(settings)
     finally:
         tracemalloc.stop()
     lines = [r.getMessage() for r in caplog.records]

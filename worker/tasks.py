@@ -25,7 +25,7 @@ from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
 from store.retention import prune
-from store.settings import get_settings
+from store.settings import Settings, get_settings
 from worker import drain as drain_module
 from worker import lake as chunk_feed
 from worker.celery_app import app
@@ -47,13 +47,8 @@ STOP_DELIVERY_SECONDS = 3.0
 # programs done and total, for /readyz) and nothing drains.
 _ready = threading.Event()
 _warmup: tuple[int, int] | None = None
-# How often a ready worker logs its memory: the bounded parts (the prefix cache, the resident programs) beside its
-# RSS, so that an operator (and benchmarks/soak.py) can tell a cache filling up from a leak.
-MEMORY_LOG_SECONDS = float(os.environ.get("PACKSCORE_MEMORY_LOG_SECONDS", "300"))
+# The memory log's last time, and its last Python allocations (settings: MEMORY_LOG_SECONDS, TRACE_PYTHON_MEMORY).
 _memory_logged_at = float("-inf")
-# PACKSCORE_TRACE_PYTHON_MEMORY=1: each memory log also names the lines whose Python allocations grew most since
-# the last one (tracemalloc: slows the process; for hunting a leak, not for serving).
-TRACE_PYTHON_MEMORY = os.environ.get("PACKSCORE_TRACE_PYTHON_MEMORY") == "1"
 _traced: tracemalloc.Snapshot | None = None
 
 
@@ -81,9 +76,9 @@ def _run_loop() -> None:
                 return
 
 
-def _log_memory() -> None:
+def _log_memory(settings: Settings) -> None:
     global _memory_logged_at
-    if time.monotonic() - _memory_logged_at < MEMORY_LOG_SECONDS:
+    if time.monotonic() - _memory_logged_at < settings.memory_log_seconds:
         return
     _memory_logged_at = time.monotonic()
     scorer = get_scorer()
@@ -93,7 +88,7 @@ def _log_memory() -> None:
              "%s pool %.1f MB (the lake's tables)", rss / 2**20, scorer.cached_prefix_bytes / 2**20,
              scorer.prefix_cache_bytes / 2**20, scorer.resident_programs, scorer.compiled_programs,
              pa.default_memory_pool().backend_name, pa.total_allocated_bytes() / 2**20)
-    if TRACE_PYTHON_MEMORY:
+    if settings.trace_python_memory:
         _log_python_growth()
 
 
@@ -128,7 +123,7 @@ def _maintain() -> None:
                            "ready" if _ready.is_set() else "warming", _warmup)
     if not _ready.is_set():
         return
-    _log_memory()
+    _log_memory(settings)
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
     # consumer can sit on a dead connection and never hear one again (found by the chaos tests: jobs queued
