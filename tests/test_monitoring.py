@@ -147,12 +147,18 @@ def test_a_worker_logs_what_its_memory_holds(monkeypatch, caplog) -> None:  # ty
     try:
         tasks._log_memory(settings)
         kept = [bytearray(4096) for _ in range(500)]  # 2 MB that the second log must name
+        freed = [bytearray(4096) for _ in range(15000)]  # 60 MB freed below memory still in use: glibc keeps it
+        pinned = bytearray(4096)
+        del freed
         tasks._log_memory(settings)
     finally:
         tracemalloc.stop()
     lines = [r.getMessage() for r in caplog.records]
     assert re.match(r"memory: RSS [\d.]+ MB; prefix cache 3\.0 of 256\.0 MB; 4 pass programs resident \(21 compiled\); "
                     r"Arrow's \w+ pool [\d.]+ MB", lines[0])
+    handed_back = [float(m) for m in re.findall(r"([\d.]+) MB of freed memory handed back", "".join(lines))]
+    assert len(handed_back) == 2 and handed_back[1] > 30, lines  # the second log's malloc_trim gave the 60 MB back
+    assert len(pinned) == 4096
     grew = [line for line in lines if "grew most" in line]
     assert len(grew) == 1 and "test_monitoring.py" in grew[0].split("|")[0], grew
     assert len(kept) == 500
