@@ -54,8 +54,9 @@ class Settings(BaseSettings):
     # Unset: 256 MiB on CPU; on accelerators a share of the device memory left after the weights and the
     # largest pass (core.scorer.device_prefix_cache_bytes).
     prefix_cache_bytes: int | None = None
-    # How often a ready worker logs its RSS beside the bounded parts (prefix cache, resident programs, Arrow's
-    # pool), so that a cache filling up is told from a leak; with trace_python_memory (tracemalloc: slows the
+    # How often a ready worker hands glibc's freed memory back (malloc_trim) and logs its RSS beside the bounded
+    # parts (prefix cache, resident programs, Arrow's pool), so that a cache filling up is told from a leak; with
+    # trace_python_memory (tracemalloc: slows the
     # worker; for hunting a leak) also the lines whose Python allocations grew most since the last log.
     memory_log_seconds: float = Field(300.0, gt=0)
     trace_python_memory: bool = False
