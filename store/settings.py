@@ -56,8 +56,8 @@ class Settings(BaseSettings):
     prefix_cache_bytes: int | None = None
     # How often a ready worker hands glibc's freed memory back (malloc_trim) and logs its RSS beside the bounded
     # parts (prefix cache, resident programs, Arrow's pool), so that a cache filling up is told from a leak; with
-    # trace_python_memory (tracemalloc: slows the
-    # worker; for hunting a leak) also the lines whose Python allocations grew most since the last log.
+    # trace_python_memory (tracemalloc: slows the worker; for hunting a leak) also the lines whose Python
+    # allocations grew most since the last log.
     memory_log_seconds: float = Field(300.0, gt=0)
     trace_python_memory: bool = False
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
