@@ -634,10 +634,10 @@ class Scorer:
         program = self._program(*shape_key)
         inputs = (arrays.tokens, meta(arrays.q_meta), meta(arrays.kv_meta), self._tables(arrays, width))
         counts = (arrays.score_rows, labels, np.int32(arrays.n_rows), np.int32(arrays.real_tokens))
-        if self.mesh is None:
-            (tokens, q_meta, kv_meta, tables), counts = jax.tree.map(jnp.asarray, (inputs, counts))
-        else:  # every chip gets the pass's tokens and tables
-            (tokens, q_meta, kv_meta, tables), counts = jax.device_put((inputs, counts), self._replicated)
+        # device_put, not jnp.asarray: JAX compiles (and keeps, with an MLIR context of its own) a small program
+        # for each shape jnp.asarray lifts, which grew a worker's memory by MBs per new pass shape (issue 47).
+        # On a mesh every chip gets the pass's tokens and tables.
+        (tokens, q_meta, kv_meta, tables), counts = jax.device_put((inputs, counts), self._replicated)
         logprobs, kv = program(self._model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, *counts)
         return logprobs, kv, shape_key
 

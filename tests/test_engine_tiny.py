@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -277,6 +278,7 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog):
     """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
     queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder. A shape
     off it (9 labels) compiles, and the engine's log says so (the warm-up's compiles are not logged one by one)."""
+    caplog.set_level("WARNING", logger="jax")  # (the handler's level: the last set_level's)
     caplog.set_level("INFO", logger="core.scorer")
     new_shape = "compiled a pass program for a new shape"
     scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
@@ -291,14 +293,19 @@ def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog):
     queries.append(rng.integers(5, 49152, 300).tolist())  # a cached query this short reads the shortest cache
     before = scorer.compiled_programs
     shapes = set()
-    for n in range(25):
-        items = [rng.integers(5, 49152, int(rng.integers(1, 60))).tolist() for _ in range(int(rng.integers(1, 300)))]
-        labels = rng.integers(0, 49152, int(rng.integers(1, 9))).tolist()
-        request = scorer.tokenize(queries[n % len(queries)], items, labels, item_first=n % 5 == 4)
-        results = list(scorer.iter_passes([request]))
-        assert not any(result.compiled for result in results)
-        shapes |= {result.shape_key for result in results}
+    with jax.log_compiles(True):  # JAX logs every program it compiles or loads, a pass's or any other
+        for n in range(25):
+            items = [rng.integers(5, 49152, int(rng.integers(1, 60))).tolist()
+                     for _ in range(int(rng.integers(1, 300)))]
+            labels = rng.integers(0, 49152, int(rng.integers(1, 9))).tolist()
+            request = scorer.tokenize(queries[n % len(queries)], items, labels, item_first=n % 5 == 4)
+            results = list(scorer.iter_passes([request]))
+            assert not any(result.compiled for result in results)
+            shapes |= {result.shape_key for result in results}
     assert scorer.compiled_programs == before
+    # Nor anything else: moving a pass's arrays to the device compiled a program per array shape (jnp.asarray),
+    # each kept with an MLIR context of its own, which grew a worker's memory for hours (issue 47).
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")] == []
     for T, C, S, width, label_width, keep_kv in shapes:
         assert T in lengths and C in (0, 512, 4096) and S == T and width == (C + T) // 64 and label_width == 8
         assert keep_kv  # on CPU every pass returns its keys/values
