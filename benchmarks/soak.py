@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -69,6 +70,7 @@ FULL_DISK_BYTES = 96 << 10
 API_STOP_SECONDS = 90
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
 ALL_FAULTS = ("kill", "receiver", "api", "database", "broker", "store", "disk")
+T = TypeVar("T")
 
 
 def minutes_of(schedule_minutes: float, run_minutes: float) -> float:
@@ -535,17 +537,10 @@ class Soak:
         if remote:
             where, out = f"{self.deployment.s3.bucket}/in/{name}", f"s3://{self.deployment.s3.bucket}/out/ref-{i}/"
 
-            # The store may be down (a fault): the input is written once it is back, as a user's export would be.
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    with self.s3_fs().open(where, "wb") as f:
-                        write_pairs(table, fmt, f)
-                    break
-                except Exception:  # noqa: BLE001  (botocore's connection errors are no OSError)
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(2)
+            def write() -> None:
+                with self.s3_fs().open(where, "wb") as f:
+                    write_pairs(table, fmt, f)
+            when_store_is_up(write)
             uri = f"s3://{where}"
         else:
             path = self.deployment.lake / "in" / name
@@ -582,6 +577,11 @@ class Soak:
     def lake_rows(self, batch: dict) -> list[str]:
         """The pair ids of a completed batch's objects, as its manifest lists them; every part object listed,
         _SUCCESS there."""
+        if batch["output"].startswith("s3://"):
+            return when_store_is_up(lambda: self._lake_rows(batch))
+        return self._lake_rows(batch)
+
+    def _lake_rows(self, batch: dict) -> list[str]:
         fs, prefix = self.lake_files(batch["output"])
         manifest = json.loads(fs.cat(f"{prefix.rstrip('/')}/_manifest.json"))
         names = {o["name"] for o in manifest["objects"]}
@@ -935,6 +935,21 @@ def write_pairs(table: pa.Table, fmt: str, sink) -> None:  # type: ignore[no-unt
         pacsv.write_csv(table, sink)
     else:
         sink.write("".join(json.dumps(row) + "\n" for row in table.to_pylist()).encode())
+
+
+def when_store_is_up(action: Callable[[], T], pause_s: float = 2) -> T:
+    """action(), tried again while the object store is down (a fault), as a user's client would, 5 minutes at
+    most. A RuntimeError (what the checks raise) is not retried."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return action()
+        except RuntimeError:
+            raise
+        except Exception:  # noqa: BLE001  (botocore's connection errors are no OSError)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(pause_s)
 
 
 def memory_growth(samples: list[tuple[float, str, int, float, int]], skip_s: float) -> dict:

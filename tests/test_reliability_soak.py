@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import ALL_FAULTS, Postgres, Soak
+from benchmarks.soak import ALL_FAULTS, Postgres, Soak, when_store_is_up
 from tests.service_harness import assert_exactly_once
 
 pytestmark = pytest.mark.alone  # a whole deployment and its faults: nothing runs beside it (Makefile: test)
@@ -66,3 +66,25 @@ def test_soak(tmp_path: Path) -> None:
         deployment.wait_ready(120)
     finally:
         deployment.close()
+
+
+def test_the_soak_reads_a_batch_s_objects_again_once_the_store_is_back() -> None:
+    """A 16-minute soak failed in its own client: it read a completed batch's manifest from s3:// while the store
+    was down (the fault). Reads and writes of the store are tried again until it is back; a failed check is not."""
+    calls = []
+
+    def read() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("the store is down")
+        return "manifest"
+
+    assert when_store_is_up(read, pause_s=0.01) == "manifest" and len(calls) == 3
+
+    def check() -> None:
+        calls.append(1)
+        raise RuntimeError("objects differ from the manifest")
+
+    with pytest.raises(RuntimeError):
+        when_store_is_up(check, pause_s=0.01)
+    assert len(calls) == 4
