@@ -346,3 +346,28 @@ def test_two_workers_on_sqlite_never_claim_one_delivery_twice(tmp_path,  # type:
     second = other_worker[0]
     assert len(second) == 3 and first == [], (first, second)
     engine.dispose()
+
+
+def test_an_accepted_delivery_is_recorded_once_the_database_is_back(  # type: ignore[no-untyped-def]
+        empty_queue, make_key, webhook_receiver, monkeypatch) -> None:
+    """The hour's soak: PostgreSQL stopped just after a receiver's 200, the worker could not record it, and the
+    message went again, same id, once the claim's lease ended. The worker now tries the record again while its
+    lease lasts: one request, delivered."""
+    from sqlalchemy.exc import OperationalError
+
+    from worker import webhooks
+
+    record, failures = webhooks._record, []
+
+    def database_down_twice(*args):  # type: ignore[no-untyped-def]
+        if len(failures) < 2:
+            failures.append(1)
+            raise OperationalError("UPDATE webhook_deliveries", {}, ConnectionError("the database restarts"))
+        return record(*args)
+
+    monkeypatch.setattr(webhooks, "_record", database_down_twice)
+    delivery_id, _ = _delivery(make_key, webhook_receiver.url)
+    row = _deliver_until_settled(delivery_id)
+    assert len(failures) == 2
+    assert row.status == "delivered" and row.attempts == 1
+    assert len(webhook_receiver.requests) == 1

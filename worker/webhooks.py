@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import select, tuple_, update
+from sqlalchemy.exc import OperationalError
 from standardwebhooks import Webhook
 
 from store.counters import count
@@ -46,6 +47,7 @@ class _Claimed:
     payload: str
     secret: str
     host: str  # for the per-host limit
+    lease_ends: float  # time.monotonic() when another worker may claim it again
 
 
 def _host_of(url: str) -> str:
@@ -69,7 +71,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
     claimed: list[WebhookDelivery] = []
     hosts: list[str] = []
     # Claimed until the attempt's deadline: if this process dies mid-attempt, another one retries later.
-    lease_until = utcnow() + timedelta(seconds=settings.webhook_timeout_seconds + 30)
+    lease_seconds = settings.webhook_timeout_seconds + 30
+    lease_until, lease_ends = utcnow() + timedelta(seconds=lease_seconds), time.monotonic() + lease_seconds
     with session_scope() as session:
         after: tuple[datetime, str] | None = None
         for _ in range(_CLAIM_PAGES):
@@ -105,7 +108,7 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
             return []
         secrets = dict(session.execute(select(ApiKey.id, ApiKey.webhook_secret)
                                        .where(ApiKey.id.in_({row.api_key_id for row in claimed}))).all())
-        return [_Claimed(row.id, row.url, row.payload, secrets.get(row.api_key_id) or "", host)
+        return [_Claimed(row.id, row.url, row.payload, secrets.get(row.api_key_id) or "", host, lease_ends)
                 for row, host in zip(claimed, hosts)]
 
 
@@ -162,6 +165,20 @@ def _record(settings: Settings, claimed: _Claimed, status_code: int | None, erro
         log.info("webhook %s to %s failed (attempt %s): %s", claimed.id, claimed.url, attempts, error)
 
 
+def _record_while_leased(settings: Settings, claimed: _Claimed, outcome: tuple) -> None:
+    """Records an attempt's outcome, trying again (the database restarting) while the claim's lease lasts:
+    a delivery the receiver accepted but this worker could not record would be sent again once the lease
+    ended (the hour's soak met one when PostgreSQL stopped just after a 200)."""
+    while True:
+        try:
+            return _record(settings, claimed, *outcome)
+        except OperationalError:
+            if time.monotonic() + 1 >= claimed.lease_ends:
+                raise
+            log.warning("webhook %s: the database is unreachable; recording the attempt again in 1 s", claimed.id)
+            time.sleep(1)
+
+
 class Dispatcher:
     """Runs delivery attempts concurrently: at most WEBHOOK_CONCURRENCY at once in this process, and at most
     WEBHOOK_PER_HOST of them to one host, so a slow receiver holds up its own deliveries only.
@@ -210,10 +227,10 @@ class Dispatcher:
         while True:
             settings, delivery, future, refill = self._queue.get()
             try:
-                _record(settings, delivery, *_attempt(settings, delivery.id, delivery.url, delivery.payload,
-                                                      delivery.secret))
+                outcome = _attempt(settings, delivery.id, delivery.url, delivery.payload, delivery.secret)
+                _record_while_leased(settings, delivery, outcome)
                 error = None
-            except Exception as exc:  # e.g. the database is down: the lease expires, the delivery is retried
+            except Exception as exc:  # e.g. the database down past the lease: the delivery is retried
                 log.exception("webhook %s: could not record the attempt", delivery.id)
                 error = exc
             with self._lock:  # the slot is free before anyone sees the future done
