@@ -160,6 +160,12 @@ class Deployment:
                 sizes[log.stem] = float(found[-1])
         return sizes
 
+    def worker_allocators(self) -> dict[str, str]:
+        """The C allocator each worker log's memory lines name (WORKER_ALLOCATOR; worker/tasks.py)."""
+        found = {log.stem: re.findall(r"handed back to the system by (\w+)", log.read_text(errors="replace"))
+                 for log in self.logs.glob("worker*.log")}
+        return {stem: names[-1] for stem, names in found.items() if names}
+
     def programs_compiled(self) -> int:
         """Pass programs the workers compiled for shapes met after their warm-up (core.scorer logs each)."""
         return sum(log.read_text(errors="replace").count("compiled a pass program for a new shape")
@@ -804,6 +810,7 @@ class Soak:
                   "faults": self.fault_log, "windows": self.windows, "load": {k: v for k, v in summary.items()
                                                                               if k not in ("config", "memory")},
                   "batches": self.batches, "calls": len(self.calls), "checks": checks, "memory_mb_per_hour": memory,
+                  "worker_allocators": self.deployment.worker_allocators(),
                   "p95_last_over_first": round(last / first, 2) if first and last else None}
         failed = []
         if checks["runner_errors"] or checks["mismatches"]:

@@ -13,6 +13,7 @@ with nothing half-committed), and what the 20-second soak asserted: no errors, e
 engine's, every process sampled, both ways in used, /healthz answered, one job per request. The bounds are counts,
 not latencies (the run shares 2 cores with its own faults); the hour-long run's figures are in docs/soak.md."""
 
+import ctypes.util
 import json
 import os
 from pathlib import Path
@@ -49,6 +50,11 @@ def test_soak(tmp_path: Path) -> None:
         # prefix cache's size, from their logs (worker/tasks.py), beside RSS.
         assert sum(w["programs_compiled"] for w in report["windows"]) > 0
         assert any(w["prefix_cache_mb"] for w in report["windows"]), report["windows"]
+        # Every worker, the plain one and the supervisor's child, on the allocator WORKER_ALLOCATOR gives them:
+        # jemalloc where the host has it (its RSS grew a third of glibc's in the hour's soak: docs/soak.md).
+        expected = "jemalloc" if ctypes.util.find_library("jemalloc") else "glibc"
+        allocators = report["worker_allocators"]
+        assert len(allocators) >= 2 and set(allocators.values()) == {expected}, allocators
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}
         assert {"api", "supervisor", "worker-plain"} <= sampled and len(sampled) >= 3, sampled
         assert 0 < summary["sync_ok"] < summary["ok"], "both ways in were used"
