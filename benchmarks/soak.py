@@ -26,7 +26,8 @@ A report per window (10 minutes of 60): p50/p95 of the interactive calls, items/
 process, the database size, the compile-cache and result-folder sizes, the load average. At the end the checks:
 every job, batch line and lake row answered exactly once, every webhook delivered once or recorded failed after
 its retries, nothing stuck, retention deleting what it should (RESULT_TTL_DAYS: a third of the run), the full disk
-a clear failure of its batch with nothing half-committed. Writes DIR/soak.json; exits 1 if a check failed.
+a clear failure of its batch with nothing half-committed. Writes DIR/soak.json (and every RSS sample,
+DIR/memory_samples.json); exits 1 if a check failed.
 """
 
 import argparse
@@ -830,6 +831,10 @@ class Soak:
         report["failed"] = failed
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "soak.json").write_text(json.dumps(report, indent=1, default=str))
+        # Every RSS sample, for fits other than the report's (a window, a process's life less its caches).
+        (self.out / "memory_samples.json").write_text(json.dumps(
+            [{"t_s": round(t, 1), "process": f"{name}:{pid}", "rss_mb": rss, "open_files": files}
+             for t, name, pid, rss, files in self.samples]))
         runner.write(self.out, "soak-load")
         return report
 

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 
 # Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
@@ -86,23 +86,22 @@ def _embedded_key() -> None:
     print(f"packscore: API key in {path.resolve()} (first line; the second is its webhook secret)", flush=True)
 
 
-def preload_worker_allocator(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Makes the worker processes this command starts (or execs into) run on the C allocator WORKER_ALLOCATOR
-    names: jemalloc through LD_PRELOAD where the system has it. Returns what they get, for the log. An LD_PRELOAD
-    already set is left as it is: an operator's choice (tcmalloc, a profiler) wins."""
+def worker_allocator_environment(environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str]:
+    """The variables that make the worker processes this command starts (or execs into) run on the C allocator
+    WORKER_ALLOCATOR names (jemalloc through LD_PRELOAD, where the system has it), and what that gives them, for
+    the log. An LD_PRELOAD already set is left as it is: an operator's choice (tcmalloc, a profiler) wins."""
     from store.settings import get_settings
 
     if environ.get("LD_PRELOAD"):
-        return f"LD_PRELOAD={environ['LD_PRELOAD']} (as set)"
+        return {}, f"LD_PRELOAD={environ['LD_PRELOAD']} (as set)"
     if get_settings().worker_allocator == "system":
-        return "the system's"
+        return {}, "the system's"
     library = ctypes.util.find_library("jemalloc")
     if library is None:
-        return "the system's (WORKER_ALLOCATOR=jemalloc, but no libjemalloc here: Debian's libjemalloc2 installs it)"
-    environ["LD_PRELOAD"] = library
+        return {}, "the system's (WORKER_ALLOCATOR=jemalloc, but no libjemalloc here: Debian's libjemalloc2 has it)"
     # Arrow's tables (the lake's chunks) through the same allocator, not through Arrow's own bundled one.
-    environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-    return f"jemalloc ({library})"
+    pool = environ.get("ARROW_DEFAULT_MEMORY_POOL", "system")
+    return {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": pool}, f"jemalloc ({library})"
 
 
 def worker_command(loglevel: str = "INFO", node: str | None = None) -> list[str]:
@@ -128,10 +127,11 @@ def worker(args: argparse.Namespace) -> None:
     if args.devices is None:
         if args.platform or args.chips or args.dry_run:
             args.parser.error("--platform, --chips and --dry-run go with --devices")
-        print(f"packscore: worker allocator: {preload_worker_allocator()}", file=sys.stderr, flush=True)
+        allocator, said = worker_allocator_environment()
+        print(f"packscore: worker allocator: {said}", file=sys.stderr, flush=True)
         command = worker_command(args.loglevel)
-        os.execv(command[0], command)
-    from packscore.supervisor import WorkerSupervisor, describe
+        os.execve(command[0], command, {**os.environ, **allocator})
+    from packscore.supervisor import DeviceGroup, WorkerSupervisor, describe
     from store.settings import get_settings
 
     tensor_parallel = get_settings().tensor_parallel
@@ -140,7 +140,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.dry_run:
         print("\n".join(plan))
         return
-    print(f"packscore: {plan[0]}; worker allocator: {preload_worker_allocator()}", file=sys.stderr, flush=True)
+    allocator, said = worker_allocator_environment()
+    print(f"packscore: {plan[0]}; worker allocator: {said}", file=sys.stderr, flush=True)
+    groups = [DeviceGroup(group.name, {**allocator, **group.env}) for group in groups]
     WorkerSupervisor(groups, lambda i: worker_command(args.loglevel, f"packscore-{os.getpid()}-{i}")).run()
 
 
@@ -242,9 +244,10 @@ def serve(args: argparse.Namespace) -> None:
             _embedded_environment()
             migrate()
             _embedded_key()
-            print(f"packscore: worker allocator: {preload_worker_allocator()}", flush=True)
+            allocator, said = worker_allocator_environment()
+            print(f"packscore: worker allocator: {said}", flush=True)
             # Started again if it fails: a crash must not leave the service accepting jobs that nothing runs.
-            child = WorkerSupervisor([DeviceGroup("embedded")], lambda i: worker_command())
+            child = WorkerSupervisor([DeviceGroup("embedded", allocator)], lambda i: worker_command())
             child.start()
             child.watch()
         uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")

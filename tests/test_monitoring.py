@@ -2,8 +2,12 @@
 of the Grafana dashboard names only metrics that /metrics exports, the panels the README lists are there,
 Prometheus scrapes the API service, Grafana is provisioned with both; and the queue depth by lane."""
 
+import ctypes.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +166,19 @@ def test_a_worker_logs_what_its_memory_holds(monkeypatch, caplog) -> None:  # ty
     grew = [line for line in lines if "grew most" in line]
     assert len(grew) == 1 and "test_monitoring.py" in grew[0].split("|")[0], grew
     assert len(kept) == 500
+
+
+def test_a_worker_on_jemalloc_logs_what_jemalloc_holds() -> None:
+    # A worker process under the preload `packscore worker` gives it (WORKER_ALLOCATOR): the memory log names
+    # jemalloc with its memory in use and resident; a process without it names glibc.
+    library = ctypes.util.find_library("jemalloc")
+    said = {}
+    for preload in (library, None):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
+        said[preload] = subprocess.run(
+            [sys.executable, "-c", "from worker.tasks import _return_freed_memory; print(_return_freed_memory())"],
+            env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert said[None] == "glibc"
+    if library is not None:  # Debian's libjemalloc2 (the image installs it); the suite's hosts have it
+        match = re.fullmatch(r"jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\)", said[library])
+        assert match and 0 < float(match[1]) <= float(match[2]), said

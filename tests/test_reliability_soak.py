@@ -56,6 +56,8 @@ def test_soak(tmp_path: Path) -> None:
         allocators = report["worker_allocators"]
         assert len(allocators) >= 2 and set(allocators.values()) == {expected}, allocators
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}
+        written = json.loads((tmp_path / "report" / "memory_samples.json").read_text())
+        assert len(written) == len(soak.samples) and {s["process"].split(":")[0] for s in written} == sampled
         assert {"api", "supervisor", "worker-plain"} <= sampled and len(sampled) >= 3, sampled
         assert 0 < summary["sync_ok"] < summary["ok"], "both ways in were used"
         assert summary["healthz_ms"]["samples"] > 10, summary["healthz_ms"]

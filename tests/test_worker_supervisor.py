@@ -104,24 +104,22 @@ def test_chips_that_do_not_split_are_a_one_line_error() -> None:
 
 
 def test_workers_are_started_on_jemalloc_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    from packscore.cli import preload_worker_allocator
+    from packscore.cli import worker_allocator_environment
     from store.settings import get_settings
 
     library = ctypes.util.find_library("jemalloc")
-    environ: dict[str, str] = {}
-    said = preload_worker_allocator(environ)
+    variables, said = worker_allocator_environment({})
     if library is None:
-        assert environ == {} and "no libjemalloc here" in said
+        assert variables == {} and "no libjemalloc here" in said
     else:
-        assert environ == {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": "system"} and library in said
+        assert variables == {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": "system"} and library in said
     # An LD_PRELOAD already given (tcmalloc, a profiler) is the operator's: kept, nothing added.
-    environ = {"LD_PRELOAD": "libtcmalloc.so.4"}
-    assert "as set" in preload_worker_allocator(environ) and environ == {"LD_PRELOAD": "libtcmalloc.so.4"}
+    variables, said = worker_allocator_environment({"LD_PRELOAD": "libtcmalloc.so.4"})
+    assert variables == {} and said == "LD_PRELOAD=libtcmalloc.so.4 (as set)"
     monkeypatch.setenv("WORKER_ALLOCATOR", "system")
     get_settings.cache_clear()
     try:
-        environ = {}
-        assert preload_worker_allocator(environ) == "the system's" and environ == {}
+        assert worker_allocator_environment({}) == ({}, "the system's")
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()

@@ -101,14 +101,22 @@ def _rss_bytes() -> int:
 
 
 def _return_freed_memory() -> str:
-    """Hands the pages the C allocator keeps free back to the system; returns the allocator's name. glibc's
-    malloc_trim: the first log, after the warm-up, hands back about 100 MB (what compiling the ladder used),
-    later ones little (issue 47). jemalloc (WORKER_ALLOCATOR) hands its freed pages back on its own within
-    seconds; a purge of every arena makes the log's figure the same measure."""
+    """Hands the pages the C allocator keeps free back to the system; says which allocator, and for jemalloc what
+    it holds. glibc's malloc_trim: the first log, after the warm-up, hands back about 100 MB (what compiling the
+    ladder used), later ones little (issue 47). jemalloc (WORKER_ALLOCATOR) hands its freed pages back on its own
+    within seconds; a purge of every arena makes the log's figure the same measure, and its statistics tell
+    memory in use (`stats.allocated`) from what it keeps mapped for reuse (`stats.resident`)."""
     process = ctypes.CDLL(None)
     if hasattr(process, "mallctl"):
         process.mallctl(b"arena.4096.purge", None, None, None, 0)  # 4096: MALLCTL_ARENAS_ALL
-        return "jemalloc"
+        epoch = ctypes.c_uint64(1)  # writing the epoch refreshes the statistics read below
+        process.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(ctypes.sizeof(epoch)))
+        stats = {}
+        for name in ("allocated", "resident"):
+            value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+            process.mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size), None, 0)
+            stats[name] = value.value / 2**20
+        return f"jemalloc ({stats['allocated']:.1f} MB in use, {stats['resident']:.1f} MB resident)"
     if hasattr(process, "malloc_trim"):
         process.malloc_trim(0)
         return "glibc"
