@@ -51,7 +51,8 @@ def test_soak(tmp_path: Path) -> None:
         assert sum(w["programs_compiled"] for w in report["windows"]) > 0
         assert any(w["prefix_cache_mb"] for w in report["windows"]), report["windows"]
         # Every worker, the plain one and the supervisor's child, on the allocator WORKER_ALLOCATOR gives them:
-        # jemalloc where the host has it (in the no-kill hour its workers grew 18-27 MB/h against glibc's 39-92: docs/soak.md).
+        # jemalloc where the host has it (in the no-kill hour its workers grew 18-27 MB/h, under glibc 39-92:
+        # docs/soak.md).
         expected = "jemalloc" if ctypes.util.find_library("jemalloc") else "glibc"
         allocators = report["worker_allocators"]
         assert len(allocators) >= 2 and set(allocators.values()) == {expected}, allocators
