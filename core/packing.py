@@ -131,11 +131,13 @@ def _split_items(items: list, budget: int) -> list[list]:
 
 
 def plan_passes(requests: list[TokenizedRequest], pass_tokens: int, mode: str = "packed",
-                is_cached: Callable[[tuple[int, ...]], bool] = lambda query: False) -> list[PassPlan]:
+                is_cached: Callable[[tuple[int, ...]], bool] = lambda query: False,
+                worth_keeping: Callable[[tuple[int, ...]], bool] = lambda query: True) -> list[PassPlan]:
     """Groups the requests' sequences into passes of at most `pass_tokens` new tokens.
 
     Query-first requests sharing a query become one sequence. A query found by `is_cached`
-    is not recomputed; a sequence too large for one pass gets a prefix pass that keeps its
+    is not recomputed; one that fits in a pass is kept in the prefix cache if `worth_keeping`
+    says so; a sequence too large for one pass gets a prefix pass that keeps its
     keys/values, then chunks of its items against them. A single sequence longer than
     `pass_tokens` runs alone in a pass of its own size. mode "single" is the unshared
     baseline: one pass per query+item sequence, no cache.
@@ -166,7 +168,7 @@ def plan_passes(requests: list[TokenizedRequest], pass_tokens: int, mode: str = 
     for group in groups.values():
         cached = is_cached(group.prefix)
         if not cached and group.new_tokens <= pass_tokens:
-            group.keep_prefix = True
+            group.keep_prefix = worth_keeping(group.prefix)
             sequences.append(group)
             continue
         # The first chunk also re-runs the query's last token once per request with empty items (build_pass).

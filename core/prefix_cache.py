@@ -20,6 +20,11 @@ Entry = tuple[Any, Any]  # its (keys, values) [layers, rows, kv_heads, head_dim]
 # few 4,000-token queries: jobs whose items span passes then waited for one another and passes ran under-filled.
 PREFIX_CACHE_BYTES_CPU = 256 << 20
 PREFIX_CACHE_SHARE = 0.5
+# How many queries computed but not kept the cache remembers (their hashes): a query goes in when a pass
+# computes it a second time, so queries that come once (most, in ranking traffic) take neither memory nor a copy
+# out of the pass; a query that comes back is computed once more, then read from the cache (issue 47's soak: at
+# its traffic of unique queries the cache grew 10-17 MB an hour, none of it ever read).
+SIGHTINGS = 4096
 
 
 def device_prefix_cache_bytes(memory_stats: dict | None, pass_bytes: int) -> int | None:
@@ -39,10 +44,22 @@ class PrefixCache(Mapping[Prefix, Entry]):
     """Prefix -> (keys, values), least recently used first, about `budget` bytes at most (one entry always
     stays, however large)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, sightings: int = SIGHTINGS) -> None:
         self.budget = budget
         self.bytes = 0  # kept as entries come and go: summing them per pass cost O(entries)
         self._entries: OrderedDict[Prefix, Entry] = OrderedDict()
+        self._sightings, self._seen = sightings, OrderedDict[int, None]()  # hashes: a query may be long
+
+    def seen_before(self, prefix: Prefix) -> bool:
+        """Whether a pass computed this prefix lately without keeping it (see SIGHTINGS)."""
+        return hash(prefix) in self._seen
+
+    def saw(self, prefix: Prefix) -> None:
+        """A pass computed this prefix and did not keep it."""
+        self._seen[hash(prefix)] = None
+        self._seen.move_to_end(hash(prefix))
+        if len(self._seen) > self._sightings:
+            self._seen.popitem(last=False)
 
     def __getitem__(self, prefix: Prefix) -> Entry:
         return self._entries[prefix]
@@ -65,6 +82,7 @@ class PrefixCache(Mapping[Prefix, Entry]):
 
     def clear(self) -> None:
         self._entries.clear()
+        self._seen.clear()
         self.bytes = 0
 
     def keep(self, prefix: Prefix, keys: Any, values: Any, needed: Collection[Prefix] = ()) -> None:
@@ -73,6 +91,7 @@ class PrefixCache(Mapping[Prefix, Entry]):
         such a prefix is computed again for the request's next items."""
         if prefix in self._entries:
             self.pop(prefix)
+        self._seen.pop(hash(prefix), None)
         self._entries[prefix] = (keys, values)
         self.bytes += _entry_bytes((keys, values))
         if self.bytes <= self.budget:

@@ -457,18 +457,21 @@ class Scorer:
         if mode not in ("packed", "single"):
             raise ScoringError("invalid_input", "mode must be 'packed' or 'single'")
         requests = list(requests)
-        for plan in plan_passes(requests, self.pass_tokens, mode, is_cached=self.is_cached):
+        for plan in plan_passes(requests, self.pass_tokens, mode, self.is_cached, self._prefix_cache.seen_before):
             yield self._run_plan(requests, plan)
 
     def is_cached(self, prefix: tuple[int, ...]) -> bool:
         """Whether the prefix cache holds this prefix's keys/values (or a launched pass will put them there)."""
         return prefix in self._prefix_cache
 
-    def plan_pass(self, requests: Sequence[TokenizedRequest]) -> PassPlan | None:
+    def plan_pass(self, requests: Sequence[TokenizedRequest],
+                  needed: Collection[tuple[int, ...]] = ()) -> PassPlan | None:
         """The first pass the engine would run for these requests (None if they hold no item): a pass loop
-        that takes new requests between passes plans one pass at a time."""
+        that takes new requests between passes plans one pass at a time. `needed`: the queries of requests
+        whose items run in later passes too (the pass keeps them in the prefix cache, as queries seen before)."""
         self._look_back(time.perf_counter())
-        plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached)
+        plans = plan_passes(list(requests), self.pass_tokens, is_cached=self.is_cached,
+                            worth_keeping=lambda query: query in needed or self._prefix_cache.seen_before(query))
         return plans[0] if plans else None
 
     def launch(self, requests: Sequence[TokenizedRequest], plan: PassPlan, needed: Collection[tuple[int, ...]] = (),
@@ -509,6 +512,8 @@ class Scorer:
         for seq, (lo, hi) in zip(plan.sequences, arrays.prefix_spans):
             if seq.keep_prefix:
                 self._remember_prefix(seq.prefix, kv, lo, hi, needed)
+            elif seq.items and not seq.prefix_cached:  # a query computed, not kept: kept when it comes again
+                self._prefix_cache.saw(seq.prefix)
         # A prefix evicted since planning and computed again above counts here too: the host waited for it.
         host_seconds = launched - (start if planned_from is None else planned_from)
         flight = InFlightPass(self, requests, arrays, handle, shape_key, start, launched, host_seconds,

@@ -165,7 +165,7 @@ def test_qwen3_matches_transformers(tmp_path, tiny):
     assert np.abs(lp - ours.logprobs(query, items, labels, mode="single")).max() <= 1e-4
 
 
-def test_shared_query_is_computed_once_and_cached(tiny):
+def test_shared_query_is_computed_once_and_cached_when_it_comes_again(tiny):
     tiny.clear_prefix_cache()
     rng = np.random.default_rng(7)
     query = rng.integers(5, 49152, 90).tolist()
@@ -174,6 +174,9 @@ def test_shared_query_is_computed_once_and_cached(tiny):
     first = list(tiny.iter_passes([a, b]))
     item_tokens = sum(map(len, a.items + b.items))
     assert sum(p.tokens for p in first) == len(query) + item_tokens  # one prefix for both requests
+    assert not tiny.is_cached(a.query) and tiny.cached_prefix_bytes == 0  # seen once: not kept
+    second = list(tiny.iter_passes([a, b]))
+    assert sum(p.tokens for p in second) == len(query) + item_tokens and tiny.is_cached(a.query)  # seen twice
     again = list(tiny.iter_passes([a, b]))
     # The query is cached; each request with empty items (their labels differ) re-runs its last token once.
     assert sum(p.tokens for p in again) == item_tokens + 2
@@ -188,6 +191,7 @@ def test_shared_query_is_computed_once_and_cached(tiny):
 
     for i, req in enumerate((a, b)):
         assert np.abs(collect(first, i, req) - collect(again, i, req)).max() <= 1e-5
+        assert np.abs(collect(first, i, req) - collect(second, i, req)).max() <= 1e-5
         assert np.abs(collect(again, i, req) - tiny.logprobs(list(req.query), [list(t) for t in req.items],
                                                              list(req.label_token_ids), mode="single")).max() <= 1e-4
 
@@ -221,6 +225,7 @@ def test_prefixes_evicted_between_planning_and_running(tiny):
     expected = [tiny.logprobs(list(r.query), [list(t) for t in r.items], [4], mode="single") for r in reqs]
     scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", pass_tokens=512)
     list(scorer.iter_passes(reqs))
+    list(scorer.iter_passes(reqs))  # the queries come again: now kept
     plans = list(plan_passes(reqs, 512, is_cached=scorer._prefix_cache.__contains__))
     assert [len([s for s in p.sequences if s.prefix_cached]) for p in plans] == [2]
     k, v = scorer._prefix_cache.pop(reqs[1].query)  # evicted by someone else's pass
@@ -242,7 +247,8 @@ def test_prefixes_still_needed_are_evicted_last(tiny):
                     prefix_cache_bytes=2 * tiny.prefix_bytes(40))
 
     def run(request, needed=()):  # type: ignore[no-untyped-def]
-        scorer.launch([request], scorer.plan_pass([request]), needed).result()
+        # planned as a request under way: its query is kept however new
+        scorer.launch([request], scorer.plan_pass([request], {request.query}), needed).result()
 
     run(a)
     run(b)

@@ -47,3 +47,29 @@ def test_needs_track_owners_and_admit_a_query_only_where_the_cache_keeps_it() ->
     assert (1,) * 4 in needs  # job-b still needs it
     needs.release((1,) * 4, "job-b")
     assert needs.queries == set() and needs.may_add((2,) * 7)
+
+
+def test_a_query_is_worth_keeping_once_seen_and_only_the_latest_sightings_count() -> None:
+    cache = PrefixCache(budget=300, sightings=2)
+    assert not cache.seen_before((1, 2))
+    cache.saw((1, 2))
+    assert cache.seen_before((1, 2)) and not cache.seen_before((2, 1))
+    cache.keep((1, 2), rows(50), rows(50))  # kept: no longer a sighting
+    cache.saw((3,))
+    cache.saw((4,))
+    cache.saw((3,))  # seen again: now the latest
+    cache.saw((5,))  # past the limit: the oldest sighting, (4,), is forgotten
+    assert [cache.seen_before(p) for p in ((1, 2), (3,), (4,), (5,))] == [False, True, False, True]
+    cache.clear()
+    assert not cache.seen_before((3,))
+
+
+def test_plans_keep_a_query_that_fits_a_pass_only_where_worth_keeping() -> None:
+    from core.packing import plan_passes
+    from core.requests import TokenizedRequest
+
+    once, again = (TokenizedRequest((n,) * 8, ((7, 8),), (4,), False) for n in (1, 2))
+    long = TokenizedRequest((3,) * 8, tuple((7, 8) for _ in range(40)), (4,), False)  # 88 tokens: two passes
+    plans = plan_passes([once, again, long], 64, worth_keeping=lambda query: query == again.query)
+    kept = {seq.prefix: seq.keep_prefix for plan in plans for seq in plan.sequences if not seq.prefix_cached}
+    assert kept == {once.query: False, again.query: True, long.query: True}  # the long one's chunks read it

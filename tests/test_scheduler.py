@@ -39,7 +39,7 @@ class FakeEngine:
     def prefix_bytes(self, tokens: int) -> int:
         return 100 * tokens
 
-    def plan_pass(self, requests):  # type: ignore[no-untyped-def]
+    def plan_pass(self, requests, needed=()):  # type: ignore[no-untyped-def]
         return SimpleNamespace(sequences=[SimpleNamespace(items=[(r, i, item) for i, item in enumerate(req.items)],
                                                           scored_at_prefix_end=[]) for r, req in enumerate(requests)])
 

@@ -11,7 +11,7 @@ others wait, so that a long job advances a pass at a time beside new ones instea
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,7 +55,8 @@ class Engine(Protocol):
 
     def prefix_bytes(self, tokens: int) -> int: ...
 
-    def plan_pass(self, requests: Sequence[TokenizedRequest]) -> "PassPlan | None": ...
+    def plan_pass(self, requests: Sequence[TokenizedRequest],
+                  needed: Collection[tuple[int, ...]] = ()) -> "PassPlan | None": ...
 
 
 class Sink(Protocol):
@@ -195,7 +196,7 @@ class Scheduler:
             return None
         views = [TokenizedRequest(run.request.query, tuple(run.request.items[i] for i in taken),
                                   run.request.label_token_ids, run.request.item_first) for run, taken in window]
-        plan = self.engine.plan_pass(views)
+        plan = self.engine.plan_pass(views, needed)
         in_pass: dict[int, set[int]] = {}
         for seq in plan.sequences:
             for r, i, *_ in seq.items:
