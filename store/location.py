@@ -4,7 +4,9 @@ that a row read back carries a Location, not a string to parse. Which locations 
 store/lake/access.py's.
 """
 
+import logging
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -19,6 +21,8 @@ from store.errors import ServiceError
 # URI scheme -> fsspec protocol. gcsfs and adlfs are optional installs (`pip install packscore[gcs]` /
 # `[azure]`): fsspec knows their protocols and says which package to install when one is missing.
 REMOTE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "az", "abfs": "az", "abfss": "az"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,24 @@ def filesystem(protocol: str) -> AbstractFileSystem:
     except Exception as exc:  # noqa: BLE001  (adlfs without an account or connection string, say)
         raise ServiceError(400, "storage_unavailable", f"{protocol}:// is not configured on this server "
                                                        f"({type(exc).__name__}: {exc})") from None
+
+
+def load_filesystems(prefixes: Iterable[str]) -> list[str]:
+    """Loads the filesystem of each remote prefix's protocol, and s3's client (no request: botocore's service
+    model), so that a worker pays for them when it starts, not during its first batch there (issue 47's soak:
+    s3fs, aiobotocore and the model were 260 modules and 30 MB of a worker's memory, taken mid-run). Returns the
+    protocols loaded; one that cannot be is logged, and reported by the first batch that needs it."""
+    loaded = []
+    for protocol in sorted({REMOTE_PROTOCOLS.get(p.split("://", 1)[0]) for p in prefixes if "://" in p} - {None}):
+        try:
+            fs = filesystem(protocol)
+            if protocol == "s3":  # gcsfs's and adlfs's connects look for credentials, maybe over the network
+                fs.connect()
+        except Exception as exc:  # noqa: BLE001  (a ServiceError, or botocore's own configuration errors)
+            log.warning("%s:// could not be loaded at start (%s: %s)", protocol, type(exc).__name__, exc)
+            continue
+        loaded.append(protocol)
+    return loaded
 
 
 class LocationColumn(TypeDecorator):

@@ -407,6 +407,29 @@ def test_store_failures_are_refusals_naming_the_object() -> None:
         assert "s3://lake/in/pairs.parquet" in error.message
 
 
+def test_a_worker_loads_the_stores_it_may_read_when_it_starts() -> None:
+    """store.location.load_filesystems (worker/tasks.py, at start): s3fs and its client are in memory before the
+    first batch (issue 47's soak: 30 MB and 260 modules met mid-run), with no request sent (nothing listens at
+    the endpoint); a store that cannot be loaded (adlfs without an account) is logged, not raised."""
+    import subprocess
+    import sys
+
+    code = """
+import json, sys
+from store.location import filesystem, load_filesystems
+before = "s3fs" in sys.modules
+loaded = load_filesystems(["s3://lake/in/", "s3a://other/", "file:///tmp/", "az://container/", "ftp://x/"])
+print(json.dumps([before, loaded, filesystem("s3")._s3 is not None, "botocore.client" in sys.modules]))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AZURE_", "AWS_"))}
+    env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [False, ["s3"], True, True]
+    assert "az:// could not be loaded at start" in proc.stderr
+
+
 # ---- the chunk path end to end -----------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
+from store.location import load_filesystems
 from store.retention import prune
 from store.settings import Settings, get_settings
 from worker import drain as drain_module
@@ -179,6 +180,9 @@ def _deliver() -> None:
 def _start(**_: object) -> None:
     settings = get_settings()
     scorer = get_scorer()  # load before consuming: the first drain should not pay for it
+    loaded = load_filesystems(settings.batch_storage_prefixes)  # so too the object stores batches may read
+    if loaded:
+        log.info("worker %s loaded the filesystems of %s", WORKER_ID, ", ".join(f"{p}://" for p in loaded))
     drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "warming")
     for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
                           (_prune, settings.retention_interval_seconds)):
