@@ -162,6 +162,8 @@ def test_a_worker_logs_what_its_memory_holds(monkeypatch, caplog) -> None:  # ty
                     r"Arrow's \w+ pool [\d.]+ MB", lines[0])
     handed_back = [float(m) for m in re.findall(r"([\d.]+) MB of freed memory handed back", "".join(lines))]
     assert len(handed_back) == 2 and handed_back[1] > 30, lines  # the second log's malloc_trim gave the 60 MB back
+    blocks = [int(b) for b in re.findall(r"Python: (\d+) blocks allocated, \d+ modules", "".join(lines))]
+    assert len(blocks) == 2 and blocks[1] - blocks[0] >= 500  # the 500 objects `kept` holds at the second log
     assert len(pinned) == 4096
     grew = [line for line in lines if "grew most" in line]
     assert len(grew) == 1 and "test_monitoring.py" in grew[0].split("|")[0], grew

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import tracemalloc
@@ -87,11 +88,15 @@ def _log_memory(settings: Settings) -> None:
     held = _rss_bytes()
     allocator = _return_freed_memory()
     rss = _rss_bytes()
+    # Python's own: its small objects live outside the C allocator (its arenas), and a module imported late
+    # (a library's first use) is a step, not growth (issue 47).
     log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's "
-             "%s pool %.1f MB (the lake's tables); %.1f MB of freed memory handed back to the system by %s",
+             "%s pool %.1f MB (the lake's tables); %.1f MB of freed memory handed back to the system by %s; "
+             "Python: %d blocks allocated, %d modules",
              rss / 2**20, scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
-             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator)
+             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator, sys.getallocatedblocks(),
+             len(sys.modules))
     if settings.trace_python_memory:
         _log_python_growth()
 
