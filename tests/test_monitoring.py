@@ -184,3 +184,34 @@ def test_a_worker_on_jemalloc_logs_what_jemalloc_holds() -> None:
     if library is not None:  # Debian's libjemalloc2 (the image installs it); the suite's hosts have it
         match = re.fullmatch(r"jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\)", said[library])
         assert match and 0 < float(match[1]) <= float(match[2]), said
+
+
+def test_a_worker_logs_an_outage_in_one_line_and_other_failures_with_their_traceback() -> None:
+    """worker/tasks.py's OutageLines, on the handlers Celery sets up: a database that is down fails each
+    background step every second, which logged a 75-line traceback each time (issue 47's soak)."""
+    import io
+    import logging
+
+    import sqlalchemy.exc
+    from celery.signals import after_setup_logger
+
+    from worker import tasks
+
+    stream = io.StringIO()
+    logger = logging.Logger("outage-test")
+    logger.addHandler(logging.StreamHandler(stream))
+    after_setup_logger.send(sender=None, logger=logger, loglevel=logging.INFO, logfile=None, format="%(message)s",
+                            colorize=False)
+    down = sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("terminating connection\nDETAIL: more"))
+    for error in (down, ConnectionRefusedError(111, "Connection refused"), ValueError("a bug")):
+        try:
+            raise error
+        except Exception:  # noqa: BLE001
+            logger.exception("background step %s failed", "_deliver")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == ("background step _deliver failed (OperationalError: (builtins.Exception) terminating "
+                        "connection)")
+    assert lines[1] == "background step _deliver failed (ConnectionRefusedError: [Errno 111] Connection refused)"
+    assert lines[2] == "background step _deliver failed" and lines[3] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: a bug" and stream.getvalue().count("Traceback") == 1
+    assert any(isinstance(f, tasks.OutageLines) for f in logger.handlers[0].filters)
