@@ -82,8 +82,10 @@ log = logging.getLogger(__name__)
 # glibc keeps the memory a pass frees in its heaps for reuse, and passes of varying sizes (prefix-cache entries
 # of every length, cache inputs, outputs) fragment them: a long-lived engine's RSS grew by about 100 MB every
 # 10 requests of random shapes with nothing live behind it. Handing the free pages back after each pass keeps
-# RSS at what is in use. None where the C library has no malloc_trim (musl, macOS).
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+# RSS at what is in use. None where the C library has no malloc_trim (musl, macOS), and under jemalloc (a worker's
+# WORKER_ALLOCATOR), which hands freed pages back on its own: glibc's heaps are unused there.
+_PROCESS = ctypes.CDLL(None)
+_MALLOC_TRIM = None if hasattr(_PROCESS, "mallctl") else getattr(_PROCESS, "malloc_trim", None)
 
 
 def _return_free_memory() -> None:
