@@ -189,9 +189,11 @@ def test_a_worker_on_jemalloc_logs_what_jemalloc_holds() -> None:
 
 
 def test_a_worker_logs_an_outage_in_one_line_and_other_failures_with_their_traceback() -> None:
-    """worker/tasks.py's OutageLines, on the handlers Celery sets up: a database that is down fails each
-    background step every second, which logged a 75-line traceback each time (issue 47's soak)."""
+    """worker/tasks.py's WorkerTracebacks, on the handlers Celery sets up: a database that is down fails each
+    background step every second, which logged a 75-line traceback each time; and the source lines tracebacks
+    read stayed in memory for good (issue 47's soak)."""
     import io
+    import linecache
     import logging
 
     import sqlalchemy.exc
@@ -199,6 +201,7 @@ def test_a_worker_logs_an_outage_in_one_line_and_other_failures_with_their_trace
 
     from worker import tasks
 
+    linecache.clearcache()
     stream = io.StringIO()
     logger = logging.Logger("outage-test")
     logger.addHandler(logging.StreamHandler(stream))
@@ -216,4 +219,6 @@ def test_a_worker_logs_an_outage_in_one_line_and_other_failures_with_their_trace
     assert lines[1] == "background step _deliver failed (ConnectionRefusedError: [Errno 111] Connection refused)"
     assert lines[2] == "background step _deliver failed" and lines[3] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: a bug" and stream.getvalue().count("Traceback") == 1
-    assert any(isinstance(f, tasks.OutageLines) for f in logger.handlers[0].filters)
+    assert any(isinstance(f, tasks.WorkerTracebacks) for f in logger.handlers[0].filters)
+    # The traceback shows its source lines, but linecache keeps none of them (nor of sqlalchemy's, above).
+    assert '    raise error' in lines and __file__ not in linecache.cache

@@ -10,6 +10,7 @@ pass (interactive jobs before batch requests).
 """
 
 import ctypes
+import linecache
 import logging
 import os
 import socket
@@ -64,24 +65,33 @@ OUTAGE_ERRORS = (sqlalchemy.exc.OperationalError, redis.exceptions.ConnectionErr
                  kombu.exceptions.OperationalError, ConnectionError)
 
 
-class OutageLines(logging.Filter):
+class WorkerTracebacks(logging.Filter):
     """Logs a failure that an outage explains (OUTAGE_ERRORS) as one line, without its traceback: 75 lines each,
-    two or three a second per worker during a database restart; formatting them also made each worker read and
-    keep for good the source of every file they named (2 MB in issue 47's soak). Other failures keep theirs."""
+    two or three a second per worker during a database restart. Other failures keep their traceback, formatted
+    here, and the source lines it read are dropped from `linecache`, which otherwise keeps every line of every
+    file a traceback named for the process's life (issue 47's soak: 2 MB at a database restart, 50,000 lines at
+    a full disk, each a step in a worker's memory)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
+        if not record.exc_info or record.exc_info[1] is None:
+            return True
+        error = record.exc_info[1]
         if isinstance(error, OUTAGE_ERRORS):
             reason = (str(error).splitlines() or [""])[0]
             record.msg, record.args = f"{record.getMessage()} ({type(error).__name__}: {reason})", None
             record.exc_info = record.exc_text = None
+        elif not record.exc_text:
+            cached = set(linecache.cache)
+            record.exc_text = logging.Formatter().formatException(record.exc_info)  # what a handler would write
+            for name in set(linecache.cache) - cached:
+                linecache.cache.pop(name, None)
         return True
 
 
 @after_setup_logger.connect
 def _brief_outages(logger: logging.Logger, **_: object) -> None:
     for handler in logger.handlers:  # a handler's filter sees the records of every logger
-        handler.addFilter(OutageLines())
+        handler.addFilter(WorkerTracebacks())
 
 
 def _drain() -> None:
