@@ -98,3 +98,27 @@ def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_qu
     assert batch["status"] == "failed" and batch["error"]["code"] == "output_full", batch
     folder = root / "out2" / batch["id"]
     assert sorted(p.name for p in folder.iterdir()) == ["_manifest.json"]  # saying failed, listing no object
+
+
+def test_a_failed_batch_leaves_none_of_its_rows_in_the_worker(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                             root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once its batch is over, nothing in the worker keeps a chunk's ChunkWork (its rows and tokens): the chunk
+    feed's lease keeper held the last one in a local until another chunk came, in an idle worker for good
+    (issue 47's soak: 57,000 Python blocks after the full-disk batch)."""
+    import gc
+
+    from worker.lake import ChunkWork
+
+    monkeypatch.setattr(get_settings(), "sweep_interval_seconds", 0.2)
+    key, _ = make_key()
+    batch_id = submit(client, key, "out")
+
+    def slow_full_disk_write(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
+        time.sleep(0.5)  # the keeper's rounds see the chunk running
+        full_disk_write(location, table, output_format)
+
+    with patch("worker.lake.write_table", slow_full_disk_write):
+        assert run_until_over(client, key, batch_id, 300)["status"] == "failed"
+    time.sleep(1.0)  # the keeper's rounds, with no chunk held
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, ChunkWork)] == []
