@@ -56,8 +56,9 @@ class PrefixCache(Mapping[Prefix, Entry]):
 
     def saw(self, prefix: Prefix) -> None:
         """A pass computed this prefix and did not keep it."""
-        self._seen[hash(prefix)] = None
-        self._seen.move_to_end(hash(prefix))
+        key = hash(prefix)  # a query of thousands of tokens: hashed once
+        self._seen[key] = None
+        self._seen.move_to_end(key)
         if len(self._seen) > self._sightings:
             self._seen.popitem(last=False)
 

@@ -69,8 +69,8 @@ class WorkerTracebacks(logging.Filter):
     """Logs a failure that an outage explains (OUTAGE_ERRORS) as one line, without its traceback: 75 lines each,
     two or three a second per worker during a database restart. Other failures keep their traceback, formatted
     here, and the source lines it read are dropped from `linecache`, which otherwise keeps every line of every
-    file a traceback named for the process's life (issue 47's soak: 2 MB at a database restart, 50,000 lines at
-    a full disk, each a step in a worker's memory)."""
+    file a traceback named for the process's life (issue 47's soak: 16-17 files, 2 MB, at a database restart, a
+    step in each worker's memory)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or record.exc_info[1] is None:
