@@ -721,7 +721,10 @@ class Soak:
 
     # -- windows ---------------------------------------------------------------------------------------------------
     def sample(self) -> None:
-        while not self.stop.wait(min(15.0, max(2.0, self.minutes * 2))):
+        # Every 5 s: a worker's RSS swings by an sd of 3-7 MB from one sample to the next (a pass's buffers), and
+        # its fit covers the 10 minutes it lives after its first 10; at 15 s that scatter alone made the slope's
+        # standard error about 18 MB/h (docs/soak.md).
+        while not self.stop.wait(min(5.0, max(2.0, self.minutes * 2))):
             now = self.now()
             for name, pid in self.deployment.processes().items():
                 rss, files = rss_mb(pid), open_files(pid)
@@ -1002,6 +1005,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-cache", type=Path, help="COMPILE_CACHE_DIR of the deployment (default: its "
                         "own, empty: the workers' first warm-up compiles every program)")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable of the deployment's processes, over the soak's "
+                        "(MEMORY_LOG_SECONDS=60, MALLOC_CONF=...); repeatable")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the deployment is stopped on the way out
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the reference scorer of the checks: no probing for a TPU
@@ -1011,8 +1017,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     print(f"host: {host_cpu()}; {args.deployment}, {args.minutes} minutes, faults {faults}; in {out}", flush=True)
+    if bad := [s for s in args.setting if "=" not in s]:
+        parser.error(f"--setting takes NAME=VALUE, not {bad[0]!r}")
     deployment = {"embedded": Embedded, "postgres": Postgres}[args.deployment](
-        home, args.minutes, (args.compile_cache or home / "compile-cache").resolve())
+        home, args.minutes, (args.compile_cache or home / "compile-cache").resolve(),
+        dict(s.split("=", 1) for s in args.setting))
     try:
         started = time.monotonic()
         deployment.start()
