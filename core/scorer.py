@@ -1,6 +1,5 @@
 """The public engine: validation, tokenization, packed passes and host-side scores."""
 
-import ctypes
 import logging
 import os
 import threading
@@ -16,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from core import allocator
 from core import attention as attn
 from core import sharding
 from core.config import TINY_CONFIG, ModelConfig
@@ -78,21 +78,6 @@ class PassResult:
 
 
 log = logging.getLogger(__name__)
-
-# glibc keeps the memory a pass frees in its heaps for reuse, and passes of varying sizes (prefix-cache entries
-# of every length, cache inputs, outputs) fragment them: a long-lived engine's RSS grew by about 100 MB every
-# 10 requests of random shapes with nothing live behind it. Handing the free pages back after each pass keeps
-# RSS at what is in use. None where the C library has no malloc_trim (musl, macOS), and under jemalloc (a worker's
-# WORKER_ALLOCATOR), which hands freed pages back on its own: glibc's heaps are unused there.
-_PROCESS = ctypes.CDLL(None)
-_MALLOC_TRIM = None if hasattr(_PROCESS, "mallctl") else getattr(_PROCESS, "malloc_trim", None)
-
-
-def _return_free_memory() -> None:
-    """Returns the C heap's free pages to the operating system (glibc's malloc_trim)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
 
 # The shortest pass on CPU, in tokens (see Scorer.shortest_pass). On the bundled model (a 2-core AVX2 host) a
 # pass of 64 tokens took 0.25 s, of 128 tokens 0.38 s, of 512 tokens 1.0 s; below 64 the weights' reads
@@ -242,7 +227,7 @@ class InFlightPass:
         if self._ready_at is None:
             self._ready_at = time.perf_counter()
         ready, self._handle = self._ready_at, None
-        _return_free_memory()
+        allocator.trim_after_pass()
         # The device's start on it: its launch, or the previous pass's results if it queued behind them.
         previous, self._previous = self._previous, None
         before = min(previous._ready_at, ready) if previous is not None and previous._look(ready) else None

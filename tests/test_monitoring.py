@@ -178,8 +178,8 @@ def test_a_worker_on_jemalloc_logs_what_jemalloc_holds() -> None:
     for preload in (library, None):
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
         said[preload] = subprocess.run(
-            [sys.executable, "-c", "from worker.tasks import _return_freed_memory; from core import scorer; "
-             "print(_return_freed_memory(), scorer._MALLOC_TRIM is None)"],
+            [sys.executable, "-c", "from core import allocator; "
+             "print(allocator.hand_back_freed_memory(), allocator._MALLOC_TRIM is None)"],
             env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     # The engine's trim after each pass is glibc's only: jemalloc hands pages back on its own.
     assert said[None] == "glibc False"

@@ -9,7 +9,6 @@ returns at once: a kick for a new job reaches the loop while it runs other jobs,
 pass (interactive jobs before batch requests).
 """
 
-import ctypes
 import linecache
 import logging
 import os
@@ -27,6 +26,7 @@ import redis.exceptions
 import sqlalchemy.exc
 from celery.signals import after_setup_logger, worker_ready, worker_shutdown, worker_shutting_down
 
+from core.allocator import hand_back_freed_memory
 from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
@@ -125,7 +125,7 @@ def _log_memory(settings: Settings) -> None:
     _memory_logged_at = time.monotonic()
     scorer = get_scorer()
     held = _rss_bytes()
-    allocator = _return_freed_memory()
+    allocator = hand_back_freed_memory()
     rss = _rss_bytes()
     # Python's own: its small objects live outside the C allocator (its arenas), and a module imported late
     # (a library's first use) is a step, not growth (issue 47).
@@ -143,29 +143,6 @@ def _log_memory(settings: Settings) -> None:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _return_freed_memory() -> str:
-    """Hands the pages the C allocator keeps free back to the system; says which allocator, and for jemalloc what
-    it holds. glibc's malloc_trim: the first log, after the warm-up, hands back about 100 MB (what compiling the
-    ladder used), later ones little (issue 47). jemalloc (WORKER_ALLOCATOR) hands its freed pages back on its own
-    within seconds; a purge of every arena makes the log's figure the same measure, and its statistics tell
-    memory in use (`stats.allocated`) from what it keeps mapped for reuse (`stats.resident`)."""
-    process = ctypes.CDLL(None)
-    if hasattr(process, "mallctl"):
-        process.mallctl(b"arena.4096.purge", None, None, None, 0)  # 4096: MALLCTL_ARENAS_ALL
-        epoch = ctypes.c_uint64(1)  # writing the epoch refreshes the statistics read below
-        process.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(ctypes.sizeof(epoch)))
-        stats = {}
-        for name in ("allocated", "resident"):
-            value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
-            process.mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size), None, 0)
-            stats[name] = value.value / 2**20
-        return f"jemalloc ({stats['allocated']:.1f} MB in use, {stats['resident']:.1f} MB resident)"
-    if hasattr(process, "malloc_trim"):
-        process.malloc_trim(0)
-        return "glibc"
-    return "an allocator that cannot be asked (not glibc, not jemalloc)"
 
 
 def _log_python_growth() -> None:
