@@ -161,6 +161,25 @@ class Deployment:
                 sizes[log.stem] = float(found[-1])
         return sizes
 
+    def worker_memory_logs(self) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
+        """Each worker life's memory log (worker/tasks.py, every MEMORY_LOG_SECONDS), keyed log:pid: (seconds
+        since it was ready, RSS, jemalloc's memory in use, jemalloc's resident set), MB. Taken after the worker
+        handed its free pages back, so without the swing of a pass's buffers that the soak's samples have."""
+        lives: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
+        for log in self.logs.glob("*.log"):
+            life, ready = None, 0.0
+            for line in log.read_text(errors="replace").splitlines():
+                if not (stamp := _LOG_TIME.match(line)):
+                    continue
+                at = datetime.fromisoformat(stamp[1]).timestamp()
+                if found := _WORKER_READY.search(line):
+                    life, ready = f"{log.stem}:{found[1]}", at
+                    lives[life] = []
+                elif life and (found := _MEMORY_LINE.search(line)):
+                    used, resident = (float(found[2]), float(found[3])) if found[2] else (None, None)
+                    lives[life].append((at - ready, float(found[1]), used, resident))
+        return lives
+
     def worker_allocators(self) -> dict[str, str]:
         """The C allocator each worker log's memory lines name (WORKER_ALLOCATOR; worker/tasks.py)."""
         found = {log.stem: re.findall(r"handed back to the system by (\w+)", log.read_text(errors="replace"))
@@ -814,6 +833,8 @@ class Soak:
                   "faults": self.fault_log, "windows": self.windows, "load": {k: v for k, v in summary.items()
                                                                               if k not in ("config", "memory")},
                   "batches": self.batches, "calls": len(self.calls), "checks": checks, "memory_mb_per_hour": memory,
+                  "memory_logged_mb_per_hour": logged_memory_growth(self.deployment.worker_memory_logs(),
+                                                                    self.minutes * 60 / 6),
                   "worker_allocators": self.deployment.worker_allocators(),
                   "p95_last_over_first": round(last / first, 2) if first and last else None}
         failed = []
@@ -965,6 +986,34 @@ def when_store_is_up(action: Callable[[], T], pause_s: float = 2) -> T:
             if time.monotonic() > deadline:
                 raise
             time.sleep(pause_s)
+
+
+_LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+_WORKER_READY = re.compile(r"worker \S+:(\d+):\S+ ready \(model")
+_MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB;.*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\))?; "
+                          r"Python:")
+
+
+def logged_memory_growth(lives: dict[str, list[tuple[float, float, float | None, float | None]]],
+                         skip_s: float) -> dict:
+    """MB/hour of each worker life's memory log after its first `skip_s` (least squares, 3 logs at least): RSS,
+    and under jemalloc its memory in use and what lies outside it (RSS less jemalloc's resident set: Python's
+    own arenas, thread stacks, the libraries' code pages)."""
+    out = {}
+    for life, logs in lives.items():
+        steady = [entry for entry in logs if entry[0] >= skip_s]
+        if len(steady) < 3:
+            continue
+        hours = np.array([entry[0] for entry in steady]) / 3600
+        fits = {"rss": np.array([entry[1] for entry in steady])}
+        if all(entry[2] is not None for entry in steady):
+            fits["jemalloc_in_use"] = np.array([entry[2] for entry in steady])
+            fits["outside_jemalloc"] = fits["rss"] - np.array([entry[3] for entry in steady])
+        out[life] = {"logs": len(steady), "minutes": round(float(np.ptp(hours)) * 60, 1),
+                     **{f"{name}_mb_per_hour": round(float(np.polyfit(hours, values, 1)[0]), 1)
+                        for name, values in fits.items()},
+                     "rss_mb": [round(float(fits["rss"][0]), 1), round(float(fits["rss"][-1]), 1)]}
+    return out
 
 
 def memory_growth(samples: list[tuple[float, str, int, float, int]], skip_s: float) -> dict:

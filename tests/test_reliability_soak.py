@@ -56,6 +56,13 @@ def test_soak(tmp_path: Path) -> None:
         expected = "jemalloc" if ctypes.util.find_library("jemalloc") else "glibc"
         allocators = report["worker_allocators"]
         assert len(allocators) >= 2 and set(allocators.values()) == {expected}, allocators
+        # Each worker life's memory log, read apart (a killed worker's successor is a life of its own), with
+        # jemalloc's figures where the workers run on it; and their fits beside the RSS samples'.
+        lives = deployment.worker_memory_logs()
+        assert sum(map(bool, lives.values())) >= 2, lives
+        assert all((entry[2] is not None) == (expected == "jemalloc") for logs in lives.values() for entry in logs)
+        fits = report["memory_logged_mb_per_hour"]
+        assert fits and all(f["logs"] >= 3 and "rss_mb_per_hour" in f for f in fits.values()), fits
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}
         written = json.loads((tmp_path / "report" / "memory_samples.json").read_text())
         assert len(written) == len(soak.samples) and {s["process"].split(":")[0] for s in written} == sampled
