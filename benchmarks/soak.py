@@ -740,9 +740,9 @@ class Soak:
 
     # -- windows ---------------------------------------------------------------------------------------------------
     def sample(self) -> None:
-        # Every 5 s: a worker's RSS swings by an sd of 3-7 MB from one sample to the next (a pass's buffers), and
-        # its fit covers the 10 minutes it lives after its first 10; at 15 s that scatter alone made the slope's
-        # standard error about 18 MB/h (docs/soak.md).
+        # Every 5 s: a worker's RSS swings by an sd of 3-7 MB from one sample to the next (mostly the 10-26 MB of
+        # freed pages jemalloc holds between two purges), and its fit covers the 10 minutes it lives after its
+        # first 10; at 15 s that scatter alone made the slope's standard error about 18 MB/h (docs/soak.md).
         while not self.stop.wait(min(5.0, max(2.0, self.minutes * 2))):
             now = self.now()
             for name, pid in self.deployment.processes().items():

@@ -36,6 +36,6 @@ def hand_back_freed_memory() -> str:
             stats[name] = value.value / 2**20
         return f"jemalloc ({stats['allocated']:.1f} MB in use, {stats['resident']:.1f} MB resident)"
     if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+        trim_after_pass()
         return "glibc"
     return "an allocator that cannot be asked (not glibc, not jemalloc)"
