@@ -3,6 +3,8 @@ Handing the pages it keeps free back to the system, and what jemalloc holds, for
 (issue 47)."""
 
 import ctypes
+import os
+import sys
 
 _PROCESS = ctypes.CDLL(None)
 _JEMALLOC = hasattr(_PROCESS, "mallctl")
@@ -39,3 +41,11 @@ def hand_back_freed_memory() -> str:
         trim_after_pass()
         return "glibc"
     return "an allocator that cannot be asked (not glibc, not jemalloc)"
+
+
+def python_objects() -> str:
+    """Where Python's small objects live, for the memory log: its own arenas (pymalloc, the blocks they hold) or,
+    under PYTHONMALLOC=malloc (what `packscore worker` gives with jemalloc), the C allocator's figures above."""
+    if os.environ.get("PYTHONMALLOC", "").startswith("malloc"):
+        return "objects from the C allocator"
+    return f"{sys.getallocatedblocks()} blocks allocated"

@@ -99,9 +99,12 @@ def worker_allocator_environment(environ: Mapping[str, str] = os.environ) -> tup
     library = ctypes.util.find_library("jemalloc")
     if library is None:
         return {}, "the system's (WORKER_ALLOCATOR=jemalloc, but no libjemalloc here: Debian's libjemalloc2 has it)"
-    # Arrow's tables (the lake's chunks) through the same allocator, not through Arrow's own bundled one.
-    pool = environ.get("ARROW_DEFAULT_MEMORY_POOL", "system")
-    return {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": pool}, f"jemalloc ({library})"
+    # Arrow's tables (the lake's chunks) through the same allocator, not through Arrow's own bundled one; and
+    # Python's small objects too, not through Python's own arenas, which a big batch's rows fragment for good
+    # (docs/soak.md: a third of the step, no cost benchmarks.capacity could see). An operator's value wins.
+    variables = {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": environ.get("ARROW_DEFAULT_MEMORY_POOL", "system"),
+                 "PYTHONMALLOC": environ.get("PYTHONMALLOC", "malloc")}
+    return variables, f"jemalloc ({library}; Python's objects too: PYTHONMALLOC={variables['PYTHONMALLOC']})"
 
 
 def worker_command(loglevel: str = "INFO", node: str | None = None) -> list[str]:

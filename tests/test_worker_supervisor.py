@@ -112,7 +112,13 @@ def test_workers_are_started_on_jemalloc_unless_told_otherwise(monkeypatch: pyte
     if library is None:
         assert variables == {} and "no libjemalloc here" in said
     else:
-        assert variables == {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": "system"} and library in said
+        assert variables == {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": "system",
+                             "PYTHONMALLOC": "malloc"} and library in said
+        # An operator's choice for Arrow's pool or Python's objects (pymalloc_debug, say) is kept.
+        variables, said = worker_allocator_environment({"PYTHONMALLOC": "pymalloc",
+                                                        "ARROW_DEFAULT_MEMORY_POOL": "jemalloc"})
+        assert (variables["PYTHONMALLOC"], variables["ARROW_DEFAULT_MEMORY_POOL"]) == ("pymalloc", "jemalloc")
+        assert "PYTHONMALLOC=pymalloc" in said
     # An LD_PRELOAD already given (tcmalloc, a profiler) is the operator's: kept, nothing added.
     variables, said = worker_allocator_environment({"LD_PRELOAD": "libtcmalloc.so.4"})
     assert variables == {} and said == "LD_PRELOAD=libtcmalloc.so.4 (as set)"
@@ -187,6 +193,9 @@ def test_each_worker_gets_its_own_chips(supervised: tuple[Service, subprocess.Po
         assert "jaxlib" in maps  # a worker runs JAX...
         # ...on jemalloc where the host has it (WORKER_ALLOCATOR's default: glibc's RSS grew 2-3x faster).
         assert ("/libjemalloc" in maps) == (ctypes.util.find_library("jemalloc") is not None), _environ(pid)
+        # ...Python's objects with it (docs/soak.md: its own arenas fragmented under a big batch's rows).
+        jemalloc = ctypes.util.find_library("jemalloc") is not None
+        assert _environ(pid).get("PYTHONMALLOC") == ("malloc" if jemalloc else None)
     # ...the supervisor never does (it would hold every chip of a TPU host), and keeps glibc's allocator.
     maps = Path(f"/proc/{supervisor.pid}/maps").read_text()
     assert "jaxlib" not in maps and "/libjemalloc" not in maps

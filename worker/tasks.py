@@ -26,7 +26,7 @@ import redis.exceptions
 import sqlalchemy.exc
 from celery.signals import after_setup_logger, worker_ready, worker_shutdown, worker_shutting_down
 
-from core.allocator import hand_back_freed_memory
+from core.allocator import hand_back_freed_memory, python_objects
 from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
@@ -131,10 +131,10 @@ def _log_memory(settings: Settings) -> None:
     # (a library's first use) is a step, not growth (issue 47).
     log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's "
              "%s pool %.1f MB (the lake's tables); %.1f MB of freed memory handed back to the system by %s; "
-             "Python: %d blocks allocated, %d modules",
+             "Python: %s, %d modules",
              rss / 2**20, scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
-             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator, sys.getallocatedblocks(),
+             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator, python_objects(),
              len(sys.modules))
     if settings.trace_python_memory:
         _log_python_growth()
