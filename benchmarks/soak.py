@@ -164,7 +164,8 @@ class Deployment:
     def worker_memory_logs(self) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
         """Each worker life's memory log (worker/tasks.py, every MEMORY_LOG_SECONDS), keyed log:pid: (seconds
         since it was ready, RSS, jemalloc's memory in use, jemalloc's resident set), MB. Taken after the worker
-        handed its free pages back, so without the swing of a pass's buffers that the soak's samples have."""
+        handed its free pages back, so without the freed pages jemalloc holds between purges that swing the
+        soak's samples."""
         lives: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
         for log in self.logs.glob("*.log"):
             life, ready = None, 0.0
@@ -997,8 +998,8 @@ _MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB;.*?(?:jemalloc \(([\d.]+) MB
 def logged_memory_growth(lives: dict[str, list[tuple[float, float, float | None, float | None]]],
                          skip_s: float) -> dict:
     """MB/hour of each worker life's memory log after its first `skip_s` (least squares, 3 logs at least): RSS,
-    and under jemalloc its memory in use and what lies outside it (RSS less jemalloc's resident set: Python's
-    own arenas, thread stacks, the libraries' code pages)."""
+    and under jemalloc its memory in use and what lies outside it (RSS less jemalloc's resident set: thread
+    stacks, the libraries' code pages, and Python's own arenas where PYTHONMALLOC is not malloc)."""
     out = {}
     for life, logs in lives.items():
         steady = [entry for entry in logs if entry[0] >= skip_s]

@@ -127,8 +127,8 @@ def _log_memory(settings: Settings) -> None:
     held = _rss_bytes()
     allocator = hand_back_freed_memory()
     rss = _rss_bytes()
-    # Python's own: its small objects live outside the C allocator (its arenas), and a module imported late
-    # (a library's first use) is a step, not growth (issue 47).
+    # Python's own: its small objects live in its arenas unless PYTHONMALLOC=malloc (then in the C allocator's
+    # figures), and a module imported late (a library's first use) is a step, not growth (issue 47).
     log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's "
              "%s pool %.1f MB (the lake's tables); %.1f MB of freed memory handed back to the system by %s; "
              "Python: %s, %d modules",
