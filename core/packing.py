@@ -117,6 +117,24 @@ def cache_length(cached: int, pass_tokens: int, block: int) -> int:
     return rungs[0] if cached <= rungs[0] else max(pass_length(cached, 0, pass_tokens, block), rungs[-1])
 
 
+def filler_plan(tokens: int, cached: int) -> PassPlan:
+    """A pass of exactly `tokens` new tokens and `cached` keys of a cached prefix, laid out as traffic is: a
+    cached query with items (when `cached`), a query computed in the pass, items of several lengths. The
+    warm-up runs one per program of the ladder, so that its loops and branches all run once (`tokens` and
+    `cached` must be rungs: `pass_length` and `cache_length` give them back)."""
+    token = (1,)
+    sequences = [PackedSequence(token * cached, prefix_cached=True)] if cached else []
+    sequences.append(PackedSequence(token * max(1, tokens // 4)))
+    left = tokens - sequences[-1].new_tokens
+    lengths = itertools.cycle((1, 7, 30, 120))
+    while left:
+        seq = sequences[left % len(sequences)]  # both sequences get items
+        n = min(next(lengths), left)
+        seq.items.append((0, len(seq.items), token * n))
+        left -= n
+    return PassPlan(sequences)
+
+
 def _split_items(items: list, budget: int) -> list[list]:
     """Consecutive chunks of (request, item, tokens) of at most `budget` tokens (at least one item each)."""
     chunks: list[list] = [[]]

@@ -21,8 +21,8 @@ from core import sharding
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
-from core.packing import (ACCELERATOR_STEPS_PER_OCTAVE, PackedSequence, PassPlan, build_pass, cache_length, ladder,
-                          plan_passes)
+from core.packing import (ACCELERATOR_STEPS_PER_OCTAVE, PackedSequence, PassPlan, build_pass, cache_length,
+                          filler_plan, ladder, plan_passes)
 from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix_cache_bytes
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
@@ -84,6 +84,9 @@ log = logging.getLogger(__name__)
 # dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
 SHORTEST_CPU_PASS = 64
 
+# The warm-up runs each program once until its runs have taken this long: the whole ladder of a small model,
+# or an accelerator's, in a second or two; on a CPU a real model's longest passes (SmolLM2: a minute for all).
+WARM_RUN_SECONDS = 10.0
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
 
@@ -564,14 +567,16 @@ class Scorer:
                      tokens, cache_len, width, label_width, keep_kv, _PROGRAMS.compiles, len(_PROGRAMS.resident))
         return program
 
-    def warm_up(self, on_program: Callable[[int, int], None] | None = None) -> int:
+    def warm_up(self, on_program: Callable[[int, int], None] | None = None,
+                run_seconds: float = WARM_RUN_SECONDS) -> int:
         """Compiles, or loads from JAX's persistent compilation cache, the programs of the shape ladder (see
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
         each cache length (pass_tokens/8 and pass_tokens), on accelerators each with and without keys/values
-        out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder).
-        Returns how many; `on_program(done, total)` is called before the first and after each. The Pallas
-        kernels' table width is a compile key too, one that depends on the traffic, so with attention "pallas"
-        nothing is compiled ahead."""
+        out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder). Each is
+        also run once on a pass that fills it (`core.packing.filler_plan`) until the runs have taken
+        `run_seconds`. Returns how many; `on_program(done, total)` is called before the first and after each.
+        The Pallas kernels' table width is a compile key too, one that depends on the traffic, so with
+        attention "pallas" nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
             return 0
         block = max(self.block_q, self.block_k)
@@ -581,16 +586,36 @@ class Scorer:
                   for keep in (True, False) if keep or not self.always_keep_kv][: self.max_programs]
         if on_program is not None:
             on_program(0, len(shapes))
+        ran, running = 0, 0.0
         with self._engine_lock:
             self._warming = True
             try:
                 for done, (T, C, keep) in enumerate(shapes, 1):
                     self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
+                    if running <= run_seconds:
+                        started = time.perf_counter()
+                        self._run_filler(T, C, keep)
+                        running += time.perf_counter() - started
+                        ran += 1
                     if on_program is not None:
                         on_program(done, len(shapes))
             finally:
                 self._warming = False
+        log.info("%s: warm-up ran %d of its %d programs once (%.1f s)%s", self.model_name, ran, len(shapes),
+                 running, "" if ran == len(shapes) else "; the others run first in traffic")
         return len(shapes)
+
+    def _run_filler(self, tokens: int, cache_len: int, keep_kv: bool) -> None:
+        """Runs a pass that fills a resident program of the ladder, with the structure of traffic. A program's
+        first run makes what the runtime keeps for it (XLA CPU's YNNPACK executables, of each loop and branch
+        the pass's tables drive: 15-21 MB for the tiny model's ladder), which otherwise filled a worker's memory
+        a shape at a time through its first half hour of traffic (issue 47); on accelerators, whatever else a
+        first run costs."""
+        arrays = build_pass(filler_plan(tokens, cache_len), self.block_q, self.block_k, self.pass_tokens,
+                            self.shortest_pass, self.ladder_steps)
+        labels = np.zeros((len(arrays.score_rows), MIN_LABEL_WIDTH), np.int32)
+        handle, kv, _ = self._launch(arrays, [], [], labels, keep_kv)
+        jax.block_until_ready((handle, kv))
 
     def _prefix_rows(self, keys_or_values: jax.Array, lo: int, hi: int):
         """Rows [lo, hi) of a pass's keys or values [L, T, Hkv, hd], as the prefix cache keeps them: exactly

@@ -8,7 +8,7 @@ import pytest
 
 from core import ERROR_CODES, Scorer, ScoringError
 from core.config import ModelConfig
-from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, FINE_RUNGS_FROM, ladder, pass_length
+from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, FINE_RUNGS_FROM, build_pass, filler_plan, ladder, pass_length
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +278,40 @@ def test_resident_programs_are_capped_least_recently_used_first(tiny):
     run(requests[0])  # the least recent one was evicted: compiled again
     assert capped.compiled_programs == before + 1
     assert capped.resident_programs == 2
+
+
+def test_the_warm_up_runs_each_program_once_on_a_pass_that_fills_it(tiny, monkeypatch):
+    """A program's first run makes what XLA's runtime keeps for it (the YNNPACK executables of each loop and
+    branch the pass's tables drive): the warm-up runs every program of the ladder on a full pass laid out as
+    traffic is, so that a worker's memory does not fill a shape at a time in its first half hour (issue 47);
+    within a time budget, longest first."""
+    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
+    ran = []
+    launch = scorer._launch
+
+    def spy(arrays, cached, cached_lengths, labels, keep_kv):  # type: ignore[no-untyped-def]
+        handle, kv, key = launch(arrays, cached, cached_lengths, labels, keep_kv)
+        ran.append((key, arrays))
+        return handle, kv, key
+
+    monkeypatch.setattr(scorer, "_launch", spy)
+    assert scorer.warm_up() == 21
+    lengths = scorer.pass_lengths
+    assert sorted(key for key, _ in ran) == sorted((T, C, T, (C + T) // 64, 8, True)
+                                                   for T in lengths for C in (0, 512, 4096))
+    for (T, C, *_), arrays in ran:
+        # Full, with a cached query (when C), a query computed in the pass, and items of several lengths.
+        assert arrays.real_tokens == T and arrays.cache_len == C
+        plan = filler_plan(T, C)
+        assert [seq.prefix_cached for seq in plan.sequences] == [True, False][-len(plan.sequences):]
+        assert all(seq.items for seq in plan.sequences) and len(plan.sequences) == 1 + (C > 0)
+        assert len({len(tokens) for seq in plan.sequences for _, _, tokens in seq.items}) >= min(T // 64, 4)
+        assert T == 64 or (arrays.tile_counts > 1).any()  # the tile loops run (64 tokens: a single tile)
+    ran.clear()
+    assert scorer.warm_up(run_seconds=0) == 21  # past the budget the programs are compiled (resident), not run
+    assert [key[:2] for key, _ in ran] == [(4096, 0)]
+    arrays = build_pass(filler_plan(4096, 512), 64, 64, 4096)
+    assert (len(arrays.tokens), arrays.cache_len, arrays.real_tokens) == (4096, 512, 4096)
 
 
 def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog):
