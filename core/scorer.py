@@ -84,8 +84,8 @@ log = logging.getLogger(__name__)
 # dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
 SHORTEST_CPU_PASS = 64
 
-# The warm-up runs each program once until its runs have taken this long: the whole ladder of a small model,
-# or an accelerator's, in a second or two; on a CPU a real model's longest passes (SmolLM2: a minute for all).
+# The warm-up runs each program once until its runs have taken this long: the tiny model's whole ladder takes
+# under a second on a 2-core CPU, SmolLM2's over a minute there (its longest programs run, the others do not).
 WARM_RUN_SECONDS = 10.0
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
