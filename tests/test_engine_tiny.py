@@ -8,7 +8,7 @@ import pytest
 
 from core import ERROR_CODES, Scorer, ScoringError
 from core.config import ModelConfig
-from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, FINE_RUNGS_FROM, build_pass, filler_plan, ladder, pass_length
+from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, FINE_RUNGS_FROM, filler_plan, ladder, pass_length
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +280,17 @@ def test_resident_programs_are_capped_least_recently_used_first(tiny):
     assert capped.resident_programs == 2
 
 
-def test_the_warm_up_runs_each_program_once_on_a_pass_that_fills_it(tiny, monkeypatch):
-    """A program's first run makes what XLA's runtime keeps for it (the YNNPACK executables of each loop and
-    branch the pass's tables drive): the warm-up runs every program of the ladder on a full pass laid out as
-    traffic is, so that a worker's memory does not fill a shape at a time in its first half hour (issue 47);
-    within a time budget, longest first."""
+def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog, monkeypatch):
+    """The warm-up compiles every program of the ladder and runs each once on a full pass laid out as traffic
+    is: a program's first run makes what XLA's runtime keeps for it (the YNNPACK executables of each loop and
+    branch the pass's tables drive), which otherwise filled a worker's memory a shape at a time through its
+    first half hour (issue 47); within a time budget, longest first. Then queries of 5-1,200 tokens, 1-300 items
+    of 1-60 tokens, 1-8 labels, some item_first, some repeated queries (prefix cache): no pass compiles anything,
+    and every shape is on the ladder. A shape off it (9 labels) compiles, and the engine's log says so (the
+    warm-up's compiles are not logged one by one)."""
+    caplog.set_level("WARNING", logger="jax")  # (the handler's level: the last set_level's)
+    caplog.set_level("INFO", logger="core.scorer")
+    new_shape = "compiled a pass program for a new shape"
     scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
     ran = []
     launch = scorer._launch
@@ -295,8 +301,12 @@ def test_the_warm_up_runs_each_program_once_on_a_pass_that_fills_it(tiny, monkey
         return handle, kv, key
 
     monkeypatch.setattr(scorer, "_launch", spy)
-    assert scorer.warm_up() == 21
+    progress = []
+    assert scorer.warm_up(lambda done, total: progress.append((done, total))) == 21  # 7 pass lengths, without
+    # cached prefixes and with 2 cache lengths; the progress a worker reports to /readyz as it goes
+    assert progress == [(n, 21) for n in range(22)]
     lengths = scorer.pass_lengths
+    assert lengths == [64, 128, 256, 512, 1024, 2048, 4096]
     assert sorted(key for key, _ in ran) == sorted((T, C, T, (C + T) // 64, 8, True)
                                                    for T in lengths for C in (0, 512, 4096))
     for (T, C, *_), arrays in ran:
@@ -310,24 +320,7 @@ def test_the_warm_up_runs_each_program_once_on_a_pass_that_fills_it(tiny, monkey
     ran.clear()
     assert scorer.warm_up(run_seconds=0) == 21  # past the budget the programs are compiled (resident), not run
     assert [key[:2] for key, _ in ran] == [(4096, 0)]
-    arrays = build_pass(filler_plan(4096, 512), 64, 64, 4096)
-    assert (len(arrays.tokens), arrays.cache_len, arrays.real_tokens) == (4096, 512, 4096)
-
-
-def test_random_traffic_needs_no_program_beyond_the_warmed_ladder(tiny, caplog):
-    """Queries of 5-1,200 tokens, 1-300 items of 1-60 tokens, 1-8 labels, some item_first, some repeated
-    queries (prefix cache): after warm_up, no pass compiles anything, and every shape is on the ladder. A shape
-    off it (9 labels) compiles, and the engine's log says so (the warm-up's compiles are not logged one by one)."""
-    caplog.set_level("WARNING", logger="jax")  # (the handler's level: the last set_level's)
-    caplog.set_level("INFO", logger="core.scorer")
-    new_shape = "compiled a pass program for a new shape"
-    scorer = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny")
-    progress = []
-    assert scorer.warm_up(lambda done, total: progress.append((done, total))) == 21  # 7 pass lengths, without
-    # cached prefixes and with 2 cache lengths; the progress a worker reports to /readyz as it goes
-    assert progress == [(n, 21) for n in range(22)]
-    lengths = scorer.pass_lengths
-    assert lengths == [64, 128, 256, 512, 1024, 2048, 4096]
+    monkeypatch.undo()
     rng = np.random.default_rng(5)
     queries = [rng.integers(5, 49152, int(rng.integers(5, 1200))).tolist() for _ in range(6)]
     queries.append(rng.integers(5, 49152, 300).tolist())  # a cached query this short reads the shortest cache
