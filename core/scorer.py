@@ -84,8 +84,8 @@ log = logging.getLogger(__name__)
 # dominate (the body's matmuls alone: 118 ms for 32 rows, 138 ms for 64).
 SHORTEST_CPU_PASS = 64
 
-# The warm-up runs each program once until its runs have taken this long: the tiny model's whole ladder takes
-# under a second on a 2-core CPU, SmolLM2's over a minute there (its longest programs run, the others do not).
+# The warm-up runs each program once while its runs fit in this long: the tiny model's whole ladder takes under
+# a second on a 2-core CPU, SmolLM2's over a minute there (its longest program runs, 8-9 s; the others do not).
 WARM_RUN_SECONDS = 10.0
 MIN_LABEL_WIDTH = 8  # label ids per score row in the program: up to 8 labels cost one program, not four
 
@@ -573,8 +573,8 @@ class Scorer:
         core.packing) for up to 8 labels: for each pass length, a pass without cached prefixes and one with
         each cache length (pass_tokens/8 and pass_tokens), on accelerators each with and without keys/values
         out; longest first and at most `max_programs` (on CPU 21 of the default 24: the whole ladder). Each is
-        also run once on a pass that fills it (`core.packing.filler_plan`) until the runs have taken
-        `run_seconds`. Returns how many; `on_program(done, total)` is called before the first and after each.
+        also run once on a pass that fills it (`core.packing.filler_plan`) while the runs fit in `run_seconds`
+        (the first always runs). Returns how many; `on_program(done, total)` is called before the first and after each.
         The Pallas kernels' table width is a compile key too, one that depends on the traffic, so with
         attention "pallas" nothing is compiled ahead."""
         if self.attention not in ("xla", "dense"):
@@ -586,16 +586,17 @@ class Scorer:
                   for keep in (True, False) if keep or not self.always_keep_kv][: self.max_programs]
         if on_program is not None:
             on_program(0, len(shapes))
-        ran, running = 0, 0.0
+        ran, running, last = 0, 0.0, 0.0
         with self._engine_lock:
             self._warming = True
             try:
                 for done, (T, C, keep) in enumerate(shapes, 1):
                     self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
-                    if running <= run_seconds:
+                    if running + last <= run_seconds:  # longest first: the next run takes no longer than the last
                         started = time.perf_counter()
                         self._run_filler(T, C, keep)
-                        running += time.perf_counter() - started
+                        last = time.perf_counter() - started
+                        running += last
                         ran += 1
                     if on_program is not None:
                         on_program(done, len(shapes))
