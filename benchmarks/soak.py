@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import httpx
 import numpy as np
@@ -156,17 +156,16 @@ class Deployment:
         """Each worker log's last reported prefix-cache size (worker/tasks.py logs its memory now and then)."""
         sizes = {}
         for log in self.logs.glob("worker*.log"):
-            found = re.findall(r"memory: RSS [\d.]+ MB; prefix cache ([\d.]+) of", log.read_text(errors="replace"))
+            found = re.findall(r"memory: RSS .*?; prefix cache ([\d.]+) of", log.read_text(errors="replace"))
             if found:
                 sizes[log.stem] = float(found[-1])
         return sizes
 
-    def worker_memory_logs(self) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
-        """Each worker life's memory log (worker/tasks.py, every MEMORY_LOG_SECONDS), keyed log:pid: (seconds
-        since it was ready, RSS, jemalloc's memory in use, jemalloc's resident set), MB. Taken after the worker
-        handed its free pages back, so without the freed pages jemalloc holds between purges that swing the
-        soak's samples."""
-        lives: dict[str, list[tuple[float, float, float | None, float | None]]] = {}
+    def worker_memory_logs(self) -> dict[str, list["MemoryLog"]]:
+        """Each worker life's memory log (worker/tasks.py, every MEMORY_LOG_SECONDS), keyed log:pid. Taken after
+        the worker handed its free pages back, so without the freed pages jemalloc holds between purges that
+        swing the soak's samples."""
+        lives: dict[str, list[MemoryLog]] = {}
         for log in self.logs.glob("*.log"):
             life, ready = None, 0.0
             for line in log.read_text(errors="replace").splitlines():
@@ -177,8 +176,9 @@ class Deployment:
                     life, ready = f"{log.stem}:{found[1]}", at
                     lives[life] = []
                 elif life and (found := _MEMORY_LINE.search(line)):
-                    used, resident = (float(found[2]), float(found[3])) if found[2] else (None, None)
-                    lives[life].append((at - ready, float(found[1]), used, resident))
+                    used, resident = (float(found[5]), float(found[6])) if found[5] else (None, None)
+                    lives[life].append(MemoryLog(at - ready, float(found[1]), float(found[2]), float(found[3]),
+                                                 int(found[4]), used, resident))
         return lives
 
     def worker_allocators(self) -> dict[str, str]:
@@ -991,29 +991,43 @@ def when_store_is_up(action: Callable[[], T], pause_s: float = 2) -> T:
 
 _LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _WORKER_READY = re.compile(r"worker \S+:(\d+):\S+ ready \(model")
-_MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB;.*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\))?; "
-                          r"Python:")
+_MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB \(([\d.]+) anonymous, ([\d.]+) file-backed; (\d+) threads\);"
+                          r".*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\))?; Python:")
 
 
-def logged_memory_growth(lives: dict[str, list[tuple[float, float, float | None, float | None]]],
-                         skip_s: float) -> dict:
+class MemoryLog(NamedTuple):
+    """One line of a worker's memory log (MB): its RSS and the RSS's parts, and jemalloc's figures if it runs on
+    it (memory in use, and the resident set: in use, freed pages not yet handed back, its own metadata)."""
+    seconds: float  # since the worker was ready
+    rss: float
+    anonymous: float
+    file_backed: float
+    threads: int
+    jemalloc_in_use: float | None
+    jemalloc_resident: float | None
+
+
+def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> dict:
     """MB/hour of each worker life's memory log after its first `skip_s` (least squares, 3 logs at least): RSS,
-    and under jemalloc its memory in use and what lies outside it (RSS less jemalloc's resident set: thread
-    stacks, the libraries' code pages, and Python's own arenas where PYTHONMALLOC is not malloc)."""
+    its anonymous and file-backed parts (the libraries' pages), and under jemalloc its memory in use and the
+    anonymous memory outside it (thread stacks; Python's own arenas where PYTHONMALLOC is not malloc)."""
     out = {}
     for life, logs in lives.items():
-        steady = [entry for entry in logs if entry[0] >= skip_s]
+        steady = [entry for entry in logs if entry.seconds >= skip_s]
         if len(steady) < 3:
             continue
-        hours = np.array([entry[0] for entry in steady]) / 3600
-        fits = {"rss": np.array([entry[1] for entry in steady])}
-        if all(entry[2] is not None for entry in steady):
-            fits["jemalloc_in_use"] = np.array([entry[2] for entry in steady])
-            fits["outside_jemalloc"] = fits["rss"] - np.array([entry[3] for entry in steady])
+        hours = np.array([entry.seconds for entry in steady]) / 3600
+        fits = {name: np.array([getattr(entry, name) for entry in steady])
+                for name in ("rss", "anonymous", "file_backed")}
+        if all(entry.jemalloc_in_use is not None for entry in steady):
+            fits["jemalloc_in_use"] = np.array([entry.jemalloc_in_use for entry in steady])
+            fits["anonymous_outside_jemalloc"] = fits["anonymous"] - np.array(
+                [entry.jemalloc_resident for entry in steady])
         out[life] = {"logs": len(steady), "minutes": round(float(np.ptp(hours)) * 60, 1),
                      **{f"{name}_mb_per_hour": round(float(np.polyfit(hours, values, 1)[0]), 1)
                         for name, values in fits.items()},
-                     "rss_mb": [round(float(fits["rss"][0]), 1), round(float(fits["rss"][-1]), 1)]}
+                     "rss_mb": [round(float(fits["rss"][0]), 1), round(float(fits["rss"][-1]), 1)],
+                     "threads": [steady[0].threads, steady[-1].threads]}
     return out
 
 

@@ -60,7 +60,9 @@ def test_soak(tmp_path: Path) -> None:
         # jemalloc's figures where the workers run on it; and their fits beside the RSS samples'.
         lives = deployment.worker_memory_logs()
         assert sum(map(bool, lives.values())) >= 2, lives
-        assert all((entry[2] is not None) == (expected == "jemalloc") for logs in lives.values() for entry in logs)
+        assert all((entry.jemalloc_in_use is not None) == (expected == "jemalloc") and entry.threads > 1
+                   and 0 < entry.anonymous + entry.file_backed <= entry.rss + 1
+                   for logs in lives.values() for entry in logs)
         fits = report["memory_logged_mb_per_hour"]
         assert fits and all(f["logs"] >= 3 and "rss_mb_per_hour" in f for f in fits.values()), fits
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}

@@ -87,11 +87,21 @@ def _deliver_until_settled(delivery_id: str, seconds: float = 10) -> WebhookDeli
     raise AssertionError("delivery did not settle")
 
 
-def test_delivery_retries_with_same_id(empty_queue, make_key, webhook_receiver) -> None:  # type: ignore[no-untyped-def]
+def test_delivery_retries_with_same_id(empty_queue, make_key, webhook_receiver,  # type: ignore[no-untyped-def]
+                                      monkeypatch) -> None:
+    import ssl
+
+    from worker import webhooks
+
+    made = []  # certificate stores read: once for all attempts, not once each (16 ms of CPU each)
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: made.append(a or kw) or real(*a, **kw))
+    webhooks._tls_context.cache_clear()
     delivery_id, secret = _delivery(make_key, webhook_receiver.url)
     webhook_receiver.responses = [500, 302]  # a failure, then a redirect (not followed), then 200
     row = _deliver_until_settled(delivery_id)
     assert row.status == "delivered" and row.attempts == 3
+    assert len(made) == 1, made
     assert len(webhook_receiver.requests) == 3
     for headers, body in webhook_receiver.requests:
         assert headers["webhook-id"] == delivery_id

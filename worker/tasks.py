@@ -127,12 +127,16 @@ def _log_memory(settings: Settings) -> None:
     held = _rss_bytes()
     allocator = hand_back_freed_memory()
     rss = _rss_bytes()
+    resident = _resident_set()
+    # The RSS's anonymous and file-backed parts and the threads: what lies outside the C allocator (libraries'
+    # code pages a path met for the first time reads in, thread stacks) is told from memory held (issue 47).
     # Python's own: its small objects live in its arenas unless PYTHONMALLOC=malloc (then in the C allocator's
-    # figures), and a module imported late (a library's first use) is a step, not growth (issue 47).
-    log.info("memory: RSS %.1f MB; prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's "
-             "%s pool %.1f MB (the lake's tables); %.1f MB of freed memory handed back to the system by %s; "
-             "Python: %s, %d modules",
-             rss / 2**20, scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
+    # figures), and a module imported late (a library's first use) is a step, not growth.
+    log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f file-backed; %d threads); prefix cache %.1f of %.1f MB; "
+             "%d pass programs resident (%d compiled); Arrow's %s pool %.1f MB (the lake's tables); %.1f MB of "
+             "freed memory handed back to the system by %s; Python: %s, %d modules",
+             rss / 2**20, resident["RssAnon"] / 2**10, resident["RssFile"] / 2**10, resident["Threads"],
+             scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
              pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator, python_objects(),
              len(sys.modules))
@@ -143,6 +147,13 @@ def _log_memory(settings: Settings) -> None:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_set() -> dict[str, int]:
+    """/proc/self/status's RssAnon and RssFile (kB) and Threads."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {name: int(fields.get(name, "0").split()[0]) for name in ("RssAnon", "RssFile", "Threads")}
 
 
 def _log_python_growth() -> None:
