@@ -424,6 +424,27 @@ def test_pool_replaces_connections_a_database_restart_killed(database, monkeypat
         killer.dispose()
 
 
+def test_light_traffic_after_a_burst_keeps_to_the_connection_used_last(database) -> None:  # type: ignore[no-untyped-def]
+    """The pool hands out the connection checked in last (LIFO): after a burst opened several, one request at a
+    time reuses one of them, not each in turn, so only its caches fill (issue 47: a worker's SQLite page caches
+    grew all hour as its pooled connections came round) and it is never idle long enough to be pinged."""
+    from sqlalchemy import text
+
+    engine = get_engine(f"{database}?application_name=lifo_test")  # a pool of its own
+    try:
+        burst = [engine.connect() for _ in range(6)]
+        for conn in burst:
+            conn.close()
+        assert engine.pool.checkedin() == 6
+        backends = set()
+        for _ in range(5):
+            with engine.connect() as conn:
+                backends.add(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+        assert len(backends) == 1, backends
+    finally:
+        engine.dispose()
+
+
 MALFORMED_REQUESTS = [
     b"GARBAGE\r\n\r\n",
     b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo-Colon-Here\r\n\r\n",
