@@ -427,7 +427,7 @@ def test_pool_replaces_connections_a_database_restart_killed(database, monkeypat
 def test_light_traffic_after_a_burst_keeps_to_the_connection_used_last(database) -> None:  # type: ignore[no-untyped-def]
     """The pool hands out the connection checked in last (LIFO): after a burst opened several, one request at a
     time reuses one of them, not each in turn, so only its caches fill (issue 47: a worker's SQLite page caches
-    grew all hour as its pooled connections came round) and it is never idle long enough to be pinged."""
+    grew 1.5 MB every 10 minutes as its pooled connections came round) and it is never idle long enough to be pinged."""
     from sqlalchemy import text
 
     engine = get_engine(f"{database}?application_name=lifo_test")  # a pool of its own
