@@ -124,10 +124,10 @@ def _log_memory(settings: Settings) -> None:
         return
     _memory_logged_at = time.monotonic()
     scorer = get_scorer()
-    held = _rss_bytes()
+    held = _resident_set()["VmRSS"]
     allocator = hand_back_freed_memory()
-    rss = _rss_bytes()
     resident = _resident_set()
+    rss = resident["VmRSS"]
     # The RSS's anonymous and file-backed parts and the threads: what lies outside the C allocator (libraries'
     # code pages a path met for the first time reads in, thread stacks) is told from memory held (issue 47).
     # Python's own: its small objects live in its arenas unless PYTHONMALLOC=malloc (then in the C allocator's
@@ -135,25 +135,20 @@ def _log_memory(settings: Settings) -> None:
     log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f file-backed; %d threads); prefix cache %.1f of %.1f MB; "
              "%d pass programs resident (%d compiled); Arrow's %s pool %.1f MB (the lake's tables); %.1f MB of "
              "freed memory handed back to the system by %s; Python: %s, %d modules",
-             rss / 2**20, resident["RssAnon"] / 2**10, resident["RssFile"] / 2**10, resident["Threads"],
+             rss / 2**10, resident["RssAnon"] / 2**10, resident["RssFile"] / 2**10, resident["Threads"],
              scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
-             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**20, allocator, python_objects(),
+             pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**10, allocator, python_objects(),
              len(sys.modules))
     if settings.trace_python_memory:
         _log_python_growth()
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _resident_set() -> dict[str, int]:
-    """/proc/self/status's RssAnon and RssFile (kB) and Threads."""
+    """/proc/self/status's VmRSS, RssAnon and RssFile (kB) and Threads."""
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
-    return {name: int(fields.get(name, "0").split()[0]) for name in ("RssAnon", "RssFile", "Threads")}
+    return {name: int(fields.get(name, "0").split()[0]) for name in ("VmRSS", "RssAnon", "RssFile", "Threads")}
 
 
 def _log_python_growth() -> None:
