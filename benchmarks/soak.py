@@ -13,8 +13,9 @@ s3:// batches):
 
 Traffic at steady rates: tests/load_runner.py's Runner (POST /jobs with a webhook, some cancelled, some sent twice
 with their Idempotency-Key; synchronous /v1/score), /v1/rerank calls, uploaded batches (both line formats) and
-reference batches (Parquet, CSV and JSONL pair tables, on local storage and s3://) in turn. The webhook receiver
-answers 500 to a share of the deliveries and is down for a stretch.
+reference batches (Parquet, CSV and JSONL pair tables, on local storage and s3://) in turn, and every 10 minutes a
+reference batch of a whole chunk's rows for each model. The webhook receiver answers 500 to a share of the
+deliveries and is down for a stretch.
 
 Faults (minutes of a 60-minute run; a shorter run scales them): a worker SIGKILLed at 5, 15, ... 55 (the plain one,
 then the supervisor's child, in turn; the soak starts a plain one again, the supervisor its child), the receiver
@@ -57,6 +58,7 @@ import pyarrow.parquet as pq
 
 from benchmarks.capacity import host_cpu
 from benchmarks.lake_scenarios import LABELS, pair_table
+from store.settings import Settings
 from tests.load_runner import LoadConfig, Runner, rss_mb
 from tests.object_stores import SeaweedS3
 from tests.service_harness import (PrivatePostgres, PrivateRedis, Service, free_port, stop_processes, wait_until)
@@ -67,6 +69,8 @@ MODELS = ("a", "b")
 # the receiver's four minutes down fail some deliveries after their last retry.
 WEBHOOK_RETRY_SCHEDULE = (1, 2, 4, 8, 15, 30)
 FULL_DISK_BYTES = 96 << 10
+# A whole chunk of a reference batch: the most rows a worker holds of one batch at once.
+FULL_CHUNK_ROWS = Settings.model_fields["batch_chunk_rows_target"].default
 # uvicorn's graceful stop waits for the calls in flight (a /v1/score call waits up to SCORE_TIMEOUT_SECONDS).
 API_STOP_SECONDS = 90
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
@@ -554,15 +558,33 @@ class Soak:
 
     # -- reference batches ---------------------------------------------------------------------------------------
     def reference_batch(self, i: int) -> None:
-        """A pair table in turn Parquet, CSV and JSONL, on local storage and s3:// in turn."""
-        fmt = ("parquet", "csv", "jsonl")[i % 3]
-        remote = (i // 3) % 2 == 1
-        rows = 40 + 7 * (i % 5)
-        table = pair_table(rows, seed=i)
-        table = table.set_column(2, "pair_id", pa.array([f"{i}-{k}" for k in range(rows)]))
-        name = f"ref-{i}.{fmt}"
+        """A pair table of 40-68 rows in turn Parquet, CSV and JSONL, on local storage and s3:// in turn."""
+        self.pair_table_batch(f"ref-{i}", ("parquet", "csv", "jsonl")[i % 3], (i // 3) % 2 == 1, 40 + 7 * (i % 5),
+                              MODELS[i % 2], seed=i)
+
+    def full_chunk_batches(self) -> None:
+        """A pair table of a whole chunk (BATCH_CHUNK_ROWS_TARGET rows) for each model at minutes 1, 11, ..., 51:
+        what a backfill gives a worker all day. A worker's memory after its first such chunk is its high-water
+        mark; each life meets one in its first 10 minutes and another in the 10 its memory is fitted over, so a
+        chunk that leaves memory behind shows as growth (docs/soak.md). Only in runs of 10 minutes or more."""
+        for k in range(6 if self.minutes >= 10 else 0):
+            if self.stop.wait(max(0.0, minutes_of(1 + 10 * k, self.minutes) * 60 - self.now())):
+                return
+            for model in MODELS:
+                try:
+                    self.pair_table_batch(f"chunk-{k}-{model}", ("parquet", "csv", "jsonl")[k % 3], k % 2 == 1,
+                                          FULL_CHUNK_ROWS, model, seed=1000 + k)
+                except Exception as exc:  # noqa: BLE001  (a client-side error is a finding, reported at the end)
+                    with self.lock:
+                        self.problems.append(f"full_chunk_batches {k} {model}: {type(exc).__name__}: {exc}")
+
+    def pair_table_batch(self, name: str, fmt: str, remote: bool, rows: int, model: str, seed: int) -> None:
+        """Writes a pair table (pair ids `{name}-{k}`) where a reference batch reads it, sends the batch and follows
+        it to its end: every pair id answered once, in part objects the manifest lists."""
+        table = pair_table(rows, seed=seed)
+        table = table.set_column(2, "pair_id", pa.array([f"{name}-{k}" for k in range(rows)]))
         if remote:
-            where, out = f"{self.deployment.s3.bucket}/in/{name}", f"s3://{self.deployment.s3.bucket}/out/ref-{i}/"
+            where, out = f"{self.deployment.s3.bucket}/in/{name}.{fmt}", f"s3://{self.deployment.s3.bucket}/out/{name}/"
 
             def write() -> None:
                 with self.s3_fs().open(where, "wb") as f:
@@ -570,21 +592,21 @@ class Soak:
             when_store_is_up(write)
             uri = f"s3://{where}"
         else:
-            path = self.deployment.lake / "in" / name
+            path = self.deployment.lake / "in" / f"{name}.{fmt}"
             path.parent.mkdir(exist_ok=True)
             with open(path, "wb") as f:
                 write_pairs(table, fmt, f)
-            uri, out = str(path), str(self.deployment.lake / "out" / f"ref-{i}")
-        body = {"input": uri, "output": out, "format": fmt, "label_token_ids": LABELS, "model": MODELS[i % 2],
+            uri, out = str(path), str(self.deployment.lake / "out" / name)
+        body = {"input": uri, "output": out, "format": fmt, "label_token_ids": LABELS, "model": model,
                 "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}, "webhook_url": self.receiver.url,
                 "metadata": {"soak": self.tag}}
         with self.deployment.http() as http:
             response = self.request(http, "POST", "/batches", json=body)
             if response.status_code != 201:
-                raise RuntimeError(f"reference batch {i}: {response.status_code} {response.text[:300]}")
-            expected = [f"{i}-{k}" for k in range(rows)]
-            self.follow_batch(http, response.json()["id"], f"reference-{fmt}-{'s3' if remote else 'local'}",
-                              expected, self.lake_rows)
+                raise RuntimeError(f"reference batch {name}: {response.status_code} {response.text[:300]}")
+            kind = "reference" if rows < FULL_CHUNK_ROWS else "full-chunk"
+            self.follow_batch(http, response.json()["id"], f"{kind}-{fmt}-{'s3' if remote else 'local'}",
+                              [f"{name}-{k}" for k in range(rows)], self.lake_rows)
 
     def s3_fs(self):  # type: ignore[no-untyped-def]
         import s3fs
@@ -801,6 +823,7 @@ class Soak:
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.upload_batch), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.reference_batch),
                                     daemon=True),
+                   threading.Thread(target=self.full_chunk_batches, daemon=True),
                    injector, threading.Thread(target=self.sample, daemon=True)]
         for thread in threads:
             thread.start()
