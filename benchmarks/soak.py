@@ -182,7 +182,8 @@ class Deployment:
                 elif life and (found := _MEMORY_LINE.search(line)):
                     used, resident = (float(found[5]), float(found[6])) if found[5] else (None, None)
                     lives[life].append(MemoryLog(at - ready, float(found[1]), float(found[2]), float(found[3]),
-                                                 int(found[4]), used, resident))
+                                                 int(found[4]), used, resident,
+                                                 float(found[7]) if found[7] else None))
         return lives
 
     def worker_allocators(self) -> dict[str, str]:
@@ -1015,7 +1016,8 @@ def when_store_is_up(action: Callable[[], T], pause_s: float = 2) -> T:
 _LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _WORKER_READY = re.compile(r"worker \S+:(\d+):\S+ ready \(model")
 _MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB \(([\d.]+) anonymous, ([\d.]+) file-backed; (\d+) threads\);"
-                          r".*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\))?; Python:")
+                          r".*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident"
+                          r"(?:, ([\d.]+) MB of it metadata)?\))?; Python:")
 
 
 class MemoryLog(NamedTuple):
@@ -1028,12 +1030,14 @@ class MemoryLog(NamedTuple):
     threads: int
     jemalloc_in_use: float | None
     jemalloc_resident: float | None
+    jemalloc_metadata: float | None = None  # logs before the thirteenth session have none
 
 
 def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> dict:
     """MB/hour of each worker life's memory log after its first `skip_s` (least squares, 3 logs at least): RSS,
-    its anonymous and file-backed parts (the libraries' pages), and under jemalloc its memory in use and the
-    anonymous memory outside it (thread stacks; Python's own arenas where PYTHONMALLOC is not malloc)."""
+    its anonymous and file-backed parts (the libraries' pages), and under jemalloc its memory in use, its
+    metadata, the slabs it keeps beside what is in use (resident less both, after the purge) and the anonymous
+    memory outside it (thread stacks; Python's own arenas where PYTHONMALLOC is not malloc)."""
     out = {}
     for life, logs in lives.items():
         steady = [entry for entry in logs if entry.seconds >= skip_s]
@@ -1044,8 +1048,12 @@ def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> di
                 for name in ("rss", "anonymous", "file_backed")}
         if all(entry.jemalloc_in_use is not None for entry in steady):
             fits["jemalloc_in_use"] = np.array([entry.jemalloc_in_use for entry in steady])
-            fits["anonymous_outside_jemalloc"] = fits["anonymous"] - np.array(
-                [entry.jemalloc_resident for entry in steady])
+            resident = np.array([entry.jemalloc_resident for entry in steady])
+            fits["anonymous_outside_jemalloc"] = fits["anonymous"] - resident
+            if all(entry.jemalloc_metadata is not None for entry in steady):
+                metadata = np.array([entry.jemalloc_metadata for entry in steady])
+                fits["jemalloc_metadata"] = metadata
+                fits["jemalloc_slabs_beside_in_use"] = resident - metadata - fits["jemalloc_in_use"]
         out[life] = {"logs": len(steady), "minutes": round(float(np.ptp(hours)) * 60, 1),
                      **{f"{name}_mb_per_hour": round(float(np.polyfit(hours, values, 1)[0]), 1)
                         for name, values in fits.items()},

@@ -26,17 +26,19 @@ def hand_back_freed_memory() -> str:
     it holds. glibc's malloc_trim: the first log, after the warm-up, hands back about 100 MB (what compiling the
     ladder used), later ones little. jemalloc hands its freed pages back on its own within seconds; a purge of
     every arena makes the log's figure the same measure, and its statistics tell memory in use
-    (`stats.allocated`) from what it keeps mapped for reuse (`stats.resident`)."""
+    (`stats.allocated`) from what it keeps mapped (`stats.resident`) and, of that, its own bookkeeping
+    (`stats.metadata`): after the purge the rest is slabs partly in use, what a burst of small objects leaves."""
     if _JEMALLOC:
         _PROCESS.mallctl(b"arena.4096.purge", None, None, None, 0)  # 4096: MALLCTL_ARENAS_ALL
         epoch = ctypes.c_uint64(1)  # writing the epoch refreshes the statistics read below
         _PROCESS.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(ctypes.sizeof(epoch)))
         stats = {}
-        for name in ("allocated", "resident"):
+        for name in ("allocated", "resident", "metadata"):
             value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
             _PROCESS.mallctl(f"stats.{name}".encode(), ctypes.byref(value), ctypes.byref(size), None, 0)
             stats[name] = value.value / 2**20
-        return f"jemalloc ({stats['allocated']:.1f} MB in use, {stats['resident']:.1f} MB resident)"
+        return (f"jemalloc ({stats['allocated']:.1f} MB in use, {stats['resident']:.1f} MB resident, "
+                f"{stats['metadata']:.1f} MB of it metadata)")
     if _MALLOC_TRIM is not None:
         trim_after_pass()
         return "glibc"

@@ -189,9 +189,9 @@ def test_a_worker_on_jemalloc_logs_what_jemalloc_holds() -> None:
     # are counted in its own arenas only; from the C allocator they are in jemalloc's figures.
     assert re.fullmatch(r"glibc False \| [1-9]\d* blocks allocated", said[None]), said
     if library is not None:  # Debian's libjemalloc2 (the image installs it); the suite's hosts have it
-        match = re.fullmatch(r"jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident\) True \| "
-                             r"objects from the C allocator", said[library])
-        assert match and 0 < float(match[1]) <= float(match[2]), said
+        match = re.fullmatch(r"jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident, ([\d.]+) MB of it metadata\) "
+                             r"True \| objects from the C allocator", said[library])
+        assert match and 0 < float(match[1]) <= float(match[2]) and 0 < float(match[3]) < float(match[2]), said
 
 
 def test_a_worker_logs_an_outage_in_one_line_and_other_failures_with_their_traceback() -> None:

@@ -60,11 +60,14 @@ def test_soak(tmp_path: Path) -> None:
         # jemalloc's figures where the workers run on it; and their fits beside the RSS samples'.
         lives = deployment.worker_memory_logs()
         assert sum(map(bool, lives.values())) >= 2, lives
-        assert all((entry.jemalloc_in_use is not None) == (expected == "jemalloc") and entry.threads > 1
+        assert all((entry.jemalloc_in_use is not None) == (entry.jemalloc_metadata is not None)
+                   == (expected == "jemalloc") and entry.threads > 1
                    and 0 < entry.anonymous + entry.file_backed <= entry.rss + 1
                    for logs in lives.values() for entry in logs)
         fits = report["memory_logged_mb_per_hour"]
-        assert fits and all(f["logs"] >= 3 and "rss_mb_per_hour" in f for f in fits.values()), fits
+        assert fits and all(f["logs"] >= 3 and "rss_mb_per_hour" in f and ("jemalloc_slabs_beside_in_use_mb_per_hour"
+                                                                           in f) == (expected == "jemalloc")
+                            for f in fits.values()), fits
         sampled = {name.split(":")[0] for _, name, *_ in soak.samples}
         written = json.loads((tmp_path / "report" / "memory_samples.json").read_text())
         assert len(written) == len(soak.samples) and {s["process"].split(":")[0] for s in written} == sampled
