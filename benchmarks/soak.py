@@ -180,10 +180,11 @@ class Deployment:
                     life, ready = f"{log.stem}:{found[1]}", at
                     lives[life] = []
                 elif life and (found := _MEMORY_LINE.search(line)):
-                    used, resident = (float(found[5]), float(found[6])) if found[5] else (None, None)
-                    lives[life].append(MemoryLog(at - ready, float(found[1]), float(found[2]), float(found[3]),
-                                                 int(found[4]), used, resident,
-                                                 float(found[7]) if found[7] else None))
+                    used, resident = (float(found[6]), float(found[7])) if found[6] else (None, None)
+                    lives[life].append(MemoryLog(at - ready, float(found[1]), float(found[2]), float(found[4]),
+                                                 int(found[5]), used, resident,
+                                                 float(found[8]) if found[8] else None,
+                                                 float(found[3]) if found[3] else None))
         return lives
 
     def worker_allocators(self) -> dict[str, str]:
@@ -819,7 +820,9 @@ class Soak:
                          resend_share=0.2, healthz_interval_s=5, sample_interval_s=3600, tag=self.tag)
         self.runner = runner = Runner(cfg, self.deployment.base_url, self.deployment.key, dict)
         injector = threading.Thread(target=self.inject, daemon=True)
-        threads = [threading.Thread(target=runner.run, name="load"),
+        # All daemons, the load too (joined below): on SIGTERM the deployment is closed and the process ends,
+        # rather than waiting for the rest of the run's load.
+        threads = [threading.Thread(target=runner.run, name="load", daemon=True),
                    threading.Thread(target=self.every, args=(4.0, self.rerank), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.upload_batch), daemon=True),
                    threading.Thread(target=self.every, args=(max(20.0, seconds / 40), self.reference_batch),
@@ -1015,7 +1018,8 @@ def when_store_is_up(action: Callable[[], T], pause_s: float = 2) -> T:
 
 _LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _WORKER_READY = re.compile(r"worker \S+:(\d+):\S+ ready \(model")
-_MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB \(([\d.]+) anonymous, ([\d.]+) file-backed; (\d+) threads\);"
+_MEMORY_LINE = re.compile(r"memory: RSS ([\d.]+) MB \(([\d.]+) anonymous, (?:([\d.]+) of it in huge pages, )?"
+                          r"([\d.]+) file-backed; (\d+) threads\);"
                           r".*?(?:jemalloc \(([\d.]+) MB in use, ([\d.]+) MB resident"
                           r"(?:, ([\d.]+) MB of it metadata)?\))?; Python:")
 
@@ -1031,13 +1035,15 @@ class MemoryLog(NamedTuple):
     jemalloc_in_use: float | None
     jemalloc_resident: float | None
     jemalloc_metadata: float | None = None  # logs before the thirteenth session have none
+    huge_pages: float | None = None  # of the anonymous, in transparent huge pages (none before the 14th session)
 
 
 def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> dict:
     """MB/hour of each worker life's memory log after its first `skip_s` (least squares, 3 logs at least): RSS,
-    its anonymous and file-backed parts (the libraries' pages), and under jemalloc its memory in use, its
-    metadata, the slabs it keeps beside what is in use (resident less both, after the purge) and the anonymous
-    memory outside it (thread stacks; Python's own arenas where PYTHONMALLOC is not malloc)."""
+    its anonymous and file-backed parts (the libraries' pages), the anonymous in transparent huge pages, and under
+    jemalloc its memory in use, its metadata, the slabs it keeps beside what is in use (resident less both, after
+    the purge) and the anonymous memory outside it (thread stacks; Python's own arenas where PYTHONMALLOC is not
+    malloc; pages a huge page made resident around what jemalloc purged)."""
     out = {}
     for life, logs in lives.items():
         steady = [entry for entry in logs if entry.seconds >= skip_s]
@@ -1046,6 +1052,8 @@ def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> di
         hours = np.array([entry.seconds for entry in steady]) / 3600
         fits = {name: np.array([getattr(entry, name) for entry in steady])
                 for name in ("rss", "anonymous", "file_backed")}
+        if all(entry.huge_pages is not None for entry in steady):
+            fits["huge_pages"] = np.array([entry.huge_pages for entry in steady])
         if all(entry.jemalloc_in_use is not None for entry in steady):
             fits["jemalloc_in_use"] = np.array([entry.jemalloc_in_use for entry in steady])
             resident = np.array([entry.jemalloc_resident for entry in steady])

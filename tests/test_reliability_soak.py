@@ -63,6 +63,7 @@ def test_soak(tmp_path: Path) -> None:
         assert all((entry.jemalloc_in_use is not None) == (entry.jemalloc_metadata is not None)
                    == (expected == "jemalloc") and entry.threads > 1
                    and 0 < entry.anonymous + entry.file_backed <= entry.rss + 1
+                   and entry.huge_pages is not None and entry.huge_pages <= entry.anonymous
                    for logs in lives.values() for entry in logs)
         fits = report["memory_logged_mb_per_hour"]
         assert fits and all(f["logs"] >= 3 and "rss_mb_per_hour" in f and ("jemalloc_slabs_beside_in_use_mb_per_hour"

@@ -132,10 +132,11 @@ def _log_memory(settings: Settings) -> None:
     # code pages a path met for the first time reads in, thread stacks) is told from memory held (issue 47).
     # Python's own: its small objects live in its arenas unless PYTHONMALLOC=malloc (then in the C allocator's
     # figures), and a module imported late (a library's first use) is a step, not growth.
-    log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f file-backed; %d threads); prefix cache %.1f of %.1f MB; "
-             "%d pass programs resident (%d compiled); Arrow's %s pool %.1f MB (the lake's tables); %.1f MB of "
-             "freed memory handed back to the system by %s; Python: %s, %d modules",
-             rss / 2**10, resident["RssAnon"] / 2**10, resident["RssFile"] / 2**10, resident["Threads"],
+    log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f of it in huge pages, %.1f file-backed; %d threads); "
+             "prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's %s pool %.1f MB (the "
+             "lake's tables); %.1f MB of freed memory handed back to the system by %s; Python: %s, %d modules",
+             rss / 2**10, resident["RssAnon"] / 2**10, resident["AnonHugePages"] / 2**10, resident["RssFile"] / 2**10,
+             resident["Threads"],
              scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
              pa.total_allocated_bytes() / 2**20, max(0, held - rss) / 2**10, allocator, python_objects(),
@@ -145,10 +146,17 @@ def _log_memory(settings: Settings) -> None:
 
 
 def _resident_set() -> dict[str, int]:
-    """/proc/self/status's VmRSS, RssAnon and RssFile (kB) and Threads."""
+    """/proc/self/status's VmRSS, RssAnon and RssFile (kB) and Threads; and the anonymous memory in transparent huge
+    pages (kB, /proc/self/smaps_rollup): a huge page is resident whole, whatever the allocator purged inside it."""
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
-    return {name: int(fields.get(name, "0").split()[0]) for name in ("VmRSS", "RssAnon", "RssFile", "Threads")}
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            fields |= {k: v for k, v in (line.split(":", 1) for line in rollup if ":" in line) if k == "AnonHugePages"}
+    except OSError:  # a kernel before 4.14
+        pass
+    return {name: int(fields.get(name, "0").split()[0])
+            for name in ("VmRSS", "RssAnon", "AnonHugePages", "RssFile", "Threads")}
 
 
 def _log_python_growth() -> None:
