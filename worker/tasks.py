@@ -12,6 +12,7 @@ pass (interactive jobs before batch requests).
 import linecache
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -135,7 +136,7 @@ def _log_memory(settings: Settings) -> None:
     log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f of it in huge pages, %.1f file-backed; %d threads); "
              "prefix cache %.1f of %.1f MB; %d pass programs resident (%d compiled); Arrow's %s pool %.1f MB (the "
              "lake's tables); %.1f MB of freed memory handed back to the system by %s; Python: %s, %d modules",
-             rss / 2**10, resident["RssAnon"] / 2**10, resident["AnonHugePages"] / 2**10, resident["RssFile"] / 2**10,
+             rss / 2**10, resident["RssAnon"] / 2**10, _anonymous_huge_pages() / 2**10, resident["RssFile"] / 2**10,
              resident["Threads"],
              scorer.cached_prefix_bytes / 2**20, scorer.prefix_cache_bytes / 2**20,
              scorer.resident_programs, scorer.compiled_programs, pa.default_memory_pool().backend_name,
@@ -146,17 +147,21 @@ def _log_memory(settings: Settings) -> None:
 
 
 def _resident_set() -> dict[str, int]:
-    """/proc/self/status's VmRSS, RssAnon and RssFile (kB) and Threads; and the anonymous memory in transparent huge
-    pages (kB, /proc/self/smaps_rollup): a huge page is resident whole, whatever the allocator purged inside it."""
+    """/proc/self/status's VmRSS, RssAnon and RssFile (kB) and Threads."""
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {name: int(fields.get(name, "0").split()[0]) for name in ("VmRSS", "RssAnon", "RssFile", "Threads")}
+
+
+def _anonymous_huge_pages() -> int:
+    """The anonymous memory in transparent huge pages (kB; 0 before Linux 4.14): a huge page is resident whole,
+    whatever the allocator purged inside it. Read once per log: smaps_rollup walks every mapping."""
     try:
         with open("/proc/self/smaps_rollup") as rollup:
-            fields |= {k: v for k, v in (line.split(":", 1) for line in rollup if ":" in line) if k == "AnonHugePages"}
-    except OSError:  # a kernel before 4.14
-        pass
-    return {name: int(fields.get(name, "0").split()[0])
-            for name in ("VmRSS", "RssAnon", "AnonHugePages", "RssFile", "Threads")}
+            found = re.search(r"^AnonHugePages:\s+(\d+)", rollup.read(), re.M)
+    except OSError:
+        return 0
+    return int(found[1]) if found else 0
 
 
 def _log_python_growth() -> None:
