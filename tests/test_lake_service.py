@@ -7,6 +7,7 @@ runs."""
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,19 +83,25 @@ def test_a_killed_worker_leaves_every_row_exactly_once(service: Service, root: P
     created = submit(service, root, "killed", table)
     assert created["chunks"]["total"] == 32
     worker = service.start_worker()
-    wait_until(lambda: batch(service, created["id"])["chunks"]["done"] >= 2 and
-               batch(service, created["id"])["chunks"]["in_flight"] >= 1, 300, "two chunks done, one in flight")
-    service.kill_worker(worker)  # SIGKILL in the middle of a chunk (one is in flight)
-    # As if it had died while writing that chunk's object: a torn object of its attempt.
     folder = root / "out-killed" / created["id"]
     from sqlalchemy import create_engine, text
 
     engine = create_engine(service.env["DATABASE_URL"])
-    with engine.connect() as connection:
-        running = connection.execute(text('SELECT "index", attempts FROM chunks WHERE batch_id = :b AND status = '
-                                          "'running'"), {"b": created["id"]}).all()
+    running: list = []
+    while not running:
+        wait_until(lambda: batch(service, created["id"])["chunks"]["done"] >= 2 and
+                   batch(service, created["id"])["chunks"]["in_flight"] >= 1, 300, "two chunks done, one in flight")
+        # Frozen, then read: the chunks it holds are the ones it dies holding (a 25-row chunk can finish between
+        # the API's answer and the kill; then it runs on to its next one).
+        os.kill(worker.pid, signal.SIGSTOP)
+        with engine.connect() as connection:
+            running = connection.execute(text('SELECT "index", attempts FROM chunks WHERE batch_id = :b AND status '
+                                              "= 'running'"), {"b": created["id"]}).all()
+        if not running:
+            os.kill(worker.pid, signal.SIGCONT)
     engine.dispose()
-    assert running
+    service.kill_worker(worker)  # SIGKILL in the middle of a chunk
+    # As if it had died while writing that chunk's object: a torn object of its attempt.
     for index, attempt in running:
         (folder / f"part-{index:06d}-attempt-{attempt}.parquet").write_bytes(b"PAR1 torn")
     service.start_worker()
