@@ -437,6 +437,31 @@ def test_tokenize_many_gives_what_tokenize_gives_each_request() -> None:
     assert sum(isinstance(r, ScoringError) for r in tokenizer.tokenize_many(requests)) == 5
 
 
+
+def test_requests_share_one_int_object_per_token_id() -> None:
+    """Issue 47: a token held is a pointer to the vocabulary's one int for its id, however it came (text, token
+    ids, a stored request; Python shares ints under 257 only), so a lake chunk's tokens take a quarter of the
+    memory; the ids themselves are unchanged, and ids outside the vocabulary are still errors."""
+    from core.requests import RequestTokenizer, TokenizedRequest, token_ints
+
+    tokenizer = RequestTokenizer.from_pretrained("tiny-random")
+    vocabulary = token_ints(tokenizer.vocab_size)
+    text = tokenizer.tokenize("Which museums in Lisbon open on Monday?", [" The Gulbenkian opens on Mondays.",
+                                                                          " Tram 28"], [5, 17])
+    ids = [1000, 40000, 1000]
+    given = tokenizer.tokenize([300, *ids], [ids, [49151]], [5])
+    stored = tokenizer.check_stored(text.to_bytes())
+    assert stored == text and given.query == (300, *ids) and given.items == (tuple(ids), (49151,))
+    for request in (text, given, stored, *tokenizer.tokenize_many([("Tram 28 to Graça", [" at 9:15"], [5], False)])):
+        tokens = [t for sequence in (request.query, *request.items) for t in sequence]
+        assert any(t > 256 for t in tokens)
+        assert all(type(t) is int and t is vocabulary[t] for t in tokens), request
+    for bad in ((1, -5), (1, tokenizer.vocab_size)):  # a stored request out of range: the error, not a wrong id
+        with pytest.raises(ScoringError) as error:
+            tokenizer.check_stored(TokenizedRequest(bad, ((2, 3),), (5,)).to_bytes())
+        assert error.value.code == "token_id_out_of_range"
+
+
 def test_accelerator_ladder_covers_every_length_with_little_padding_and_few_rungs(tiny):
     """Issue 45: on the halving ladder the contract's 12,000 tokens ran as 16,384 (27% of every matmul on
     padding). The accelerators' ladder has every halving rung and quarter-octave rungs from FINE_RUNGS_FROM up:
