@@ -258,9 +258,11 @@ class RequestTokenizer:
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[tuple[int, ...]]:
         # The `tokenizers` object under transformers' tokenizer: the same ids (transformers calls its
-        # encode_batch too), without the wrapper's per-call setup (0.02-0.04 ms of a small request's 0.2-0.3).
+        # encode_batch too), without the wrapper's per-call setup (0.02-0.04 ms of a small request's 0.2-0.3);
+        # and without the offsets, which nothing here reads: a 5,000-row chunk of 200-token documents took 17%
+        # less CPU.
         try:
-            encoded = self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+            encoded = self.tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError, UnicodeError) as exc:  # e.g. lone surrogates
             raise ScoringError("invalid_input", f"text could not be tokenized: {exc}") from None
         ints = token_ints(self.vocab_size)

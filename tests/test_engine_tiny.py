@@ -440,8 +440,9 @@ def test_tokenize_many_gives_what_tokenize_gives_each_request() -> None:
 
 def test_requests_share_one_int_object_per_token_id() -> None:
     """Issue 47: a token held is a pointer to the vocabulary's one int for its id, however it came (text, token
-    ids, a stored request; Python shares ints under 257 only), so a lake chunk's tokens take a quarter of the
-    memory; the ids themselves are unchanged, and ids outside the vocabulary are still errors."""
+    ids, a stored request; Python shares ints under 257 only), so a lake chunk's tokens take a third of the
+    memory; the ids are transformers' (texts are encoded without offsets), and ids outside the vocabulary are
+    still errors."""
     from core.requests import RequestTokenizer, TokenizedRequest, token_ints
 
     tokenizer = RequestTokenizer.from_pretrained("tiny-random")
@@ -451,6 +452,9 @@ def test_requests_share_one_int_object_per_token_id() -> None:
     ids = [1000, 40000, 1000]
     given = tokenizer.tokenize([300, *ids], [ids, [49151]], [5])
     stored = tokenizer.check_stored(text.to_bytes())
+    ids_of = tokenizer.tokenizer  # transformers' tokenizer: the contract's ids
+    assert text.query == tuple(ids_of("Which museums in Lisbon open on Monday?")["input_ids"])
+    assert text.items[0] == tuple(ids_of(" The Gulbenkian opens on Mondays.", add_special_tokens=False)["input_ids"])
     assert stored == text and given.query == (300, *ids) and given.items == (tuple(ids), (49151,))
     for request in (text, given, stored, *tokenizer.tokenize_many([("Tram 28 to Graça", [" at 9:15"], [5], False)])):
         tokens = [t for sequence in (request.query, *request.items) for t in sequence]
