@@ -967,3 +967,37 @@ def test_progress_totals_are_stable_and_say_so(client, make_key, empty_queue, la
     assert before["eta_seconds"] == pytest.approx(after["eta_seconds"], abs=0.5)
     cancelled = client.post(f"/batches/{created['id']}/cancel", headers=auth(key)).json()
     assert cancelled["status"] == "cancelling" and cancelled["chunks"]["total_final"] is True
+
+
+def test_a_pair_tables_result_columns_hold_each_rows_values_or_null() -> None:
+    """result_table builds a pair table's list columns from whole arrays (issue 47: a list of floats a row was
+    most of a commit's Python): each scored row has its item's label values (softmax where its request asked),
+    a row in error or of a request not scored is null with its code, and logprobs only where asked for."""
+    from core import TokenizedRequest
+    from store.lake.tables import ChunkRows, result_table
+
+    rng = np.random.default_rng(0)
+    requests = [([0, 1, 3], TokenizedRequest((1,), ((2,),) * 3, (5, 6)), True),  # row 2 is an error row
+                ([4], TokenizedRequest((1,), ((2,),), (5, 6, 7)), False),
+                ([5, 6], TokenizedRequest((1,), ((2,),) * 2, (5,)), False),  # not scored
+                ([7, 8], TokenizedRequest((1,), ((2,),) * 2, (5, 6, 7)), False)]
+    logprobs = [np.log(rng.uniform(0.01, 1, (3, 2))), np.log(rng.uniform(0.01, 1, (1, 3))), None,
+                np.log(rng.uniform(0.01, 1, (2, 3))).astype(np.float32)]
+    rows = ChunkRows(True, 9, {"pair_id": list(range(100, 109))}, {"pair_id": pa.int64()}, requests,
+                     errors={2: ("invalid_row", "no query")})
+    for return_logprobs in (False, True):
+        options = Options("parquet", Columns("q", "doc", ("pair_id",)), (5, 6), return_logprobs=return_logprobs)
+        table = result_table(rows, logprobs, options, failure=("output_full", "the disk is full")).to_pydict()
+        assert table["pair_id"] == list(range(100, 109)) and ("logprobs" in table) == return_logprobs
+        expected_scores, expected_raw = [None] * 9, [None] * 9
+        for (covered, _, softmax), lp in zip(requests, logprobs):
+            for row, values in zip(covered, lp if lp is not None else []):
+                values = np.asarray(values, np.float64)
+                expected_raw[row] = values.tolist()
+                expected_scores[row] = (np.exp(values) / np.exp(values).sum() if softmax else np.exp(values)).tolist()
+        for got, expected in zip(table["scores"], expected_scores):
+            assert (got is None) == (expected is None) and (got is None or np.allclose(got, expected, rtol=1e-12))
+        if return_logprobs:
+            assert table["logprobs"] == expected_raw
+        assert table["error_code"] == [None, None, "invalid_row", None, None, "output_full", "output_full", None, None]
+        assert table["error_message"][5] == "the disk is full"

@@ -37,7 +37,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import zstandard
 
-from core import RequestTokenizer, ScoringError, TokenizedRequest
+from core import RequestTokenizer, ScoringError, TokenizedRequest, scores_from_logprobs
 from store.batches import LineError, parse_line
 from store.errors import ServiceError
 from store.lake.access import store_error
@@ -519,34 +519,60 @@ def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Op
     JSONL line), logprobs if asked for, error_code, error_message. `logprobs[k]`: request k's [items,
     labels] log-probabilities (None: not scored)."""
     n = rows.n_rows
-    scores: list[Any] = [None] * n
-    raw: list[Any] = [None] * n
     codes: list[str | None] = [None] * n
     messages: list[str | None] = [None] * n
     for i, (code, message) in rows.errors.items():
         codes[i], messages[i] = code, message
-    for (covered, _, softmax), lp in zip(rows.requests, logprobs):
+    for (covered, _, _), lp in zip(rows.requests, logprobs):
         if lp is None:
             for i in covered:
                 codes[i], messages[i] = failure or ("internal_error", "the request was not scored")
-            continue
-        # Whole arrays to lists at once: a row at a time was most of a commit's Python.
-        request_scores, request_raw = score_lists(lp, softmax, True)
-        if rows.pair_table:
-            for i, row_scores, row_raw in zip(covered, request_scores, request_raw):
-                scores[i], raw[i] = row_scores, row_raw
-        else:
-            scores[covered[0]], raw[covered[0]] = request_scores, request_raw
-    score_type = pa.list_(pa.float64()) if rows.pair_table else pa.list_(pa.list_(pa.float64()))
+    want_raw = options.return_logprobs or any(rows.return_logprobs.values())
     columns = {name: pa.array(values, rows.passthrough_types[name]) for name, values in rows.passthrough.items()}
-    columns["scores"] = pa.array(scores, score_type)
-    if options.return_logprobs or any(rows.return_logprobs.values()):
-        if not rows.pair_table:
-            raw = [value if rows.return_logprobs.get(i) else None for i, value in enumerate(raw)]
-        columns["logprobs"] = pa.array(raw, score_type)
+    if rows.pair_table:
+        columns["scores"], raw = _pair_score_columns(rows, logprobs, want_raw)
+    else:
+        columns["scores"], raw = _line_score_columns(rows, logprobs)
+    if want_raw:
+        columns["logprobs"] = raw
     columns["error_code"] = pa.array(codes, pa.string())
     columns["error_message"] = pa.array(messages, pa.string())
     return pa.table(columns)
+
+
+def _pair_score_columns(rows: ChunkRows, logprobs: list[np.ndarray | None],
+                        want_raw: bool) -> tuple[pa.Array, pa.Array | None]:
+    """A pair table's scores and log-probabilities, list<double> a row (null where not scored), built from whole
+    arrays: a list of Python floats a row was most of a commit's Python and its objects (a chunk's rows by the
+    thousand, issue 47)."""
+    scored = [(np.asarray(covered, np.int64), lp, softmax)
+              for (covered, _, softmax), lp in zip(rows.requests, logprobs) if lp is not None]
+    lengths = np.zeros(rows.n_rows, np.int64)
+    for covered, lp, _ in scored:
+        lengths[covered] = lp.shape[1]  # a row is an item of its request: its labels' values
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    scores, raw = np.empty(offsets[-1]), np.empty(offsets[-1]) if want_raw else None
+    null = np.ones(rows.n_rows, bool)
+    for covered, lp, softmax in scored:
+        at = offsets[covered][:, None] + np.arange(lp.shape[1])
+        scores[at] = scores_from_logprobs(lp, softmax)
+        if raw is not None:
+            raw[at] = lp
+        null[covered] = False
+    column = lambda values: pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(null))
+    return column(scores), column(raw) if raw is not None else None
+
+
+def _line_score_columns(rows: ChunkRows, logprobs: list[np.ndarray | None]) -> tuple[pa.Array, pa.Array]:
+    """A JSONL chunk's scores and log-probabilities, list<list<double>> a line (logprobs only where its line
+    asked for them)."""
+    scores: list[Any] = [None] * rows.n_rows
+    raw: list[Any] = [None] * rows.n_rows
+    for (covered, _, softmax), lp in zip(rows.requests, logprobs):
+        if lp is not None:
+            scores[covered[0]], raw[covered[0]] = score_lists(lp, softmax, bool(rows.return_logprobs.get(covered[0])))
+    score_type = pa.list_(pa.list_(pa.float64()))
+    return pa.array(scores, score_type), pa.array(raw, score_type)
 
 
 def object_name(chunk_index: int, attempt: int, output_format: str) -> str:
