@@ -214,7 +214,7 @@ def test_parquet_is_planned_by_row_groups_and_pairs_group_by_query(lake_settings
     ids, requests = [], 0
     for c in chunks:
         rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
-        ids += rows.passthrough["pair_id"]
+        ids += passed(rows, "pair_id")
         assert all(len(covered) == r.n_items for covered, r, _ in rows.requests)
         requests += len(rows.requests)
     assert ids == table.column("pair_id").to_pylist()
@@ -238,7 +238,7 @@ def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore
     ids, items = [], 0
     for c in chunks:
         rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
-        ids += rows.passthrough["pair_id"]
+        ids += passed(rows, "pair_id")
         items += rows.items
     assert ids == table.column("pair_id").to_pylist() and items == 105
     # Quoted values with line breaks: a part cut inside one fails with a code that says why; none reads a row
@@ -252,7 +252,7 @@ def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore
             failed.append(exc)
             continue
         read += rows.n_rows
-        assert set(rows.passthrough["pair_id"]) <= set(table.column("pair_id").to_pylist())
+        assert set(passed(rows, "pair_id")) <= set(table.column("pair_id").to_pylist())
     assert failed and all(e.code == "input_corrupt" and "line break" in e.message for e in failed)
     assert read < 105
 
@@ -281,7 +281,7 @@ def test_jsonl_pair_tables_group_by_query_and_name_bad_lines(lake_settings) -> N
         for c in chunks:
             read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
             errors.update({len(ids) + i: error for i, error in read.errors.items()})
-            ids += read.passthrough["pair_id"]
+            ids += passed(read, "pair_id")
             requests += len(read.requests)
             assert all(len(covered) == r.n_items for covered, r, _ in read.requests)
         assert ids == expected_ids, name
@@ -318,12 +318,18 @@ def test_compressed_csv_is_one_chunk(lake_settings) -> None:  # type: ignore[no-
     for name in ("pairs.csv.gz", "pairs.csv.zst"):
         [c] = plan(access.expand(name), options, lake_settings)
         read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
-        assert read.passthrough["pair_id"] == table.column("pair_id").to_pylist() and read.items == 20
+        assert passed(read, "pair_id") == table.column("pair_id").to_pylist() and read.items == 20
         assert len(read.requests) == 5
     (root / "pairs.parquet.gz").write_bytes(b"")
     with pytest.raises(ServiceError) as refused:
         list(plan(access.expand("pairs.parquet.gz"), options, lake_settings))
     assert refused.value.code == "unsupported_compression"
+
+
+def passed(rows, name: str) -> list:  # type: ignore[no-untyped-def]
+    """A chunk's passthrough column as Python values (a Parquet or CSV id column is kept as an Arrow array)."""
+    values = rows.passthrough[name]
+    return values.to_pylist() if isinstance(values, pa.Array) else values
 
 
 def read_all(objects: list[Location], options: Options, settings) -> dict[str, list]:  # type: ignore[no-untyped-def]
@@ -332,8 +338,8 @@ def read_all(objects: list[Location], options: Options, settings) -> dict[str, l
     for c in plan(objects, options, settings):
         read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
         assert not read.errors, read.errors
-        for name, values in read.passthrough.items():
-            out.setdefault(name, []).extend(values)
+        for name in read.passthrough:
+            out.setdefault(name, []).extend(passed(read, name))
     return out
 
 

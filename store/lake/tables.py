@@ -259,7 +259,7 @@ class Pairs:
     its partition folders), the id columns' types, and the rows known bad as read (a JSONL line that is not
     an object or lacks a column), each with (code, message)."""
 
-    columns: dict[str, list]
+    columns: dict[str, list | pa.Array]  # a Parquet or CSV id column as read (only passed through)
     types: dict[str, pa.DataType]
     n_rows: int
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -273,7 +273,7 @@ class ChunkRows:
 
     pair_table: bool
     n_rows: int
-    passthrough: dict[str, list]  # column -> value per row (custom_id for JSONL)
+    passthrough: dict[str, list | pa.Array]  # column -> value per row (custom_id for JSONL)
     passthrough_types: dict[str, pa.DataType]
     requests: list[tuple[list[int], TokenizedRequest, bool]] = field(default_factory=list)  # (rows, request, softmax)
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -358,11 +358,17 @@ def _byte_range(fs: Any, path: str, start: int, stop: int) -> tuple[int, bytes]:
 def _table_pairs(table: pa.Table, location: Location, options: Options) -> Pairs:
     """A Parquet or CSV table's rows; a named column the object lacks comes from its partition folders."""
     folders = partitions(location)
-    columns: dict[str, list] = {}
+    columns: dict[str, list | pa.Array] = {}
     types: dict[str, pa.DataType] = {}
-    for name in options.columns.names():
+    spec = options.columns
+    passed_only = set(spec.ids) - {spec.query, spec.item, spec.label}
+    for name in spec.names():
         if name in table.column_names:
-            columns[name], types[name] = table.column(name).to_pylist(), table.schema.field(name).type
+            # An id column stays an Arrow array: the chunk holds it until its results, and 5,000 Python values
+            # held a chunk's life were a burst of small objects for nothing (issue 47).
+            column = table.column(name)
+            columns[name] = column.combine_chunks() if name in passed_only else column.to_pylist()
+            types[name] = table.schema.field(name).type
         elif name in folders:
             columns[name], types[name] = [folders[name]] * table.num_rows, pa.string()
         else:
@@ -528,7 +534,8 @@ def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Op
             for i in covered:
                 codes[i], messages[i] = failure or ("internal_error", "the request was not scored")
     want_raw = options.return_logprobs or any(rows.return_logprobs.values())
-    columns = {name: pa.array(values, rows.passthrough_types[name]) for name, values in rows.passthrough.items()}
+    columns = {name: values if isinstance(values, pa.Array) else pa.array(values, rows.passthrough_types[name])
+               for name, values in rows.passthrough.items()}
     if rows.pair_table:
         columns["scores"], raw = _pair_score_columns(rows, logprobs, want_raw)
     else:
