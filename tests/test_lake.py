@@ -986,7 +986,7 @@ def test_a_pair_tables_result_columns_hold_each_rows_values_or_null() -> None:
     requests = [([0, 1, 3], TokenizedRequest((1,), ((2,),) * 3, (5, 6)), True),  # row 2 is an error row
                 ([4], TokenizedRequest((1,), ((2,),), (5, 6, 7)), False),
                 ([5, 6], TokenizedRequest((1,), ((2,),) * 2, (5,)), False),  # not scored
-                ([7, 8], TokenizedRequest((1,), ((2,),) * 2, (5, 6, 7)), False)]
+                (range(7, 9), TokenizedRequest((1,), ((2,),) * 2, (5, 6, 7)), False)]  # a run of rows
     logprobs = [np.log(rng.uniform(0.01, 1, (3, 2))), np.log(rng.uniform(0.01, 1, (1, 3))), None,
                 np.log(rng.uniform(0.01, 1, (2, 3))).astype(np.float32)]
     rows = ChunkRows(True, 9, {"pair_id": list(range(100, 109))}, {"pair_id": pa.int64()}, requests,

@@ -26,7 +26,7 @@ import io
 import json
 import posixpath
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -275,7 +275,8 @@ class ChunkRows:
     n_rows: int
     passthrough: dict[str, list | pa.Array]  # column -> value per row (custom_id for JSONL)
     passthrough_types: dict[str, pa.DataType]
-    requests: list[tuple[list[int], TokenizedRequest, bool]] = field(default_factory=list)  # (rows, request, softmax)
+    # (rows, request, softmax)
+    requests: list[tuple[Sequence[int], TokenizedRequest, bool]] = field(default_factory=list)
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)
     return_logprobs: dict[int, bool] = field(default_factory=dict)  # JSONL rows that asked for them
 
@@ -485,7 +486,9 @@ def _add_group(rows: ChunkRows, group: list[int], queries: list, items: list, la
             _add_group(rows, good[:half], queries, items, labels, options, tokenizer)
             _add_group(rows, good[half:], queries, items, labels, options, tokenizer)
         return
-    rows.requests.append((group, request, options.apply_softmax))
+    # Rows in a run as a range: a chunk holds its requests' rows for its life, an int object a row otherwise.
+    contiguous = group[-1] - group[0] + 1 == len(group)
+    rows.requests.append((range(group[0], group[-1] + 1) if contiguous else group, request, options.apply_softmax))
 
 
 def _lines(lines: list[bytes], options: Options, tokenizer: RequestTokenizer) -> ChunkRows:
