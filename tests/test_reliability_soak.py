@@ -110,3 +110,21 @@ def test_the_soak_reads_a_batch_s_objects_again_once_the_store_is_back() -> None
     with pytest.raises(RuntimeError):
         when_store_is_up(check, pause_s=0.01)
     assert len(calls) == 4
+
+
+def test_ten_minute_fits_of_a_long_life_are_reported_with_their_scatter() -> None:
+    """The soak reports how 10-minute fits (a killed worker's whole measured span) scatter within a longer life:
+    a steady line reads its own slope in every window; a worker growing slowly but holding a chunk's rows for a
+    few minutes now and then reads over the goal in some windows though its whole fit is well under it."""
+    import numpy as np
+
+    from benchmarks.soak import GOAL_MB_PER_HOUR, window_fits
+
+    hours = np.arange(0, 50 * 60, 5) / 3600  # a sample every 5 s for 50 minutes: windows start at minutes 0-39
+    steady = window_fits(hours, 800 + 6 * hours)
+    assert steady is not None and steady["windows"] == 40 and steady["over_goal"] == 0
+    assert steady["min"] == steady["max"] == 6.0
+    bursts = 800 + 6 * hours + 8 * ((hours * 60) % 12 > 9)  # 8 MB held for 3 minutes of every 12
+    scattered = window_fits(hours, bursts)
+    assert np.polyfit(hours, bursts, 1)[0] < GOAL_MB_PER_HOUR < scattered["max"] and scattered["over_goal"] > 0
+    assert scattered["min"] < 0 and window_fits(hours[hours < 1 / 3 - 1e-9], bursts[hours < 1 / 3 - 1e-9]) is None
