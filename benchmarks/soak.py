@@ -1079,7 +1079,8 @@ WINDOW_HOURS = 1 / 6  # a worker killed every 20 minutes has 10 minutes to be fi
 def window_fits(hours: np.ndarray, values: np.ndarray) -> dict | None:
     """How fits over WINDOW_HOURS (every minute's start) scatter within a longer span: a worker killed every 20
     minutes is judged on one such window, and in the fifteenth session's hour without kills windows of workers
-    growing 4-9 MB/h over 50 minutes read -84 to +74 MB/h (docs/soak.md). None for a span under two windows."""
+    growing 4-9 MB/h over 50 minutes read -84 to +74 MB/h (docs/soak.md). None for a span under two windows or
+    points too sparse for three in a window."""
     if np.ptp(hours) < 2 * WINDOW_HOURS:
         return None
     slopes = []
@@ -1087,6 +1088,8 @@ def window_fits(hours: np.ndarray, values: np.ndarray) -> dict | None:
         inside = (hours >= start) & (hours <= start + WINDOW_HOURS)
         if inside.sum() >= 3:
             slopes.append(float(np.polyfit(hours[inside], values[inside], 1)[0]))
+    if not slopes:  # logs 5 minutes apart: no window holds three
+        return None
     return {"windows": len(slopes), "min": round(min(slopes), 1), "median": round(float(np.median(slopes)), 1),
             "max": round(max(slopes), 1), "over_goal": sum(slope > GOAL_MB_PER_HOUR for slope in slopes)}
 

@@ -53,6 +53,8 @@ class TokenizedRequest:
         item_first, n_labels, n_query, n_items = values[:4]
         at = 4 + n_labels + n_items
         labels, lengths = values[4:4 + n_labels], values[4 + n_labels:at]
+        if min(n_labels, n_query, n_items, *lengths) < 0:  # or a length would read the header as tokens
+            raise ValueError(f"stored tokens have a negative count in their header: {values[:4]}, {lengths[:10]}")
         tokens = array[at:]
         shared = ints if len(tokens) and 0 <= tokens.min() and tokens.max() < len(ints) else None
         query, at = as_token_tuple(values[at:at + n_query], shared), at + n_query

@@ -128,3 +128,5 @@ def test_ten_minute_fits_of_a_long_life_are_reported_with_their_scatter() -> Non
     scattered = window_fits(hours, bursts)
     assert np.polyfit(hours, bursts, 1)[0] < GOAL_MB_PER_HOUR < scattered["max"] and scattered["over_goal"] > 0
     assert scattered["min"] < 0 and window_fits(hours[hours < 1 / 3 - 1e-9], bursts[hours < 1 / 3 - 1e-9]) is None
+    logs = np.arange(8) * 301 / 3600  # memory logs a little over 5 minutes apart: no window holds three
+    assert window_fits(logs, 800 + 6 * logs) is None

@@ -314,6 +314,12 @@ def test_tokenized_request_bytes_round_trip() -> None:
         assert TokenizedRequest.from_bytes(request.to_bytes()) == request
     with pytest.raises(ValueError):
         TokenizedRequest.from_bytes(TokenizedRequest((1,), ((2,),), (3,)).to_bytes() + b"\0\0\0\0")
+    # A negative length would step back into the header and read its values as tokens (with a vocabulary's
+    # shared ids, -2 as id 98 of 100): refused.
+    corrupt = np.asarray([0, 1, 0, 2, 5, -2, 4, 7, 8], "<i4").tobytes()
+    for ints in ((), tuple(range(100))):
+        with pytest.raises(ValueError):
+            TokenizedRequest.from_bytes(corrupt, ints)
 
 
 def test_a_cancel_while_the_next_pass_is_launched(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
