@@ -561,15 +561,15 @@ def _pair_score_columns(rows: ChunkRows, logprobs: list[np.ndarray | None],
     for covered, lp, _ in scored:
         lengths[covered] = lp.shape[1]  # a row is an item of its request: its labels' values
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    scores, raw = np.empty(offsets[-1]), np.empty(offsets[-1]) if want_raw else None
-    null = np.ones(rows.n_rows, bool)
+    scores = np.empty(offsets[-1])
+    raw = np.empty(offsets[-1]) if want_raw else None
     for covered, lp, softmax in scored:
         at = offsets[covered][:, None] + np.arange(lp.shape[1])
         scores[at] = scores_from_logprobs(lp, softmax)
         if raw is not None:
             raw[at] = lp
-        null[covered] = False
-    column = lambda values: pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(null))
+    null = pa.array(lengths == 0)  # not scored (a request has a label at least)
+    column = lambda values: pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=null)
     return column(scores), column(raw) if raw is not None else None
 
 
