@@ -240,7 +240,7 @@ def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore
         rows = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
         ids += passed(rows, "pair_id")
         items += rows.items
-    assert ids == table.column("pair_id").to_pylist() and items == 105
+    assert ids == [str(i) for i in table.column("pair_id").to_pylist()] and items == 105  # as written
     # Quoted values with line breaks: a part cut inside one fails with a code that says why; none reads a row
     # wrong.
     (root / "pairs.csv").write_text((root / "pairs.csv").read_text().replace('"document', '"a line\nbreak: document'))
@@ -252,9 +252,30 @@ def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore
             failed.append(exc)
             continue
         read += rows.n_rows
-        assert set(passed(rows, "pair_id")) <= set(table.column("pair_id").to_pylist())
+        assert set(passed(rows, "pair_id")) <= {str(i) for i in table.column("pair_id").to_pylist()}
     assert failed and all(e.code == "input_corrupt" and "line break" in e.message for e in failed)
     assert read < 105
+
+
+def test_a_csv_part_starting_inside_a_quoted_value_is_refused_and_ids_come_back_as_written(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    root = Path(lake_settings.batch_local_root)
+    data = b'q,doc,pair_id\nA,"x\ny,z",007\nB,e,1.10\nC,5" screen,3\n'
+    (root / "quoted.csv").write_bytes(data)
+    location = Access(str(root), []).expand("quoted.csv")[0]
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))
+    tokenizer = get_scorer().requests
+    y_line, b_line = data.index(b"y,z"), data.index(b"B,e")
+
+    def read(start: int, stop: int = len(data)) -> list:
+        return passed(read_chunk(location, 0, start, stop, options, tokenizer), "pair_id")
+
+    # A part cut at the line break inside "x\ny,z" would read `y,z",007` as the pair (y, z") of id 007.
+    with pytest.raises(InputError) as refused:
+        read(y_line)
+    assert refused.value.code == "input_corrupt" and "line break" in refused.value.message
+    # After the whole record, and across it: every row as written (a CSV's ids are its text, not guessed numbers).
+    assert read(b_line) == ["1.10", "3"]
+    assert read(0) == ["007", "1.10", "3"]
 
 
 def test_jsonl_pair_tables_group_by_query_and_name_bad_lines(lake_settings) -> None:  # type: ignore[no-untyped-def]
@@ -318,7 +339,7 @@ def test_compressed_csv_is_one_chunk(lake_settings) -> None:  # type: ignore[no-
     for name in ("pairs.csv.gz", "pairs.csv.zst"):
         [c] = plan(access.expand(name), options, lake_settings)
         read = read_chunk(Location.parse(c.input), c.part, c.start, c.stop, options, get_scorer().requests)
-        assert passed(read, "pair_id") == table.column("pair_id").to_pylist() and read.items == 20
+        assert passed(read, "pair_id") == [str(i) for i in table.column("pair_id").to_pylist()] and read.items == 20
         assert len(read.requests) == 5
     (root / "pairs.parquet.gz").write_bytes(b"")
     with pytest.raises(ServiceError) as refused:
@@ -577,7 +598,8 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
             for r in got:
                 np.testing.assert_allclose(r["scores"], expected[r["custom_id"]], rtol=SCORE_RTOL, atol=0)
         else:
-            assert [r["pair_id"] for r in got] == [r["pair_id"] for r in rows], (store, fmt)
+            as_written = str if fmt == "csv" else lambda pair_id: pair_id  # a CSV's ids are its text
+            assert [r["pair_id"] for r in got] == [as_written(r["pair_id"]) for r in rows], (store, fmt)
             assert fmt != "parquet" or {r["dt"] for r in got} == {"2026-11-01"}
             for row, r in zip(rows, got):
                 j = [x["doc"] for x in rows if x["q"] == row["q"]].index(row["doc"])

@@ -320,11 +320,14 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
         if fmt == "csv":
             header = _first_line(fs, location.path, compression) if begin > 0 else data.split(b"\n", 1)[0]
             present = [c for c in options.columns.names() if c in _csv_header(header)]
+            # A CSV's values are text: an id comes back as written (a guessed type turned "007" into 7). A label
+            # column is the one holding numbers (its lists are parsed from their text).
+            convert = pacsv.ConvertOptions(include_columns=present, column_types={
+                c: pa.string() for c in present if c != options.columns.label})
+            if begin > 0:
+                _check_record_starts_at(fs, location.path, begin, header, convert)
             table = pacsv.read_csv(io.BytesIO(header + b"\n" + data if begin > 0 else data),
-                                   convert_options=pacsv.ConvertOptions(
-                                       include_columns=present,
-                                       column_types={c: pa.string() for c in (options.columns.query,
-                                                                               options.columns.item) if c in present}))
+                                   convert_options=convert)
             return _table_pairs(table, location, options)
         if options.columns is not None:
             return _json_pairs(data.splitlines(), begin, location, options)
@@ -338,6 +341,31 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
         hint = " (a CSV is read in parts cut at line breaks: a value holding a line break needs Parquet or JSONL)" \
             if fmt == "csv" and not compression else ""
         raise InputError("input_corrupt", f"{location.name} could not be read as {fmt}: {exc}{hint}") from None
+
+
+def _check_record_starts_at(fs: Any, path: str, begin: int, header: bytes, convert: pacsv.ConvertOptions) -> None:
+    """Raises InputError unless the line before byte `begin` reads as one whole record. A part of a CSV starts
+    at a line break, which may lie inside a quoted value: the part would then read the value's last line as a
+    record of its own (a real id beside text that is not the pair's). The line before such a part is a piece of
+    that value, which does not read as a record with the header's columns (its opening quote is not closed, or
+    its columns are too few); a part after a whole record finds a whole record there."""
+    window = READ_BLOCK_BYTES
+    with fs.open(path, "rb", block_size=READ_BLOCK_BYTES) as f:
+        while True:
+            f.seek(max(begin - window, 0))
+            before = f.read(begin - max(begin - window, 0))
+            if before.count(b"\n") >= 2 or window >= begin:
+                break
+            window *= 4
+    line = before[:-1].rsplit(b"\n", 1)[-1] + b"\n"
+    try:
+        table = pacsv.read_csv(io.BytesIO(header + b"\n" + line), convert_options=convert)
+    except pa.ArrowInvalid:
+        table = None
+    if table is None or table.num_rows != 1:
+        raise InputError("input_corrupt", f"the line before byte {begin} is not a whole record, so a quoted value "
+                                          "holds a line break (a CSV is read in parts cut at line breaks: a value "
+                                          "holding a line break needs Parquet or JSONL)")
 
 
 def _byte_range(fs: Any, path: str, start: int, stop: int) -> tuple[int, bytes]:
