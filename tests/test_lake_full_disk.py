@@ -79,6 +79,50 @@ def test_a_full_disk_fails_its_batch_at_once(client, make_key, empty_queue,  # t
     folder = root / "out" / batch["id"]
     left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     assert not [name for name in left if name.startswith("part-") or name == "_SUCCESS"], left
+    # Its chunk rows still name the objects removed: the results say so, rather than break off mid-stream.
+    results = client.get(f"/batches/{batch_id}/results", headers={"Authorization": f"Bearer {key}"})
+    assert (results.status_code, results.json()["error"]["code"]) == (409, "results_removed"), results.text
+
+
+def denied_write(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
+    raise PermissionError(13, "Permission denied", location.path)
+
+
+@pytest.mark.parametrize("refusing", ["object", "manifest"])
+def test_an_output_that_refuses_writes_fails_its_batch_at_once(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                root: Path, refusing: str) -> None:
+    """Denied writes (a read-only folder, a bucket policy, this server's credentials) are not waited out as an
+    unreachable store is: the batch stayed `in_progress` for good, its settling raising at every sweep."""
+    key, _ = make_key()
+    batch_id = submit(client, key, f"denied-{refusing}")
+    patched = patch("worker.lake.write_table", denied_write) if refusing == "object" else \
+        patch.object(chunks_module, "write_manifest", lambda prefix, manifest, success: denied_write(prefix, 0, 0))
+    with patched:
+        batch = run_until_over(client, key, batch_id, 300)
+    assert batch["status"] == "failed" and batch["error"]["code"] == "output_denied", batch
+    assert "Permission denied" in batch["error"]["message"], batch
+    with session_scope() as session:
+        attempts = session.execute(select(Chunk.status, Chunk.attempts).where(Chunk.batch_id == batch_id)).all()
+    expected = ("failed", 1) if refusing == "object" else ("succeeded", 1)
+    assert attempts and all(tuple(row) == expected for row in attempts), attempts
+
+
+def test_one_batch_that_cannot_settle_does_not_hold_up_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import lake
+
+    settled: list[str] = []
+
+    def settle(batch_id: str) -> bool:
+        if batch_id == "unreachable":
+            raise ConnectionError("the store is down")
+        settled.append(batch_id)
+        return True
+
+    monkeypatch.setattr(chunks_module, "sweep_chunks", lambda settings: ["unreachable", "fine"])
+    monkeypatch.setattr(chunks_module, "settle", settle)
+    monkeypatch.setattr(chunks_module, "live_chunks", lambda settings: True)
+    assert lake.sweep(get_settings()) is True  # and the round goes on to wake a pass loop
+    assert settled == ["fine"]
 
 
 def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_queue,  # type: ignore[no-untyped-def]

@@ -405,8 +405,8 @@ class ChunkFeed:
             self.stats["write_cpu_s"] += time.thread_time() - started
             if failure is None:
                 self._commit_object(work)
-            else:  # the output's disk is full: the chunk fails now, and its batch with it (chunks.settle)
-                chunks.commit_chunk(self.owner, chunk, 0, 0, 0, (chunks.OUTPUT_FULL, failure))
+            else:  # the output refuses it for good: the chunk fails now, and its batch with it (chunks.settle)
+                chunks.commit_chunk(self.owner, chunk, 0, 0, 0, failure)
         self.stats["chunks"] += 1
         if self.stats["chunks"] % LOG_EVERY_CHUNKS == 0:
             log.info("chunk feed: %s", json.dumps({k: round(v, 2) for k, v in self.stats.items()}))
@@ -427,11 +427,12 @@ class ChunkFeed:
                         self.owner)
             chunk.object.fs.rm(chunk.object.path)
 
-    def _write(self, chunk: chunks.ClaimedChunk, table) -> str | None:  # type: ignore[no-untyped-def]
+    def _write(self, chunk: chunks.ClaimedChunk, table) -> tuple[str, str] | str | None:  # type: ignore[no-untyped-def]
         """Writes the chunk's object, retrying while the store is unreachable. None once written; "" if the store
-        stayed unreachable; why, if the output's disk is full (waiting would not free it, and the chunk's lease,
-        its worker's commit queue and the whole batch waited WRITE_RETRY_SECONDS per attempt for nothing).
-        A write that failed leaves no part of the object behind."""
+        stayed unreachable; the chunk's error if the output refuses it for good (`chunks.write_refused`: a full
+        disk, denied credentials; waiting would not help, and the chunk's lease, its worker's commit queue and
+        the whole batch waited WRITE_RETRY_SECONDS per attempt for nothing). A write that failed leaves no part
+        of the object behind."""
         deadline = time.monotonic() + WRITE_RETRY_SECONDS
         wait = 0.5
         while True:
@@ -439,13 +440,12 @@ class ChunkFeed:
                 write_table(chunk.object, table, chunk.options.output_format)
                 return None
             except Exception as exc:  # noqa: BLE001  (the store unreachable: try again)
-                full = chunks.disk_full(exc)
-                if full or time.monotonic() > deadline or self._stop.is_set():
+                refused = chunks.write_refused(chunk.object, exc)
+                if refused or time.monotonic() > deadline or self._stop.is_set():
                     # str: a record that keeps the exception keeps its frames, and the chunk's rows with them
                     log.warning("writing %s failed: %s", chunk.object.uri, str(exc))
                     chunks.remove_object(chunk.object)
-                    return f"the output's disk is full: {chunk.object.uri} could not be written ({exc})" \
-                        if full else ""
+                    return refused or ""
                 time.sleep(wait)
                 wait = min(wait * 2, 5.0)
 
@@ -516,7 +516,10 @@ def sweep(settings: Settings) -> bool:
     over. Whether a chunk waits to be claimed that this process's feeds are not reading (then a pass loop
     should claim it: the caller wakes one)."""
     for batch_id in chunks.sweep_chunks(settings):
-        chunks.settle(batch_id)
+        try:
+            chunks.settle(batch_id)
+        except Exception as exc:  # noqa: BLE001  (its store unreachable now: the next round tries again)
+            log.warning("batch %s could not be settled now: %s", batch_id, str(exc))
     with _feeds_lock:
         feeds = list(_feeds.values())
     return not any(feed.busy() for feed in feeds) and chunks.live_chunks(settings)

@@ -38,7 +38,7 @@ from core import RequestTokenizer, ScoringError
 from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
-from store.lake.access import Access
+from store.lake.access import Access, failure_kind
 from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan, read_table, write_manifest
 from store.location import Location
 from store.models import ApiKey, Batch, Chunk, utcnow
@@ -53,9 +53,10 @@ LIVE = ("queued", "running")
 RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 30.0
 INSERT_PAGE = 1000
-# A chunk whose object could not be written because the output's disk is full fails with this code, and its
-# batch fails with it (settle): a full disk is not freed by waiting, as an unreachable store may come back.
+# A chunk whose object the output refuses for good fails with one of these codes, and its batch fails with it
+# (settle): a full disk is not freed by waiting, nor are denied writes, as an unreachable store may come back.
 OUTPUT_FULL = "output_full"
+OUTPUT_DENIED = "output_denied"
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 _CHUNKS = Chunk.__table__.c
@@ -376,8 +377,9 @@ def live_chunks(settings: Settings) -> bool:
 def settle(batch_id: str) -> bool:
     """Ends the batch if none of its chunks is live: writes the manifest (then `_SUCCESS`), changes its status
     in a conditional UPDATE (so of concurrent callers exactly one queues the webhook) and removes objects of
-    lost attempts. A batch whose output's disk filled up fails (`output_full`), its objects removed. Returns
-    whether this call ended it."""
+    lost attempts. A batch whose output refused a write for good fails (`output_full`, `output_denied`), its
+    objects removed. Returns whether this call ended it; raises where the store is unreachable (the sweep
+    settles it again)."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in ("in_progress", "cancelling"):
@@ -385,9 +387,9 @@ def settle(batch_id: str) -> bool:
         if session.scalar(select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status.in_(LIVE)).limit(1)) \
                 is not None:
             return False
-        full = session.scalar(select(Chunk.error_message).where(Chunk.batch_id == batch_id,
-                                                                Chunk.error_code == OUTPUT_FULL).limit(1))
-        status = "failed" if full else "cancelled" if batch.status == "cancelling" else "completed"
+        refused = session.execute(select(Chunk.error_code, Chunk.error_message).where(
+            Chunk.batch_id == batch_id, Chunk.error_code.in_((OUTPUT_FULL, OUTPUT_DENIED))).limit(1)).first()
+        status = "failed" if refused else "cancelled" if batch.status == "cancelling" else "completed"
         output = batch.output
         manifest = _manifest(session, batch, status)
     # Before the status changes: a reader that sees the batch over finds the manifest. A worker dying here
@@ -395,16 +397,16 @@ def settle(batch_id: str) -> bool:
     if status != "failed":
         try:
             write_manifest(output, manifest, status == "completed")
-        except OSError as exc:
-            if not disk_full(exc):
+        except Exception as exc:
+            refused = write_refused(output.child("_manifest.json"), exc)
+            if refused is None:
                 raise
-            status, full = "failed", f"the output's disk is full: {output.uri} could not take _manifest.json ({exc})"
-            manifest = {**manifest, "status": status}
+            status, manifest = "failed", {**manifest, "status": "failed"}
     if status == "failed":
         _give_up_output(output, manifest)
     else:
         _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
-    failure = dict(error_code=OUTPUT_FULL, error_message=full[:2000]) if status == "failed" else {}
+    failure = dict(error_code=refused[0], error_message=refused[1][:2000]) if refused else {}
     with session_scope() as session:
         changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress",
                                                                                               "cancelling")))
@@ -419,9 +421,15 @@ def settle(batch_id: str) -> bool:
     return bool(changed)
 
 
-def disk_full(exc: BaseException) -> bool:
-    """Whether writing failed because the (local) output's disk or quota is full."""
-    return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+def write_refused(location: Location, exc: BaseException) -> tuple[str, str] | None:
+    """Why the output refuses writing `location` for good, as (code, message): its disk or quota full, or the
+    write denied (permissions, this server's credentials). None where trying again may work: the store
+    unreachable, or a bucket not found (a store coming back up may not list it yet)."""
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+        return OUTPUT_FULL, f"the output's disk is full: {location.uri} could not be written ({exc})"
+    if failure_kind(exc) == "denied":
+        return OUTPUT_DENIED, f"the output refused {location.uri} ({type(exc).__name__}: {exc})"
+    return None
 
 
 def remove_object(location: Location) -> None:
@@ -574,6 +582,14 @@ def cancel_reference(session: Session, batch: Batch) -> Batch:
     settle(batch.id)
     session.refresh(batch)
     return batch
+
+
+def check_results(batch: Batch) -> None:
+    """Raises a 409 where the batch's results are gone: a batch failed by its output (a full disk, denied
+    writes) removed its committed objects, which its chunk rows still name."""
+    if batch.status == "failed" and batch.error_code in (OUTPUT_FULL, OUTPUT_DENIED):
+        raise ServiceError(409, "results_removed", f"batch {batch.id} failed ({batch.error_code}: "
+                                                   f"{batch.error_message}); its result objects were removed")
 
 
 def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
