@@ -103,7 +103,7 @@ class Ingest:
                 continue
             try:
                 value = json.loads(raw)
-            except ValueError as exc:  # not JSON, or not UTF-8
+            except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deeply
                 self._add(None, LineError("invalid_json", f"not a JSON value: {exc}"))
                 continue
             self._add(value)
@@ -298,6 +298,8 @@ def parse_batch_body(body: bytes) -> BatchCreate | BatchSource:
         value = json.loads(body)
         schema = BatchSource if isinstance(value, dict) and "input" in value else BatchCreate
         return schema.model_validate(value)
+    except RecursionError:
+        raise ServiceError(422, "invalid_input", "invalid JSON batch body: nested too deeply") from None
     except ValueError as exc:  # ValidationError is a ValueError too
         message = describe_errors(schema, exc.errors(), value) if isinstance(exc, ValidationError) else str(exc)
         raise ServiceError(422, "invalid_input", f"invalid JSON batch body: {message}") from None

@@ -20,17 +20,43 @@ from store.models import Batch, Job, WebhookDelivery, utcnow
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
+def check_storable(data: object) -> None:
+    """Raises ValueError where a parsed JSON value cannot be stored or tokenized: JSON allows lone surrogates
+    ("\ud800"), which neither the tokenizer nor the database can take, and nesting deeper than Python's
+    recursion limit, which no encoder gets through."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+    except RecursionError:
+        raise ValueError("the value is nested too deeply") from None
+    except (TypeError, ValueError):
+        pass  # not JSON-shaped: the field validators say what is wrong
+
+
+MAX_METADATA_DEPTH = 32
+
+
+def check_metadata(value: object) -> object:
+    """Raises ValueError where `metadata` nests deeper than MAX_METADATA_DEPTH: it is stored and echoed back as
+    sent, and pydantic's serializer, which echoes it, stops at about 255 levels (a 500 after the job was taken)."""
+    level, depth = [value], 0
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        if depth > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+    return value
+
+
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(check_metadata)]
+
+
 class _ValidUnicode(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: object) -> object:
-        # JSON allows lone surrogates ("\ud800"); neither the tokenizer nor the database can take them.
-        try:
-            json.dumps(data, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
-        except (TypeError, ValueError):
-            pass  # not JSON-shaped: the field validators say what is wrong
+        check_storable(data)
         return data
 
 
@@ -53,7 +79,7 @@ class JobCreate(ScoreInput):
 
     return_logprobs: StrictBool = False
     webhook_url: str | None = Field(default=None, max_length=2048)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
 
 
 # What vLLM's and OpenAI's clients send to /v1/score and /v1/rerank beside the request, none of which changes a
@@ -309,14 +335,14 @@ class OpenAIBatchLine(BaseModel):
     body: dict[str, Any]
 
 
-class BatchCreate(BaseModel):
+class BatchCreate(_ValidUnicode):
     """The JSON body form of POST /batches (small batches; large ones upload a JSONL file)."""
 
     model_config = ConfigDict(extra="forbid")
 
     requests: list[Any]
     webhook_url: str | None = Field(default=None, max_length=2048)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     # The batch's one model (default: its first request's).
     model: str | None = Field(default=None, max_length=100)
 
@@ -333,7 +359,7 @@ class ColumnsSpec(BaseModel):
     label: str | None = Field(default=None, min_length=1, max_length=256)
 
 
-class BatchSource(BaseModel):
+class BatchSource(_ValidUnicode):
     """The JSON body form of POST /batches that names its data instead of carrying it (a reference batch):
     `input` (a URI, a list of URIs, or a glob; s3://, gs://, az:// or a local path), `output` (a URI prefix),
     `format` (jsonl, parquet, csv; default from the extension), and for pair tables `columns` and
@@ -353,7 +379,7 @@ class BatchSource(BaseModel):
     item_first: StrictBool = False
     return_logprobs: StrictBool = False
     webhook_url: str | None = Field(default=None, max_length=2048)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     # The model every row is scored with (default: the deployment's first).
     model: str | None = Field(default=None, max_length=100)
     overwrite: StrictBool = False

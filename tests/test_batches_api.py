@@ -174,6 +174,37 @@ def test_not_jsonl_and_limits(client, make_key, clean, monkeypatch) -> None:  # 
                  "unauthorized")
 
 
+def test_hostile_values_on_the_batch_routes_get_typed_4xx(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    """Each of these was a 500, and the lone surrogate in a batch's metadata was stored: every later read of the
+    batch a 500 too."""
+    key, _ = make_key()
+    json_body = {**auth(key), "content-type": "application/json"}
+    deep = "[" * 5000 + "]" * 5000  # deeper than the parsers' recursion limit
+
+    def code(response) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+        return response.status_code, response.json()["error"]["code"]
+
+    surrogate = b'{"requests": [], "metadata": {"k": "\\ud800"}}'
+    assert code(client.post("/batches", content=surrogate, headers=json_body)) == (422, "invalid_input")
+    assert code(client.post("/batches", content=b'{"requests": [], "metadata": ' + deep.encode() + b"}",
+                            headers=json_body)) == (422, "invalid_input")
+    for metadata in ('{"k": "\\ud800"}', deep):
+        assert code(upload(client, key, [request_line(0)], metadata=metadata)) == (422, "invalid_input")
+    for uri in ("s3://[b/x.jsonl", "file://[x/y"):
+        response = client.post("/batches", json={"input": uri, "output": uri}, headers=auth(key))
+        assert code(response) == (400, "invalid_uri"), response.text
+    response = client.post("/batches", content=b'{"input": "pairs\\ud800.csv", "output": "out/"}', headers=json_body)
+    assert code(response) == (422, "invalid_input"), response.text
+    assert client.get("/batches", headers=auth(key)).status_code == 200  # nothing unreadable was stored
+    # A line nested too deeply is that line's error; the others run.
+    created = upload(client, key, [request_line(0), '{"custom_id": "deep", "query": ' + deep + "}"])
+    assert created.status_code == 201, created.text
+    assert created.json()["counts"]["total"] == 2
+    drain()
+    lines = {line["custom_id"]: line for line in result_lines(client, key, created.json()["id"])}
+    assert lines["req-0"]["scores"] and lines[None]["error"]["code"] == "invalid_json", lines
+
+
 def test_results_stream_while_running_then_cancel(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     batch_id = upload(client, key, [request_line(i) for i in range(200)]).json()["id"]

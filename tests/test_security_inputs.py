@@ -75,6 +75,24 @@ def test_bad_bodies_get_typed_4xx(live_service: Service, content: bytes, status:
         assert (response.status_code, error_code(response)) == (status, code), (path, response.text[:500])
 
 
+def test_nesting_near_the_recursion_limit_gets_a_typed_4xx(live_service: Service) -> None:
+    """Metadata nested deeper than the serializer that echoes it takes (about 255 levels), or than the checks'
+    JSON encoder takes, was a 500 after the job was stored. Metadata holds at most 32 levels."""
+    with live_service.http() as client:
+        shallow = json.loads('{"a": ' * 31 + "1" + "}" * 31)
+        created = client.post("/jobs", json={**BODY, "metadata": shallow})
+        assert created.status_code == 202 and created.json()["metadata"] == shallow, created.text[:300]
+    for depth in (33, 100, 260, 500, *range(880, 1120, 20)):
+        nested = b"[" * depth + b"]" * depth
+        for path, content in [*[(path, b'{"query": "q", "items": ' + nested + b', "label_token_ids": [1]}')
+                                for path in BOTH],
+                              ("/jobs", b'{"query": "q", "items": ["a"], "label_token_ids": [1], "metadata": {"a": '
+                               + nested + b"}}")]:
+            response = post_raw(live_service, path, content)
+            assert (response.status_code, error_code(response)) in ((422, "invalid_input"), (400, "bad_request")), \
+                (path, depth, response.text[:300])
+
+
 def test_huge_bodies_are_413(live_service: Service) -> None:
     limit = int(live_service.env["MAX_BODY_BYTES"])
     huge = json.dumps({**BODY, "items": ["x" * 1000] * (limit // 1000 + 10)}).encode()

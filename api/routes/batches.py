@@ -18,7 +18,7 @@ from store.catalog import ModelCatalog
 from store.errors import ServiceError
 from store.lake import chunks
 from store.models import ApiKey, Batch
-from store.schemas import BatchCreate, BatchOut, BatchSource
+from store.schemas import BatchCreate, BatchOut, BatchSource, check_metadata, check_storable
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,10 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     else:
         try:
             meta = json.loads(metadata) if metadata is not None else None
-        except ValueError:
-            meta = None
+            check_storable(meta)
+            check_metadata(meta)
+        except (ValueError, RecursionError) as exc:
+            raise ServiceError(422, "invalid_input", f"metadata must be a JSON object ({exc})") from None
         if metadata is not None and not isinstance(meta, dict):
             raise ServiceError(422, "invalid_input", "metadata must be a JSON object")
     chosen = models.get(model).name  # an unknown model is refused before anything is stored

@@ -74,7 +74,11 @@ class Access:
         glob here (its part before the first wildcard is what is checked; `expand` checks each match)."""
         if not isinstance(uri, str) or not uri.strip():
             raise refusal("invalid_uri", f"{what} must be a non-empty URI or path")
-        scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+        try:
+            uri.encode()  # a lone surrogate cannot name a file or an object
+            scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+        except ValueError as exc:  # "s3://[b/x": an unclosed IPv6 host, say
+            raise refusal("invalid_uri", f"{what} is not a valid URI or path ({exc})") from None
         if scheme in ("", "file"):
             return self._local(uri, what)
         if scheme not in REMOTE_PROTOCOLS:
