@@ -39,7 +39,8 @@ from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
 from store.lake.access import Access, failure_kind
-from store.lake.tables import Columns, Options, PlannedChunk, object_name, plan, read_table, write_manifest
+from store.lake.tables import (Columns, Options, PlannedChunk, json_value, object_name, plan, read_table,
+                               write_manifest)
 from store.location import Location
 from store.models import ApiKey, Batch, Chunk, utcnow
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
@@ -608,7 +609,8 @@ def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
             yield (json.dumps(line) + "\n").encode()
             continue
         for k, rows in enumerate(read_table(folder.child(chunk.output))):
-            yield "".join(json.dumps(_line(row, batch_id, chunk.index, k * 1000 + i, openai), separators=(",", ":"))
+            yield "".join(json.dumps(_line(row, batch_id, chunk.index, k * 1000 + i, openai), separators=(",", ":"),
+                                     default=json_value)
                           + "\n" for i, row in enumerate(rows)).encode()
 
 

@@ -21,6 +21,8 @@ A row that cannot be scored (a bad value, too many tokens, an unknown label id) 
 `error_code` and `error_message`; nothing per row goes to the database.
 """
 
+import base64
+import datetime
 import gzip
 import io
 import json
@@ -618,13 +620,25 @@ def object_name(chunk_index: int, attempt: int, output_format: str) -> str:
     return f"part-{chunk_index:06d}-attempt-{attempt}.{'parquet' if output_format == 'parquet' else 'jsonl'}"
 
 
+def json_value(value: object) -> object:
+    """An id column's value that JSON has no type for, as BigQuery's JSON exports write it: dates and times in
+    ISO 8601, bytes in base64, decimals as their exact text (`json.dumps`' `default`: a date id made every
+    JSONL write of its chunk fail, retried as if the store were down)."""
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    return str(value)
+
+
 def write_table(location: Location, table: pa.Table, output_format: str) -> None:
     with location.fs.open(location.path, "wb") as f:
         if output_format == "parquet":
             pq.write_table(table, f, compression="zstd")
         else:
             for batch in table.to_batches(max_chunksize=1000):
-                f.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in batch.to_pylist()).encode())
+                f.write("".join(json.dumps(row, separators=(",", ":"), default=json_value) + "\n"
+                                for row in batch.to_pylist()).encode())
 
 
 def read_table(location: Location) -> Iterator[list[dict]]:
