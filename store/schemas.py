@@ -358,6 +358,16 @@ class ColumnsSpec(BaseModel):
     ids: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list, max_length=32)
     label: str | None = Field(default=None, min_length=1, max_length=256)
 
+    @field_validator("ids")
+    @classmethod
+    def _not_a_result_column(cls, ids: list[str]) -> list[str]:
+        # An output row holds its ids beside these: an id of the same name was overwritten, silently.
+        taken = [name for name in ids if name in ("scores", "logprobs", "error_code", "error_message", "error")]
+        if taken:
+            raise ValueError(f"{taken[0]!r} names a column of the results (scores, logprobs, error_code, "
+                             "error_message, error): rename it in the input")
+        return ids
+
 
 class BatchSource(_ValidUnicode):
     """The JSON body form of POST /batches that names its data instead of carrying it (a reference batch):

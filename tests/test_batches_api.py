@@ -195,6 +195,11 @@ def test_hostile_values_on_the_batch_routes_get_typed_4xx(client, make_key, clea
         assert code(response) == (400, "invalid_uri"), response.text
     response = client.post("/batches", content=b'{"input": "pairs\\ud800.csv", "output": "out/"}', headers=json_body)
     assert code(response) == (422, "invalid_input"), response.text
+    for taken in ("scores", "error_code", "error"):  # an id column the results' own would overwrite
+        response = client.post("/batches", json={"input": "p.parquet", "output": "out/", "label_token_ids": [1],
+                                                 "columns": {"query": "q", "item": "d", "ids": ["pair_id", taken]}},
+                               headers=auth(key))
+        assert code(response) == (422, "invalid_input") and repr(taken) in response.text, response.text
     assert client.get("/batches", headers=auth(key)).status_code == 200  # nothing unreadable was stored
     # A line nested too deeply is that line's error; the others run.
     created = upload(client, key, [request_line(0), '{"custom_id": "deep", "query": ' + deep + "}"])

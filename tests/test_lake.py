@@ -278,6 +278,20 @@ def test_a_csv_part_starting_inside_a_quoted_value_is_refused_and_ids_come_back_
     assert read(0) == ["007", "1.10", "3"]
 
 
+def test_a_run_of_one_query_longer_than_max_items_is_split_not_refused(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    import copy
+
+    root = Path(lake_settings.batch_local_root)
+    pq.write_table(pa.table({"q": ["the same question?"] * 10, "doc": [f"document {i}" for i in range(10)],
+                             "pair_id": list(range(10))}), root / "one-query.parquet")
+    tokenizer = copy.copy(get_scorer().requests)
+    tokenizer.max_items = 3  # MAX_ITEMS under the 1,000 rows a request of a pair table takes
+    [location] = Access(str(root), []).expand("one-query.parquet")
+    rows = read_chunk(location, 0, 0, 10, Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS)), tokenizer)
+    assert rows.errors == {} and rows.items == 10
+    assert [len(covered) for covered, _, _ in rows.requests] == [3, 3, 3, 1]
+
+
 def test_jsonl_pair_tables_group_by_query_and_name_bad_lines(lake_settings) -> None:  # type: ignore[no-untyped-def]
     root = Path(lake_settings.batch_local_root)
     table = pair_table(6, 5)
