@@ -8,6 +8,7 @@ ERROR_CODES = (
     "mixed_input_types",
     "too_many_items",
     "too_many_tokens",
+    "too_many_labels",
     "unknown_model",
     "invalid_input",
 )

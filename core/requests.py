@@ -233,12 +233,15 @@ class RequestTokenizer:
     or raises ScoringError with a stable code."""
 
     def __init__(self, tokenizer, vocab_size: int, *, model_name: str, max_items: int = 100_000,
-                 max_tokens: int = 4_000_000, max_sequence_tokens: int = 8192):
+                 max_tokens: int = 4_000_000, max_labels: int = 4096, max_sequence_tokens: int = 8192):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.max_items = max_items
         self.max_tokens = max_tokens
+        # The results hold items x labels values (a float per pair in every pass's output, and in the database):
+        # bounded like the items.
+        self.max_labels = max_labels
         self.max_sequence_tokens = max_sequence_tokens
 
     @classmethod
@@ -281,6 +284,7 @@ class RequestTokenizer:
         labels = np.asarray(request.label_token_ids)
         if not len(labels):
             raise ScoringError("empty_label_token_ids", "label_token_ids must not be empty")
+        self._check_label_count(len(labels))
         if ((labels < 0) | (labels >= self.vocab_size)).any():
             bad = int(labels[(labels < 0) | (labels >= self.vocab_size)][0])
             raise ScoringError("label_token_id_out_of_range", f"label token id {bad} is outside [0, {self.vocab_size})")
@@ -355,6 +359,10 @@ class RequestTokenizer:
         except ScoringError as exc:
             return exc
 
+    def _check_label_count(self, n: int) -> None:
+        if n > self.max_labels:
+            raise ScoringError("too_many_labels", f"{n} label token ids; the limit is {self.max_labels}")
+
     def _check_shape(self, query, items, label_token_ids) -> bool:  # type: ignore[no-untyped-def]
         """Checks what can be checked before encoding (labels, the items' count and types); whether the request
         is in text (else token ids)."""
@@ -362,6 +370,7 @@ class RequestTokenizer:
             raise ScoringError("invalid_input", "label_token_ids must be a list of integers")
         if not label_token_ids:
             raise ScoringError("empty_label_token_ids", "label_token_ids must not be empty")
+        self._check_label_count(len(label_token_ids))
         if not all(_is_int(t) for t in label_token_ids):
             raise ScoringError("invalid_input", "label_token_ids must be integers")
         bad = [int(t) for t in label_token_ids if not 0 <= t < self.vocab_size]

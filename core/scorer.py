@@ -288,7 +288,7 @@ class Scorer:
         used go first). `prefix_cache_bytes`: None for the default (core.prefix_cache). `shortest_pass`:
         the shortest pass length compiled (None: SHORTEST_CPU_PASS on CPU, pass_tokens/8 elsewhere). `block_q`:
         query rows per tile of the block tables (None: 128; 64 on the XLA path, which reads none of them, so
-        that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_sequence_tokens (see
+        that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_labels, max_sequence_tokens (see
         RequestTokenizer). `tensor_parallel`: the model split over this process's first N devices (see
         core.sharding); a model that N does not split raises ValueError naming the values that work."""
         if attention not in ATTENTION_IMPLS:

@@ -384,7 +384,7 @@ class BatchSource(_ValidUnicode):
     format: Literal["jsonl", "parquet", "csv"] | None = None
     output_format: Literal["parquet", "jsonl"] = "parquet"
     columns: ColumnsSpec | None = None
-    label_token_ids: list[StrictInt] | None = Field(default=None, max_length=4096)
+    label_token_ids: list[StrictInt] | None = None
     apply_softmax: StrictBool = False
     item_first: StrictBool = False
     return_logprobs: StrictBool = False

@@ -98,6 +98,7 @@ def test_empty_items_and_order(tiny):
     (("q", ["a", [1]], [1]), "mixed_input_types"),
     (("q", ["a"] * 101, [1]), "too_many_items"),
     (([1] * 300, [[2] * 300], [1]), "too_many_tokens"),
+    (("q", ["a"], [1] * 9), "too_many_labels"),
     (("q", "abc", [1]), "invalid_input"),
     (("q", ["a"], [1.5]), "invalid_input"),
     (("q\ud800", ["a"], [1]), "invalid_input"),
@@ -105,7 +106,8 @@ def test_empty_items_and_order(tiny):
     ((None, ["a"], [1]), "invalid_input"),
 ])
 def test_error_codes(tiny, args, code):
-    limited = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500)
+    limited = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500,
+                     max_labels=8)
     with pytest.raises(ScoringError) as err:
         limited.logprobs(*args)
     assert err.value.code == code and code in ERROR_CODES

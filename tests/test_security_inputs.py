@@ -61,6 +61,7 @@ JOBS = ("/jobs",)
     (json.dumps({**BODY, "query": [1], "items": ["text"]}).encode(), 400, "mixed_input_types", BOTH),
     (json.dumps({**BODY, "query": ""}).encode(), 400, "empty_query", BOTH),
     (json.dumps({**BODY, "items": ["x"] * 5001}).encode(), 400, "too_many_items", BOTH),
+    (json.dumps({**BODY, "label_token_ids": [5] * 4097}).encode(), 400, "too_many_labels", BOTH),
     (json.dumps({**BODY, "query": "word " * 120_000}).encode(), 400, "too_many_tokens", BOTH),
     (b'{"query": "\\ud800 lone surrogate", "items": ["a"], "label_token_ids": [1]}', 422, "invalid_input", BOTH),
     (b'{"query": "q", "items": ["a"], "label_token_ids": [1], "metadata": ' + b'{"a":' * 5000 + b"1"

@@ -451,14 +451,16 @@ def test_stored_requests_are_checked_as_their_token_ids() -> None:
     same error code."""
     from core import RequestTokenizer, ScoringError
 
-    checker = RequestTokenizer(None, 100, model_name="m", max_items=3, max_tokens=20, max_sequence_tokens=8)
+    checker = RequestTokenizer(None, 100, model_name="m", max_items=3, max_tokens=20, max_labels=4,
+                               max_sequence_tokens=8)
     good = TokenizedRequest((1, 2), ((3,), (), (4, 5)), (6, 7), False)
     assert checker.check_stored(good.to_bytes()) == good == checker.tokenize([1, 2], [[3], [], [4, 5]], [6, 7])
     for bad, code in ((TokenizedRequest((1,), ((2,), (100,)), (3,)), "token_id_out_of_range"),
                       (TokenizedRequest((1,), ((2,),), (100,)), "label_token_id_out_of_range"),
                       (TokenizedRequest((1,), ((2,),) * 4, (3,)), "too_many_items"),
                       (TokenizedRequest((), ((2,),), (3,)), "empty_query"),
-                      (TokenizedRequest((1,) * 5, ((2,) * 4,), (3,)), "too_many_tokens")):
+                      (TokenizedRequest((1,) * 5, ((2,) * 4,), (3,)), "too_many_tokens"),
+                      (TokenizedRequest((1,), ((2,),), (3,) * 5), "too_many_labels")):
         with pytest.raises(ScoringError) as stored:
             checker.check_stored(bad.to_bytes())
         with pytest.raises(ScoringError) as tokenized:

@@ -86,7 +86,7 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
         try:  # the engine's own checks of the labels (range, non-empty), on a stand-in request
             tokenizer.tokenize([0], [], body.label_token_ids)
         except ScoringError as exc:
-            if exc.code.startswith(("label", "empty_label")):
+            if exc.code.startswith(("label", "empty_label", "too_many_labels")):
                 raise ServiceError(400, exc.code, exc.message) from None
     options = Options(body.format or "", columns, tuple(body.label_token_ids) if body.label_token_ids else None,
                       body.apply_softmax, body.item_first, body.return_logprobs, body.output_format)
