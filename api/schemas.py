@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from store.schemas import BatchOut, ErrorInfo, JobCreate, JobOut, RerankInput
+from store.schemas import BatchOut, ErrorInfo, JobCreate, JobOut, Metadata, RerankInput
 
 
 class RerankJobCreate(RerankInput):
@@ -15,7 +15,7 @@ class RerankJobCreate(RerankInput):
 
     kind: Literal["rerank"]
     webhook_url: str | None = Field(default=None, max_length=2048)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
 
 
 def _job_kind(value: object) -> str:

@@ -38,8 +38,10 @@ MAX_METADATA_DEPTH = 32
 
 
 def check_metadata(value: object) -> object:
-    """Raises ValueError where `metadata` nests deeper than MAX_METADATA_DEPTH: it is stored and echoed back as
-    sent, and pydantic's serializer, which echoes it, stops at about 255 levels (a 500 after the job was taken)."""
+    """Raises ValueError where `metadata` cannot be stored (`check_storable`) or nests deeper than
+    MAX_METADATA_DEPTH: it is stored and echoed back as sent, and pydantic's serializer, which echoes it, stops
+    at about 255 levels (a 500 after the job was taken)."""
+    check_storable(value)
     level, depth = [value], 0
     while level := [v for v in level if isinstance(v, (dict, list))]:
         depth += 1
@@ -335,7 +337,7 @@ class OpenAIBatchLine(BaseModel):
     body: dict[str, Any]
 
 
-class BatchCreate(_ValidUnicode):
+class BatchCreate(BaseModel):
     """The JSON body form of POST /batches (small batches; large ones upload a JSONL file)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -201,13 +201,18 @@ def test_hostile_values_on_the_batch_routes_get_typed_4xx(client, make_key, clea
                                headers=auth(key))
         assert code(response) == (422, "invalid_input") and repr(taken) in response.text, response.text
     assert client.get("/batches", headers=auth(key)).status_code == 200  # nothing unreadable was stored
-    # A line nested too deeply is that line's error; the others run.
-    created = upload(client, key, [request_line(0), '{"custom_id": "deep", "query": ' + deep + "}"])
-    assert created.status_code == 201, created.text
-    assert created.json()["counts"]["total"] == 2
-    drain()
-    lines = {line["custom_id"]: line for line in result_lines(client, key, created.json()["id"])}
-    assert lines["req-0"]["scores"] and lines[None]["error"]["code"] == "invalid_json", lines
+    # A line nested too deeply, or holding a lone surrogate, is that line's error; the others run.
+    surrogates = [request_line(1, query="\ud800"), {**request_line(2), "custom_id": "\udfff"}]
+    created = upload(client, key, [request_line(0), '{"custom_id": "deep", "query": ' + deep + "}", *surrogates])
+    body = client.post("/batches", content=json.dumps({"requests": [request_line(0), *surrogates]}).encode(),
+                       headers=json_body)
+    for batch in (created, body):
+        assert batch.status_code == 201, batch.text
+        drain()
+        lines = result_lines(client, key, batch.json()["id"])
+        assert len(lines) == batch.json()["counts"]["total"] and [line["custom_id"] for line in lines][0] == "req-0"
+        assert lines[0]["scores"] and all(line["error"]["code"] in ("invalid_json", "invalid_input")
+                                          for line in lines[1:]), lines
 
 
 def test_results_stream_while_running_then_cancel(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]

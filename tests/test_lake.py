@@ -292,6 +292,30 @@ def test_a_run_of_one_query_longer_than_max_items_is_split_not_refused(lake_sett
     assert [len(covered) for covered, _, _ in rows.requests] == [3, 3, 3, 1]
 
 
+def test_a_jsonl_line_too_deep_or_with_a_lone_surrogate_is_its_rows_error(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    """Each raised past its line's error: the whole chunk was retried as if the store were down, then failed."""
+    root = Path(lake_settings.batch_local_root)
+    good = [json.dumps({"q": "which?", "doc": f"d{i}", "pair_id": f"p{i}"}) for i in range(3)]
+    bad = ['{"q": "which?", "doc": "x", "pair_id": "\\ud800"}', '{"q": "which?", "doc": ' + "[" * 5000 + "]" * 5000
+           + ', "pair_id": "deep"}']
+    (root / "odd.jsonl").write_text("\n".join([good[0], bad[0], good[1], bad[1], good[2]]) + "\n")
+    [location] = Access(str(root), []).expand("odd.jsonl")
+    tokenizer = get_scorer().requests
+    rows = read_chunk(location, 0, 0, location.fs.size(location.path), Options(
+        "", Columns("q", "doc", ("pair_id",)), tuple(LABELS)), tokenizer)
+    assert {i: code for i, (code, _) in rows.errors.items()} == {1: "invalid_json", 3: "invalid_json"}
+    assert rows.items == 3
+    # The same lines as requests (JSONL without columns).
+    lines = [json.dumps({"custom_id": f"r{i}", "query": "q", "items": ["a"], "label_token_ids": LABELS})
+             for i in range(2)]
+    (root / "odd-requests.jsonl").write_text("\n".join([lines[0], bad[0].replace("pair_id", "custom_id"),
+                                                        "[" * 5000 + "]" * 5000, lines[1]]) + "\n")
+    [location] = Access(str(root), []).expand("odd-requests.jsonl")
+    rows = read_chunk(location, 0, 0, location.fs.size(location.path), Options("", None, None), tokenizer)
+    assert {i: code for i, (code, _) in rows.errors.items()} == {1: "invalid_json", 2: "invalid_json"}
+    assert rows.items == 2
+
+
 def test_jsonl_pair_tables_group_by_query_and_name_bad_lines(lake_settings) -> None:  # type: ignore[no-untyped-def]
     root = Path(lake_settings.batch_local_root)
     table = pair_table(6, 5)

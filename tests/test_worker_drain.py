@@ -131,7 +131,7 @@ def test_cancel_at_pass_boundary(client, make_key, empty_queue, monkeypatch) -> 
     assert first_writes[0] == {job_id}, "the cancel is seen at the first boundary"
     # Once the loop knows, it launches nothing more (the whole job takes four passes); the passes launched
     # before are discarded.
-    print("DEBUG", len(launches), count(Pass)); assert len(launches) <= 3 and count(Pass) == len(launches)
+    assert len(launches) <= 3 and count(Pass) == len(launches)
     with session_scope() as session:
         assert session.scalar(select(func.sum(Pass.n_items))) < 300, "the whole job ran"
     assert count(JobResult) == 0

@@ -18,7 +18,7 @@ from store.catalog import ModelCatalog
 from store.errors import ServiceError
 from store.lake import chunks
 from store.models import ApiKey, Batch
-from store.schemas import BatchCreate, BatchOut, BatchSource, check_metadata, check_storable
+from store.schemas import BatchCreate, BatchOut, BatchSource, check_metadata
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,6 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     else:
         try:
             meta = json.loads(metadata) if metadata is not None else None
-            check_storable(meta)
             check_metadata(meta)
         except (ValueError, RecursionError) as exc:
             raise ServiceError(422, "invalid_input", f"metadata must be a JSON object ({exc})") from None

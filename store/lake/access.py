@@ -29,34 +29,21 @@ def refusal(code: str, message: str, status: int = 400) -> ServiceError:
     return ServiceError(status, code, message)
 
 
-def failure_kind(exc: BaseException) -> str:
-    """What a store's exception says: `missing` (no such object or bucket), `denied` (this server's credentials
-    refused or missing), `unreachable` (try again), or `other`. The libraries of the three clouds raise their
-    own exception classes (botocore's, google-auth's, azure-core's), hence the names looked at."""
-    kinds = " ".join(c.__name__ for c in type(exc).__mro__).lower()
-    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in kinds or "notfound" in kinds:
-        return "missing"
-    if isinstance(exc, PermissionError) or any(k in kinds for k in ("credential", "authentication", "forbidden",
-                                                                   "accessdenied")):
-        return "denied"
-    if isinstance(exc, (OSError, TimeoutError)) or any(k in kinds for k in (
-            "connection", "timeout", "endpoint", "serviceunavailable", "servicerequest", "serviceresponse")):
-        return "unreachable"
-    return "other"
-
-
 def store_error(location: Location, exc: BaseException) -> ServiceError:
     """A failure of the store while an object or listing is looked at, as a refusal naming it: missing (404),
     refused to this server's credentials (403), the store unreachable (503, try again), anything else the
-    store's library raised (400, with its kind; logged whole)."""
+    store's library raised (400, with its kind; logged whole). The libraries of the three clouds raise their
+    own exception classes (botocore's, google-auth's, azure-core's), hence the names looked at."""
+    kinds = " ".join(c.__name__ for c in type(exc).__mro__).lower()
     what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}".rstrip(": ")
-    kind = failure_kind(exc)
-    if kind == "missing":
+    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in kinds or "notfound" in kinds:
         return refusal("input_not_found", f"no input object at {location.uri}", 404)
-    if kind == "denied":
+    if isinstance(exc, PermissionError) or any(k in kinds for k in ("credential", "authentication", "forbidden",
+                                                                   "accessdenied")):
         return refusal("storage_access_denied", f"{location.uri}: this server's credentials for "
                                                 f"{location.scheme}:// were refused or are missing ({what})", 403)
-    if kind == "unreachable":
+    if isinstance(exc, (OSError, TimeoutError)) or any(k in kinds for k in (
+            "connection", "timeout", "endpoint", "serviceunavailable", "servicerequest", "serviceresponse")):
         return refusal("storage_unreachable", f"{location.uri} could not be read now ({what}); try again", 503)
     log.warning("reading %s failed", location.uri, exc_info=exc)
     return refusal("input_unreadable", f"{location.uri} could not be read ({what})")

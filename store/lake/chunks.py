@@ -38,7 +38,7 @@ from core import RequestTokenizer, ScoringError
 from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
-from store.lake.access import Access, failure_kind
+from store.lake.access import Access
 from store.lake.tables import (Columns, Options, PlannedChunk, json_value, object_name, plan, read_table,
                                write_manifest)
 from store.location import Location
@@ -424,11 +424,12 @@ def settle(batch_id: str) -> bool:
 
 def write_refused(location: Location, exc: BaseException) -> tuple[str, str] | None:
     """Why the output refuses writing `location` for good, as (code, message): its disk or quota full, or the
-    write denied (permissions, this server's credentials). None where trying again may work: the store
-    unreachable, or a bucket not found (a store coming back up may not list it yet)."""
+    write denied (a local folder's permissions; an object store's 403, which s3fs raises as PermissionError and
+    azure-core with its status code). None where trying again may work: the store unreachable, a bucket not
+    found (a store coming back up may not list it yet), credentials not fetched (a metadata endpoint's blip)."""
     if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
         return OUTPUT_FULL, f"the output's disk is full: {location.uri} could not be written ({exc})"
-    if failure_kind(exc) == "denied":
+    if isinstance(exc, PermissionError) or getattr(exc, "status_code", None) == 403:
         return OUTPUT_DENIED, f"the output refused {location.uri} ({type(exc).__name__}: {exc})"
     return None
 
@@ -448,7 +449,7 @@ def _give_up_output(output: Location, manifest: dict) -> None:
     _remove_uncommitted(output, set())
     try:
         write_manifest(output, {**manifest, "objects": []}, success=False)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001  (the batch fails all the same: its output refused it)
         log.warning("the failed batch's manifest could not be written under %s: %s", output.uri, exc)
 
 
@@ -493,7 +494,7 @@ def _remove_uncommitted(output: Location, committed: set[str]) -> None:
         stale = [output.child(n).path for n in names if n.startswith("part-") and n not in committed]
         if stale:
             output.fs.rm(stale)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001  (a store's own errors too: the batch ends all the same)
         log.warning("could not remove the objects of lost attempts under %s: %s", output.uri, exc)
 
 

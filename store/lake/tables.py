@@ -44,7 +44,7 @@ from store.batches import LineError, parse_line
 from store.errors import ServiceError
 from store.lake.access import store_error
 from store.location import Location
-from store.schemas import RerankRequest, score_lists
+from store.schemas import RerankRequest, check_storable, score_lists
 from store.settings import Settings
 
 FORMATS = ("jsonl", "parquet", "csv")
@@ -322,10 +322,9 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
         if fmt == "csv":
             header = _first_line(fs, location.path, compression) if begin > 0 else data.split(b"\n", 1)[0]
             present = [c for c in options.columns.names() if c in _csv_header(header)]
-            # A CSV's values are text: an id comes back as written (a guessed type turned "007" into 7). A label
-            # column is the one holding numbers (its lists are parsed from their text).
-            convert = pacsv.ConvertOptions(include_columns=present, column_types={
-                c: pa.string() for c in present if c != options.columns.label})
+            # A CSV's values are text: an id comes back as written (a guessed type turned "007" into 7). (A CSV
+            # cell holds no list: a label column's rows fail its check; it needs Parquet or JSONL.)
+            convert = pacsv.ConvertOptions(include_columns=present, column_types={c: pa.string() for c in present})
             if begin > 0:
                 _check_record_starts_at(fs, location.path, begin, header, convert)
             table = pacsv.read_csv(io.BytesIO(header + b"\n" + data if begin > 0 else data),
@@ -346,20 +345,22 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
 
 
 def _check_record_starts_at(fs: Any, path: str, begin: int, header: bytes, convert: pacsv.ConvertOptions) -> None:
-    """Raises InputError unless the line before byte `begin` reads as one whole record. A part of a CSV starts
-    at a line break, which may lie inside a quoted value: the part would then read the value's last line as a
-    record of its own (a real id beside text that is not the pair's). The line before such a part is a piece of
-    that value, which does not read as a record with the header's columns (its opening quote is not closed, or
-    its columns are too few); a part after a whole record finds a whole record there."""
+    """Raises InputError unless the last line before byte `begin` that is not blank reads as one whole record.
+    A part of a CSV starts at a line break, which may lie inside a quoted value: the part would then read the
+    value's last line as a record of its own (a real id beside text that is not the pair's). The line before
+    such a part is a piece of that value, which mostly does not read as a record with the header's columns
+    (its opening quote is not closed, or its columns are too few); a part after a whole record finds a whole
+    record there. Not told apart: a value of three lines or more whose middle line happens to read as a record
+    (a quote-aware scan from the file's start would be needed)."""
     window = READ_BLOCK_BYTES
     with fs.open(path, "rb", block_size=READ_BLOCK_BYTES) as f:
         while True:
             f.seek(max(begin - window, 0))
-            before = f.read(begin - max(begin - window, 0))
-            if before.count(b"\n") >= 2 or window >= begin:
+            before = f.read(begin - max(begin - window, 0)).rstrip(b"\r\n")  # pyarrow skips blank lines
+            if b"\n" in before or window >= begin:
                 break
             window *= 4
-    line = before[:-1].rsplit(b"\n", 1)[-1] + b"\n"
+    line = before.rsplit(b"\n", 1)[-1] + b"\n"
     try:
         table = pacsv.read_csv(io.BytesIO(header + b"\n" + line), convert_options=convert)
     except pa.ArrowInvalid:
@@ -424,7 +425,7 @@ def _json_pairs(lines: list[bytes], begin: int, location: Location, options: Opt
         row = len(columns[names[0]])
         obj: dict = {}
         try:
-            value = json.loads(raw)
+            value = _json_line(raw)
         except ValueError as exc:
             errors[row] = ("invalid_json", f"line {number} {where} is not JSON: {exc}")
         else:
@@ -441,6 +442,19 @@ def _json_pairs(lines: list[bytes], begin: int, location: Location, options: Opt
     for name in spec.ids:
         columns[name], types[name] = _typed(columns[name])
     return Pairs(columns, types, len(columns[names[0]]), errors)
+
+
+def _json_line(raw: bytes) -> Any:
+    """A JSONL line's value; ValueError for one that is not JSON, nests deeper than the parser goes, or holds a
+    lone surrogate (an escape, "\\ud800": no Arrow string or tokenizer takes it). Any of these raised past the
+    line's own error, and its chunk's rows failed after its retries as if the store were down."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if b"\\ud" in raw or b"\\uD" in raw:  # only an escape makes a surrogate: the other lines are not looked at
+        check_storable(value)
+    return value
 
 
 def _typed(values: list) -> tuple[list, pa.DataType]:
@@ -528,7 +542,7 @@ def _lines(lines: list[bytes], options: Options, tokenizer: RequestTokenizer) ->
     for i, raw in enumerate(kept):
         try:
             try:
-                value = json.loads(raw)
+                value = _json_line(raw)
             except ValueError as exc:
                 raise LineError("invalid_json", f"not a JSON value: {exc}") from None
             if isinstance(value, dict) and isinstance(value.get("custom_id"), str):
