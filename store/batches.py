@@ -317,6 +317,21 @@ def expire_uploads(session: Session, settings: Settings) -> list[str]:
     return [batch.id for batch in expired]
 
 
+def unsettled_batches(session: Session) -> set[str]:
+    """The uploaded batches that are over but were not settled (the sweeper settles them): those running or
+    cancelling with no queued or running request left (a worker died between its last result and settling the
+    batch). First, the queued requests of a cancelling batch are cancelled: a running one handed back after the
+    cancel (its worker stopped) went back to the queue, which no claim reads for that batch."""
+    cancelling = select(Batch.id).where(Batch.status == "cancelling", Batch.source.is_(None))
+    stranded = session.execute(update(Job).where(Job.batch_id.in_(cancelling), Job.status == "queued")
+                               .values(status="cancelled", finished_at=utcnow())).rowcount
+    if stranded:
+        count(session, "jobs_finished", stranded, label="cancelled")
+    live = exists().where(Job.batch_id == Batch.id, Job.status.in_(("queued", "running")))
+    return set(session.scalars(select(Batch.id).where(Batch.status.in_(("in_progress", "cancelling")),
+                                                      Batch.source.is_(None), ~live)))
+
+
 def settle_batch(session: Session, batch_id: str) -> bool:
     """Ends a running or cancelling batch that has no queued or running request left (completed or cancelled)
     and queues its webhook. Conditional, so of concurrent callers exactly one settles it."""

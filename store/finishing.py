@@ -130,8 +130,9 @@ def release(owner: str, settings: Settings, job_ids: list[str], error: str | Non
     (the job fails after max_attempts); when the worker stops (`error` None), it does not. Only these jobs:
     the other lane of this process may be running jobs of its own."""
     with session_scope() as session:
+        # Locked: the sweeper may end an expired lease meanwhile, and this write, by id, would undo its.
         jobs = session.scalars(select(Job).where(Job.id.in_(job_ids), Job.lease_owner == owner,
-                                                 Job.status == "running")).all()
+                                                 Job.status == "running").order_by(Job.id).with_for_update()).all()
         for job in jobs:
             if error is None:
                 job.attempts -= 1

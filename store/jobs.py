@@ -137,14 +137,17 @@ def list_jobs(session: Session, key: ApiKey, status: str | None, limit: int,
 def cancel_job(session: Session, job: Job) -> Job:
     """queued -> cancelled now; running -> cancelled by its worker at the next pass boundary; terminal -> 409."""
     now = utcnow()
+    # The flag first, for a queued or a running job: the row is then locked until the commit, so a worker
+    # cannot hand the job back (running -> queued) between the two statements, where neither would match and
+    # the cancel was lost; a job handed back before it keeps the flag, and a hand-back after it reads it.
+    session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "running")))
+                    .values(cancel_requested=True))
     done = session.execute(update(Job).where(Job.id == job.id, Job.status == "queued")
                            .values(status="cancelled", finished_at=now)).rowcount
     if done:
         count(session, "jobs_finished", label="cancelled")
         session.refresh(job)
         enqueue_job_webhook(session, job)
-    else:
-        session.execute(update(Job).where(Job.id == job.id, Job.status == "running").values(cancel_requested=True))
     session.commit()
     session.refresh(job)
     if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not done):

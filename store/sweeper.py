@@ -5,7 +5,7 @@ from datetime import timedelta
 
 from sqlalchemy import delete, select
 
-from store.batches import expire_uploads
+from store.batches import expire_uploads, unsettled_batches
 from store.db import session_scope
 from store.finishing import end_attempt, settle_batches
 from store.models import Job, Worker, utcnow
@@ -34,7 +34,9 @@ def sweep(settings: Settings) -> bool:
         for batch_id in expire_uploads(session, settings):
             log.warning("batch %s was still uploading after %s s; failed", batch_id,
                         settings.batch_upload_timeout_seconds)
+        over = unsettled_batches(session)
     # A batch whose last request failed just now ends; in a transaction of its own, so that no job row lock
-    # is held while the batch row is taken (cancel takes them the other way round).
-    settle_batches(batch_ids)
+    # is held while the batch row is taken (cancel takes them the other way round). And any other that is
+    # over: its worker may have died between its last result and settling it.
+    settle_batches(batch_ids | over)
     return requeued_here or waiting is not None

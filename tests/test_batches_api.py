@@ -215,6 +215,33 @@ def test_hostile_values_on_the_batch_routes_get_typed_4xx(client, make_key, clea
                                           for line in lines[1:]), lines
 
 
+def test_a_batch_is_settled_whatever_its_workers_left_undone(client, make_key, clean, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two ways a batch stayed open for good: a request handed back (its worker stopping) after the batch's
+    cancel went back to a queue that no claim reads for a cancelling batch; a worker that died between its
+    last result and settling the batch left it in_progress. The sweeper settles both."""
+    from store import job_writer, sweeper
+    from store.models import Batch
+
+    key, _ = make_key()
+    settings = get_settings()
+    cancelled = upload(client, key, [request_line(i) for i in range(3)]).json()["id"]
+    claimed = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    assert {job.batch_id for job in claimed} == {cancelled}
+    assert client.post(f"/batches/{cancelled}/cancel", headers=auth(key)).json()["status"] == "cancelling"
+    finishing.release("worker-a", settings, [job.id for job in claimed], None)  # the worker stops
+    monkeypatch.setattr(job_writer, "settle_batches", lambda batch_ids: None)  # dies before settling
+    completed = upload(client, key, [request_line(i) for i in range(2)]).json()["id"]
+    drain()
+    with session_scope() as session:
+        assert session.get(Batch, completed).status == "in_progress"
+        assert session.get(Batch, cancelled).status == "cancelling"
+    sweeper.sweep(settings)
+    for batch_id, status in ((cancelled, "cancelled"), (completed, "completed")):
+        batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+        assert batch["status"] == status, batch
+    assert client.get(f"/batches/{cancelled}", headers=auth(key)).json()["counts"]["cancelled"] == 3
+
+
 def test_results_stream_while_running_then_cancel(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     batch_id = upload(client, key, [request_line(i) for i in range(200)]).json()["id"]

@@ -12,7 +12,7 @@ from sqlalchemy import func, select, update
 from core import TokenizedRequest
 
 from store import claims, finishing, job_writer, sweeper
-from store.db import session_scope
+from store.db import session_factory, session_scope
 from store.models import Job, JobResult, Pass, WebhookDelivery, utcnow
 from store.settings import get_settings
 from tests.load_runner import SCORE_RTOL
@@ -138,6 +138,37 @@ def test_cancel_at_pass_boundary(client, make_key, empty_queue, monkeypatch) -> 
     with session_scope() as session:
         delivery = session.scalars(select(WebhookDelivery)).one()
         assert '"job.cancelled"' in delivery.payload
+
+
+def test_a_cancel_is_kept_when_the_worker_hands_the_job_back_during_it(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    """The cancel's two statements (a queued job cancelled, a running one flagged) matched nothing where the
+    job went from running back to queued between them (its worker stopping): the API said queued, and the job
+    ran to the end. Now the first statement locks the row, and the hand-back after it reads the flag."""
+    from store import jobs as job_store
+
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    assert [job.id for job in claims.claim_jobs("worker-a", settings)] == [job_id]
+    handing_back = threading.Thread(target=finishing.release, args=("worker-a", settings, [job_id], None))
+    with session_factory()() as session:  # as the API's (the cancel commits it)
+        job = session.get(Job, job_id)
+        statements = 0
+        execute = session.execute
+
+        def between_the_statements(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal statements
+            result = execute(*args, **kwargs)
+            statements += 1
+            if statements == 1:
+                handing_back.start()
+                handing_back.join(1.0)  # it waits for the cancel's lock (before, it committed here)
+            return result
+
+        session.execute = between_the_statements  # type: ignore[method-assign]
+        job_store.cancel_job(session, job)
+    handing_back.join(30)
+    assert job_row(job_id).status == "cancelled"
 
 
 def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
