@@ -381,3 +381,30 @@ def test_an_accepted_delivery_is_recorded_once_the_database_is_back(  # type: ig
     assert len(failures) == 2
     assert row.status == "delivered" and row.attempts == 1
     assert len(webhook_receiver.requests) == 1
+
+
+def test_an_attempt_that_outlasts_its_claim_does_not_record_over_the_next(  # type: ignore[no-untyped-def]
+        empty_queue, make_key) -> None:
+    """An attempt can outlast its claim's lease (each phase has its timeout, DNS none); the row is claimed again
+    meanwhile. The late attempt recorded over the new claim: an attempt counted twice, and a late failure put
+    the row's next attempt over the lease of the one in flight."""
+    from collections import Counter
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from store.models import utcnow
+    from worker import webhooks
+
+    settings = get_settings()
+    delivery_id, _ = _delivery(make_key, "http://127.0.0.1:9/hook")
+    [late] = webhooks._claim_due(settings, 10, Counter(), set())
+    with session_scope() as session:  # its lease ends while its attempt still runs
+        session.execute(update(WebhookDelivery).where(WebhookDelivery.id == delivery_id)
+                        .values(next_attempt_at=utcnow() - timedelta(seconds=1)))
+    [again] = webhooks._claim_due(settings, 10, Counter(), set())
+    webhooks._record(settings, late, None, "ReadTimeout: the receiver trickled its answer", False)
+    webhooks._record(settings, again, 200, None, False)
+    with session_scope() as session:
+        row = session.get(WebhookDelivery, delivery_id)
+        assert (row.status, row.attempts, row.last_status_code) == ("delivered", 1, 200)

@@ -50,6 +50,7 @@ class _Claimed:
     secret: str
     host: str  # for the per-host limit
     lease_ends: float  # time.monotonic() when another worker may claim it again
+    lease_until: datetime  # the row's next_attempt_at while this claim holds it
 
 
 def _host_of(url: str) -> str:
@@ -72,8 +73,9 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
     limit = max(1, settings.webhook_per_host)
     claimed: list[WebhookDelivery] = []
     hosts: list[str] = []
-    # Claimed until the attempt's deadline: if this process dies mid-attempt, another one retries later.
-    lease_seconds = settings.webhook_timeout_seconds + 30
+    # Claimed until the attempt's deadline: if this process dies mid-attempt, another one retries later. The
+    # timeout bounds each of an attempt's phases (connect, write, read, a pooled connection), not the whole.
+    lease_seconds = 4 * settings.webhook_timeout_seconds + 30
     lease_until, lease_ends = utcnow() + timedelta(seconds=lease_seconds), time.monotonic() + lease_seconds
     with session_scope() as session:
         after: tuple[datetime, str] | None = None
@@ -110,8 +112,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
             return []
         secrets = dict(session.execute(select(ApiKey.id, ApiKey.webhook_secret)
                                        .where(ApiKey.id.in_({row.api_key_id for row in claimed}))).all())
-        return [_Claimed(row.id, row.url, row.payload, secrets.get(row.api_key_id) or "", host, lease_ends)
-                for row, host in zip(claimed, hosts)]
+        return [_Claimed(row.id, row.url, row.payload, secrets.get(row.api_key_id) or "", host, lease_ends,
+                         lease_until) for row, host in zip(claimed, hosts)]
 
 
 @functools.cache
@@ -155,8 +157,14 @@ def _attempt(settings: Settings, msg_id: str, url: str, payload: str,
 def _record(settings: Settings, claimed: _Claimed, status_code: int | None, error: str | None,
             permanent: bool) -> None:
     with session_scope() as session:
-        row = session.get(WebhookDelivery, claimed.id)
+        # Only while the claim holds it: an attempt that outlasted its lease (a slow DNS answer, a receiver
+        # trickling its answer) finds the row claimed again, and that attempt records its own outcome.
+        row = session.scalar(select(WebhookDelivery).where(
+            WebhookDelivery.id == claimed.id, WebhookDelivery.status == "pending",
+            WebhookDelivery.next_attempt_at == claimed.lease_until).with_for_update())
         if row is None:
+            log.warning("webhook %s: its claim had ended when its attempt did (%s); not recorded", claimed.id,
+                        error or "delivered")
             return
         row.attempts += 1
         count(session, "webhook_attempts")
