@@ -1,6 +1,7 @@
 """The drain loop in-process on PostgreSQL: coalescing, results, progress, cancel at a pass boundary,
 lease loss (exactly one result write) and the sweeper."""
 
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -169,6 +170,39 @@ def test_a_cancel_is_kept_when_the_worker_hands_the_job_back_during_it(client, m
         job_store.cancel_job(session, job)
     handing_back.join(30)
     assert job_row(job_id).status == "cancelled"
+
+
+def test_a_wake_up_as_the_loop_hands_back_claims_nothing(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A kick's thread that read the loop's listener just before the loop cleared it claimed for a loop that
+    was handing back: its jobs were leased, never run nor heartbeated, until their leases ran out."""
+    key, _ = make_key()
+    settings = get_settings()
+    submitted: list[str] = []
+
+    class Listened(drain_module.WakeUp):
+        listened: list = []
+
+        def __setattr__(self, name, value) -> None:  # type: ignore[no-untyped-def]
+            if name == "listener" and value is not None:
+                self.listened.append(value)
+            super().__setattr__(name, value)
+
+    wake = Listened()
+    write = drain_module.JobBook.write
+
+    def kicked_as_it_hands_back(book) -> None:  # type: ignore[no-untyped-def]
+        # As the loop hands back, a job comes, and its kick calls the listener the racing thread had read.
+        if not submitted and sys._getframe(1).f_code.co_name == "_hand_back":
+            submitted.append(submit(client, key, many_items(2)))
+            wake.listened[-1]()
+        write(book)
+
+    monkeypatch.setattr(drain_module.JobBook, "write", kicked_as_it_hands_back)
+    drain_module._run_loop(get_scorer(), "worker-a", settings,
+                           lambda _: drain_module.job_sinks(claims.claim_jobs("worker-a", settings)),
+                           lambda: False, wake)
+    job = job_row(submitted[0])
+    assert (job.status, job.lease_owner) == ("queued", None)
 
 
 def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]

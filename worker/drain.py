@@ -268,10 +268,15 @@ class PassLoop:
         self._urgent_lock = threading.Lock()
         self._urgent_busy = False  # a wake-up's claim is queued or running in the writer
         self._claim_again = False  # a wake-up came while it ran: it may have read the queue before that job
+        # The loop is handing its requests back: a wake-up's thread that read the listener just before the loop
+        # cleared it claims nothing (its jobs would be leased to a loop that no longer admits them).
+        self._handing_back = False
         self._ran_dry = True  # nothing to launch since the last pass launched (or none launched yet)
 
     def _claim_now(self) -> None:
         with self._urgent_lock:
+            if self._handing_back:
+                return
             if self._urgent_busy:
                 self._claim_again = True  # the claim on its way claims once more before it returns
                 return
@@ -386,6 +391,7 @@ class PassLoop:
         inflight: _Launched | None = None
         claim: _Claim | None = None  # the claim the writer is running for us
         exhausted = False  # the last claim of every lane found nothing, and the chunk feed is reading none
+        self._handing_back = False
         if isinstance(wake, WakeUp):
             wake.listener = self._claim_now
         try:
@@ -433,14 +439,15 @@ class PassLoop:
     def _hand_back(self, inflight: _Launched | None, claim: _Claim | None, error: str | None) -> None:
         """Finishes the pass in flight and hands every other held request back: after `error` the attempt
         counts (a job fails after max_attempts); when the worker stops (None), it does not."""
+        with self._urgent_lock:
+            self._handing_back, urgent_claims, self._urgent = True, self._urgent, []
         try:
             if inflight is not None:
                 self._collect(inflight)
             if claim is not None:
                 self._admit(claim.future.result())
-            for urgent in self._urgent:
+            for urgent in urgent_claims:
                 self._admit(urgent.result())
-            self._urgent = []
         except Exception:
             log.exception("the pass loop could not finish its last pass")
         for run in self.scheduler.take_all():
