@@ -154,6 +154,26 @@ def test_local_paths_stay_under_the_root(tmp_path: Path) -> None:
     assert refused.value.code == "local_paths_disabled"
 
 
+def test_each_object_is_input_once_and_a_batchs_own_output_never(tmp_path: Path) -> None:
+    """A `**` glob matched a file and each folder above it, each listed again: the rows ran twice or three
+    times. And results written inside the input's folder were read as input when the batch ran again."""
+    root = tmp_path / "root"
+    (root / "data" / "dt=1" / "hour=2").mkdir(parents=True)
+    (root / "data" / "dt=1" / "hour=2" / "p.parquet").write_bytes(b"x")
+    (root / "data" / "q.parquet").write_bytes(b"x")
+    (root / "data" / "scores" / "batch_old").mkdir(parents=True)
+    (root / "data" / "scores" / "batch_old" / "part-000000-attempt-1.parquet").write_bytes(b"x")
+    access = Access(str(root), [])
+
+    def names(*args) -> list[str]:  # type: ignore[no-untyped-def]
+        return [location.path.removeprefix(str(root / "data") + "/") for location in access.expand(*args)]
+
+    assert names("data/**") == ["dt=1/hour=2/p.parquet", "q.parquet", "scores/batch_old/part-000000-attempt-1.parquet"]
+    assert names(["data/q.parquet", "data/*.parquet", "data/q.parquet"]) == ["q.parquet"]
+    output = access.location("data/scores/", "output")
+    assert names("data/", output) == names("data/**", output) == ["dt=1/hour=2/p.parquet", "q.parquet"]
+
+
 def test_remote_uris_only_under_allowed_prefixes() -> None:
     access = Access(None, ["s3://bucket/team-a/", "gs://other/x"])
     assert access.location("s3://bucket/team-a/pairs/*.parquet").path == "bucket/team-a/pairs/*.parquet"

@@ -106,12 +106,15 @@ class Access:
             return self.local_root is not None and _within(Path(location.path).resolve(), self.local_root)
         return any(_under(location, prefix) for prefix in self.prefixes)
 
-    def expand(self, uris: str | list[str]) -> list[Location]:
-        """Input URIs, a list of them, or globs, as the objects they name (sorted within each glob). A prefix
-        ending in "/", a folder, or a glob's match that is a folder, names the objects under it, but for those
-        under a name starting with "_" or "." (`_SUCCESS`, Spark's `_temporary/` and `.crc` files). Each match is
-        checked again: a symlink in a folder under the root may point out of it."""
+    def expand(self, uris: str | list[str], output: Location | None = None) -> list[Location]:
+        """Input URIs, a list of them, or globs, as the objects they name (sorted within each glob), each once
+        (a `**` glob matches a file and every folder above it). A prefix ending in "/", a folder, or a glob's
+        match that is a folder, names the objects under it, but for those under a name starting with "_" or "."
+        (`_SUCCESS`, Spark's `_temporary/` and `.crc` files) and those under `output` (a batch's results written
+        inside its input folder are not its input when it runs again). Each match is checked again: a symlink
+        in a folder under the root may point out of it."""
         objects: list[Location] = []
+        seen: set[str] = set()
         for uri in [uris] if isinstance(uris, str) else uris:
             location = self.location(uri)
             fs = location.fs
@@ -138,6 +141,9 @@ class Access:
                 below = path[len(listed):] if path.startswith(listed + "/") else posixpath.basename(path)
                 if any(name.startswith(("_", ".")) for name in below.split("/")):
                     continue  # _SUCCESS, _manifest.json, _temporary/, hidden files: never data
+                if match.uri in seen or (output is not None and _under(match, output)):
+                    continue
+                seen.add(match.uri)
                 if not self.allows(match):
                     raise refusal("path_outside_root", f"input {match.name} leads outside what this key may read")
                 objects.append(match)

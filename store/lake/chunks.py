@@ -96,7 +96,7 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     held = _output_holder(session, key, output_key, source_key, body.overwrite, output.uri)
     if held is not None:
         return held, False
-    objects = access.expand(body.input)
+    objects = access.expand(body.input, output)
     batch = Batch(api_key_id=key.id, model=tokenizer.model_name, webhook_url=body.webhook_url,
                   metadata_=body.metadata, status="in_progress", in_progress_at=utcnow(), output_key=output_key,
                   source_key=source_key)
