@@ -471,7 +471,8 @@ def backfill(args: argparse.Namespace) -> None:
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
                 label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite)
-            if batch["status"] != "completed":
+            # A failed chunk is whole objects unscored (missing, corrupt): a script running this must see it.
+            if batch["status"] != "completed" or batch["chunks"]["failed"]:
                 sys.exit(1)
     except BackfillError as exc:
         raise CommandError(str(exc)) from None

@@ -265,3 +265,21 @@ def test_backfill_bad_lines_become_error_results(service: Service, reference: Sc
     # Run again: everything is done, nothing is written twice.
     run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
     assert len(read_output(out)) == 7
+
+
+@pytest.mark.parametrize("status, failed, code", [("completed", 0, 0), ("completed", 2, 1), ("failed", 0, 1)])
+def test_a_reference_backfill_exits_1_where_a_chunk_failed(monkeypatch, status: str, failed: int,  # type: ignore[no-untyped-def]
+                                                         code: int) -> None:
+    """A chunk that failed is whole objects unscored (missing, corrupt): the batch still completes, and a
+    script running the command must see it."""
+    import packscore.backfill
+    from packscore import cli
+
+    monkeypatch.setattr(packscore.backfill, "run_reference_backfill",
+                        lambda *args, **kwargs: {"status": status, "chunks": {"failed": failed}})
+    monkeypatch.setenv("PACKSCORE_URL", "http://127.0.0.1:9")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["backfill", "s3://bucket/pairs/", "--out", "s3://bucket/scores/", "--query-column", "q",
+                  "--item-column", "doc"])
+        raise SystemExit(0)
+    assert ended.value.code == code
