@@ -219,6 +219,8 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
     ids: list[str] = []
     wanted: set[str] = set()  # the lines the service scores; the others are refused here
     refused: list[InputLine] = []
+    if input_path.stat().st_size > UPLOAD_MAX_BYTES:
+        raise UploadTooLarge(f"{input_path} is over the upload limit ({UPLOAD_MAX_BYTES} bytes)")
     for line in read_input(input_path):
         ids.append(line.custom_id)
         if len(ids) > UPLOAD_MAX_REQUESTS:
@@ -274,9 +276,10 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
 
 
 def input_kind(spec: str) -> str:
-    """"reference" for data the service reads itself (a storage URI; a local Parquet, CSV or compressed file;
-    a JSONL file over the upload limits), "upload" for a JSONL file to send. A missing local file is an error
-    here, not a traceback."""
+    """"reference" for data the service reads itself (a storage URI; a local Parquet, CSV or compressed file),
+    "upload" for a JSONL file to send (one over the upload limits goes as a reference batch from `run_backfill`'s
+    UploadTooLarge, its result lines written to --out all the same). A missing local file is an error here, not
+    a traceback."""
     if spec.startswith(REMOTE_SCHEMES):
         return "reference"
     if "://" in spec and not spec.startswith("file://"):
@@ -293,8 +296,6 @@ def input_kind(spec: str) -> str:
     name = path.name.lower()
     if head == b"PAR1" or head[:2] == b"\x1f\x8b" or head == b"\x28\xb5\x2f\xfd" or \
             name.endswith((".parquet", ".csv", ".gz", ".zst", ".zstd")):
-        return "reference"
-    if path.stat().st_size > UPLOAD_MAX_BYTES:
         return "reference"
     return "upload"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from packscore.backfill import LOG_EVERY_SECONDS, ProgressBar, input_kind, run_reference_backfill
 from tests.service_harness import REPO, free_port
@@ -34,6 +35,18 @@ def test_inputs_are_told_apart(tmp_path: Path) -> None:
     assert input_kind(str(tmp_path / "data.bin")) == "reference"
     assert input_kind(str(tmp_path / "a.jsonl.gz")) == "reference"
     assert input_kind("s3://my-bucket/requests.jsonl") == "reference"
+
+
+def test_a_jsonl_file_over_the_upload_limit_still_gives_its_result_lines(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Over the bytes limit, it went straight to a reference batch writing Parquet objects under --out (the
+    lines file a folder); it goes as one over the lines limit does: objects under OUT.parts/, lines in --out."""
+    import packscore.backfill as backfill
+
+    (tmp_path / "big.jsonl").write_text('{"custom_id": "a", "query": "q", "items": ["i"], "label_token_ids": [1]}\n')
+    monkeypatch.setattr(backfill, "UPLOAD_MAX_BYTES", 10)
+    assert input_kind(str(tmp_path / "big.jsonl")) == "upload"
+    with pytest.raises(backfill.UploadTooLarge):
+        backfill.run_backfill(None, tmp_path / "big.jsonl", tmp_path / "results.jsonl")  # type: ignore[arg-type]
 
 
 def test_wrong_inputs_end_in_one_line_not_a_traceback(tmp_path: Path) -> None:
