@@ -24,7 +24,8 @@ _TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; 
 @router.post("/score", response_model=ScoreResponse, responses=_TIMEOUT, include_in_schema=False)
 async def score(body: ScoreRequest, key: CurrentKey, session: SessionDep, models: ModelsDep,
                 settings: SettingsDep, waiter: JobWaiterDep) -> ScoreResponse:
-    """Synchronous scoring with the request and response of vLLM's and SGLang's /v1/score. It runs as a
+    """Synchronous scoring with the request and response of SGLang's /v1/score (label token ids required; vLLM's
+    field names `text_1`/`text_2` are taken too, not its label-free answer shape). It runs as a
     high-priority job through the same queue and workers; past SCORE_TIMEOUT_SECONDS it answers 504 with the
     job id (poll GET /jobs/{id}). While it waits it holds neither a thread nor a database connection."""
     return await _run(body, None, key, session, models.get(body.model).tokenizer, settings, waiter)
