@@ -400,8 +400,13 @@ def cancel_batch(session: Session, batch: Batch) -> Batch:
 def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterator[bytes]:
     """The finished requests as JSONL, read from the database a page at a time (each page its own short
     transaction, so a long download neither holds a snapshot nor the batch in memory). `openai`: OpenAI
-    Batch API output lines instead of this service's own."""
-    after = ""
+    Batch API output lines instead of this service's own. An ended batch's download that comes up short of its
+    requests raises, so that the response breaks off rather than end as if whole: retention deletes an expired
+    batch's requests a thousand at a time, in the order the pages read them."""
+    with session_factory()() as session:
+        expected = session.scalar(select(Batch.total).where(Batch.id == batch_id,
+                                                            Batch.status.in_(BATCH_TERMINAL_STATUSES)))
+    after, sent = "", 0
     while True:
         with session_factory()() as session:
             rows = session.execute(
@@ -412,7 +417,7 @@ def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterato
                 .where(Job.batch_id == batch_id, Job.status.in_(TERMINAL_STATUSES), Job.id > after)
                 .order_by(Job.id).limit(page_rows)).all()
         if not rows:
-            return
+            break
         out = []
         for row in rows:
             logprobs = None
@@ -427,9 +432,13 @@ def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterato
             line = _openai_line(row, logprobs, error) if openai else _line(row, logprobs, error)
             out.append(json.dumps(line, separators=(",", ":")) + "\n")
         yield "".join(out).encode()
+        sent += len(rows)
         after = rows[-1].id
         if len(rows) < page_rows:
-            return
+            break
+    if expected is not None and sent < expected:
+        raise RuntimeError(f"batch {batch_id}: {expected - sent} of its {expected} results were deleted (retention) "
+                           "during the download")
 
 
 def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:

@@ -242,6 +242,31 @@ def test_a_batch_is_settled_whatever_its_workers_left_undone(client, make_key, c
     assert client.get(f"/batches/{cancelled}", headers=auth(key)).json()["counts"]["cancelled"] == 3
 
 
+def test_a_download_that_retention_cuts_short_breaks_off(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    """Retention deletes an expired batch's requests a thousand at a time, in the order the download's pages read
+    them: the download came to an empty page and ended as if whole (1,000 of 3,000 lines, status 200)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from store import batches as batch_store
+    from store.db import session_factory
+    from store.models import Batch, utcnow
+    from store.retention import prune
+
+    key, _ = make_key()
+    batch_id = upload(client, key, [request_line(i) for i in range(5)]).json()["id"]
+    drain()
+    assert client.get(f"/batches/{batch_id}", headers=auth(key)).json()["status"] == "completed"
+    with session_scope() as session:
+        session.execute(update(Batch).where(Batch.id == batch_id).values(finished_at=utcnow() - timedelta(days=40)))
+    pages = batch_store.iter_results(batch_id, page_rows=2)
+    assert next(pages).count(b"\n") == 2
+    prune(session_factory(), get_settings().model_copy(update={"result_ttl_days": 30, "retention_chunk_rows": 2}))
+    with pytest.raises(RuntimeError, match="3 of its 5 results were deleted"):
+        list(pages)
+
+
 def test_results_stream_while_running_then_cancel(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     batch_id = upload(client, key, [request_line(i) for i in range(200)]).json()["id"]
