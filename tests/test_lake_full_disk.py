@@ -190,3 +190,33 @@ def test_a_failed_batch_leaves_none_of_its_rows_in_the_worker(client, make_key, 
     # This batch's only: the suite's other tests share this process (pytest-xdist), and a chunk of theirs may
     # still be in flight in their own workers.
     assert [o for o in gc.get_objects() if isinstance(o, ChunkWork) and o.chunk.batch_id == batch_id] == []
+
+
+def test_a_chunk_running_when_the_database_writes_fail_goes_back(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                 root: Path) -> None:
+    """A pass loop whose database writes fail ends, its jobs left to their leases. Its chunk's requests were
+    never handed back: the feed kept the chunk and extended its lease for good, and the batch never ended."""
+    from sqlalchemy.exc import OperationalError
+
+    from store import finishing
+
+    key, _ = make_key()
+    # Documents long enough that a chunk takes several passes (PASS_TOKENS is 512 in tests): one is under way.
+    pq.write_table(pa.table({"q": ["which?"] * 40, "doc": [f"document {i} " + "word " * 60 for i in range(40)],
+                             "pair_id": list(range(40))}), root / "long.parquet")
+    created = client.post("/batches", json={"input": "long.parquet", "output": "writes-fail", "columns": COLUMNS,
+                                            "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
+    assert created.status_code == 201, created.text
+    batch_id = created.json()["id"]
+    real, failed = finishing.write_boundaries, []
+
+    def down_once(session, boundaries):  # type: ignore[no-untyped-def]
+        if not failed:
+            failed.append(1)
+            raise OperationalError("INSERT INTO passes", {}, ConnectionError("the database restarts"))
+        return real(session, boundaries)
+
+    with patch.object(finishing, "write_boundaries", down_once), pytest.raises(OperationalError):
+        drain_module.drain(get_scorer(), "full-disk-worker", get_settings())  # as a Celery task's fails
+    batch = run_until_over(client, key, batch_id, 60)
+    assert failed and batch["status"] == "completed" and batch["rows"]["done"] == 40, batch

@@ -420,6 +420,9 @@ class PassLoop:
                     if self.scheduler.idle and claim is None and exhausted:
                         break  # a wake-up's claim still on its way is handed back below (the wake-up drains again)
         except WriterFailed:
+            # Its jobs are left to their leases; a chunk's requests go back through the chunk feed's own
+            # thread (held, the feed kept extending their leases: the chunk ran for good, its batch never ended).
+            self._abandon_held(None)
             raise
         except Exception as exc:
             log.exception("the pass loop failed; handing its jobs back")
@@ -450,6 +453,9 @@ class PassLoop:
                 self._admit(urgent.result())
         except Exception:
             log.exception("the pass loop could not finish its last pass")
+        self._abandon_held(error)
+
+    def _abandon_held(self, error: str | None) -> None:
         for run in self.scheduler.take_all():
             run.sink.abandon(error)
         self.jobs.write()
