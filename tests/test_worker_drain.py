@@ -192,7 +192,7 @@ def test_a_wake_up_as_the_loop_hands_back_claims_nothing(client, make_key, empty
 
     def kicked_as_it_hands_back(book) -> None:  # type: ignore[no-untyped-def]
         # As the loop hands back, a job comes, and its kick calls the listener the racing thread had read.
-        if not submitted and sys._getframe(1).f_code.co_name == "_hand_back":
+        if not submitted and sys._getframe(1).f_code.co_name == "_abandon_held":
             submitted.append(submit(client, key, many_items(2)))
             wake.listened[-1]()
         write(book)
