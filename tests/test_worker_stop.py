@@ -7,14 +7,19 @@ One batch and one service for both signals: a worker is stopped with SIGTERM, it
 it has scored more of the batch, and a third worker finishes it. The batch is 50 times what a worker scores
 before it is stopped, so it is unfinished at each stop on any host."""
 
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from packscore.client import Client
-from tests.service_harness import running_service
+from tests.service_harness import REPO, free_port, running_service
 
 LINES = 1000
 SCORED_BEFORE_EACH_STOP = 20
@@ -61,3 +66,23 @@ def test_workers_stopped_mid_batch_by_sigterm_then_sigint_exit_promptly(redis_ur
             ids = [line["custom_id"] for line in client.iter_batch_results(batch["id"])]
             assert sorted(ids) == sorted(line["custom_id"] for line in lines)
         engine.dispose()
+
+
+@pytest.mark.parametrize("fault", ["model", "database"])
+def test_a_worker_that_cannot_start_exits_non_zero(fault: str, tmp_path: Path) -> None:
+    """A worker whose start fails (its model does not load, or the database is unreachable at its first heartbeat)
+    exits 1 at once instead of consuming half-started, so that its supervisor, systemd or compose starts it again
+    (Celery itself only logs a failing worker_ready handler)."""
+    env = {**os.environ, "BROKER_URL": "filesystem://", "BROKER_DIR": str(tmp_path / "broker"), "MODEL": "tiny-random",
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'jobs.db'}", "WARMUP": "none"}
+    if fault == "model":
+        env["MODEL"] = str(tmp_path / "no-model-here")
+    else:
+        env["DATABASE_URL"] = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/packscore"
+    result = subprocess.run([sys.executable, "-m", "packscore.cli", "worker"], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    reason = "unknown model" if fault == "model" else "connection"
+    assert re.search(rf"could not start: .*{reason}.*; exiting \(code 1\)", result.stderr, re.IGNORECASE | re.DOTALL), \
+        result.stderr[-3000:]
+    assert " ready." not in result.stderr  # Celery's own line: it never began consuming

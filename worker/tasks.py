@@ -218,6 +218,18 @@ def _deliver() -> None:
 
 @worker_ready.connect
 def _start(**_: object) -> None:
+    # Celery logs a failing worker_ready handler and consumes anyway: a worker without its model or its
+    # heartbeat would take drain messages it cannot serve, and nothing would start it again. Exiting non-zero
+    # hands it to what runs it (the supervisor, systemd, compose), which starts it again after a backoff.
+    try:
+        _start_serving()
+    except Exception as exc:
+        log.critical("worker %s could not start: %s; exiting (code 1) to be started again", WORKER_ID, exc,
+                     exc_info=True)
+        raise SystemExit(1) from exc
+
+
+def _start_serving() -> None:
     settings = get_settings()
     scorer = get_scorer()  # load before consuming: the first drain should not pay for it
     loaded = load_filesystems(settings.batch_storage_prefixes)  # so too the object stores batches may read
