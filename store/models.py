@@ -218,6 +218,8 @@ class Chunk(Base, Leased):
     start: Mapped[int] = mapped_column(BigInteger)
     stop: Mapped[int] = mapped_column(BigInteger)
     rows_total: Mapped[int | None] = mapped_column(Integer, nullable=True)  # known for Parquet
+    # The input object's size and version when planned (tables.object_version); NULL before migration 0016.
+    input_version: Mapped[str | None] = mapped_column(String(300), nullable=True)
     # queued, running, succeeded, failed, cancelled
     status: Mapped[str] = mapped_column(String(16), default="queued")
     lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)

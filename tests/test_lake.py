@@ -665,6 +665,46 @@ def test_every_format_on_every_store_scores_as_the_engine(client, make_key, empt
         assert manifest["rows"] == len(got)
 
 
+def test_an_input_rewritten_after_planning_fails_its_chunks_on_every_store(  # type: ignore[no-untyped-def]
+        client, make_key, empty_queue, lake_settings, s3_store, gcs_store, azure_store) -> None:
+    """A chunk is a range of the object as planned: an object rewritten in between (rows added, or the same size
+    with other bytes) held other rows at those offsets, which were read as if planned (rows lost or read twice,
+    unnoticed). Its chunks fail `input_changed` now; an object left alone still scores on every store (the
+    API's listing and the worker's own look at the object agree on its version)."""
+    key, _ = make_key()
+    allow(key, [f"{store}://lake/changed/" for store in STORES[1:]])
+    root = Path(lake_settings.batch_local_root)
+    lake_settings.batch_chunk_bytes = 300
+    planned = encoded("csv", pair_table(4, 3, seed=7))
+    rewrites = {"grown": encoded("csv", pair_table(6, 3, seed=8)),
+                "same size": planned.replace(b"document", b"Document"), "unchanged": None}
+    assert len(rewrites["same size"]) == len(planned) != len(rewrites["grown"])
+    created = {}
+    for store in STORES:
+        for change, data in rewrites.items():
+            name = f"changed/in/{store}-{change.replace(' ', '-')}.csv"
+            out = f"changed/out/{store}-{change.replace(' ', '-')}"
+            body = {"input": put(store, root, name, planned), "output": out if store == "local" else
+                    f"{store}://lake/{out}/", "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+                    "label_token_ids": LABELS}
+            response = client.post("/batches", json=body, headers=auth(key))
+            assert response.status_code == 201, (store, change, response.text)
+            created[store, change] = response.json()["id"]
+            if data is not None:
+                put(store, root, name, data)
+    for (store, change), batch_id in created.items():
+        done = wait_batch(client, key, batch_id)
+        chunk_errors = [r["error"] for r in results(client, key, batch_id) if "chunk" in r]
+        if change == "unchanged":
+            assert done["status"] == "completed" and done["rows"]["failed"] == 0 and not chunk_errors, \
+                (store, done, chunk_errors)
+            assert done["rows"]["done"] == 12
+        else:
+            assert done["chunks"]["failed"] == done["chunks"]["total"] > 1, (store, change, done)
+            assert {e["code"] for e in chunk_errors} == {"input_changed"}, (store, change, chunk_errors)
+            assert "changed after the batch was planned" in chunk_errors[0]["message"]
+
+
 BROKEN = [  # (name, data or None for no object, status, code)
     ("corrupt.parquet", b"PAR1 this is not parquet at all PAR1", 400, "input_corrupt"),
     ("empty.parquet", b"", 400, "input_corrupt"),

@@ -272,7 +272,7 @@ class ChunkFeed:
             self._held[chunk.key] = chunk
         started = time.thread_time()
         try:
-            data = read_input(chunk.input, chunk.part, chunk.start, chunk.stop, chunk.options)
+            data = read_input(chunk.input, chunk.part, chunk.start, chunk.stop, chunk.options, chunk.input_version)
             read = time.thread_time()
             self.stats["read_cpu_s"] += read - started
             rows = chunk_requests(data, chunk.options, self.scorer.requests)

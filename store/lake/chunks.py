@@ -168,8 +168,8 @@ def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: s
 
 def _chunk_row(batch_id: str, index: int, chunk: PlannedChunk) -> dict:
     return {"batch_id": batch_id, "index": index, "input": chunk.input, "part": chunk.part, "start": chunk.start,
-            "stop": chunk.stop, "rows_total": chunk.rows, "status": "queued", "attempts": 0, "rows_done": 0,
-            "rows_failed": 0, "items_done": 0}
+            "stop": chunk.stop, "rows_total": chunk.rows, "input_version": chunk.version, "status": "queued",
+            "attempts": 0, "rows_done": 0, "rows_failed": 0, "items_done": 0}
 
 
 # ---- the workers' side -------------------------------------------------------------------------------------
@@ -186,6 +186,7 @@ class ClaimedChunk:
     stop: int
     options: Options
     output: Location  # the batch's output folder
+    input_version: str | None  # the object's when planned (tables.object_version)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -230,12 +231,12 @@ def claim_chunk(owner: str, settings: Settings) -> ClaimedChunk | None:
                     lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
                     started_at=func.coalesce(_CHUNKS.started_at, now), **_NO_PROGRESS)
             .returning(_CHUNKS.batch_id, _CHUNKS.index, _CHUNKS.attempts, _CHUNKS.input, _CHUNKS.part,
-                       _CHUNKS.start, _CHUNKS.stop)).first()
+                       _CHUNKS.start, _CHUNKS.stop, _CHUNKS.input_version)).first()
         if row is None:
             return None
         source, output = session.execute(select(Batch.source, Batch.output).where(Batch.id == row.batch_id)).one()
     return ClaimedChunk(row.batch_id, row.index, row.attempts, row.input, row.part, row.start, row.stop,
-                        Options.from_json(source), output)
+                        Options.from_json(source), output, row.input_version)
 
 
 def take_turn(chunk: ClaimedChunk, settings: Settings) -> bool:
@@ -290,7 +291,8 @@ def split_chunk(owner: str, chunk: ClaimedChunk, cuts: list[tuple[int, int | Non
             return None
         bounds = [cut for cut, _ in cuts] + [chunk.stop]
         session.execute(insert(Chunk), [
-            _chunk_row(batch.id, batch.chunks_total + k, PlannedChunk(chunk.input.uri, chunk.part, start, stop, rows))
+            _chunk_row(batch.id, batch.chunks_total + k, PlannedChunk(chunk.input.uri, chunk.part, start, stop, rows,
+                                                                  chunk.input_version))
             for k, ((start, rows), stop) in enumerate(zip(cuts, bounds[1:]))])
         batch.chunks_total += len(cuts)
     return replace(chunk, stop=cuts[0][0])

@@ -149,6 +149,20 @@ class PlannedChunk:
     start: int
     stop: int
     rows: int | None  # known for Parquet
+    version: str | None = None  # the object's, when planned (object_version)
+
+
+# Where each store's listing keeps what changes when an object is written again: S3's and Azure's ETag, GCS's
+# generation, a local file's mtime. The first one present is taken, beside the size.
+VERSION_FIELDS = ("generation", "ETag", "etag", "mtime", "LastModified", "last_modified")
+
+
+def object_version(info: dict) -> str:
+    """The size and version of an object, from the store's `info()`: what a worker compares with the planned
+    one, since a chunk is a range of rows or bytes of the object as it was when planned."""
+    version = next((info[name] for name in VERSION_FIELDS if info.get(name) is not None), None)
+    # Quotes stripped: an ETag is quoted in some answers and not in others (Azure's listing against its HEAD).
+    return f"{info.get('size')}:{str(version).strip(chr(34))}"[:300]
 
 
 def plan(objects: list[Location], options: Options, settings: Settings) -> Iterator[PlannedChunk]:
@@ -172,6 +186,8 @@ def plan(objects: list[Location], options: Options, settings: Settings) -> Itera
 def _plan_object(location: Location, fmt: str, compression: str | None, options: Options,
                  settings: Settings) -> Iterator[PlannedChunk]:
     fs = location.fs
+    info = fs.info(location.path)
+    version = object_version(info)
     if fmt == "parquet":
         with fs.open(location.path, "rb") as f:
             meta = pq.ParquetFile(f).metadata
@@ -181,9 +197,9 @@ def _plan_object(location: Location, fmt: str, compression: str | None, options:
                 step = max(1, settings.batch_chunk_rows_target)
                 for start in range(0, rows, step):
                     yield PlannedChunk(location.uri, group, start, min(rows, start + step),
-                                       min(rows, start + step) - start)
+                                       min(rows, start + step) - start, version)
         return
-    size = fs.size(location.path)
+    size = info["size"]
     if fmt == "csv":
         _check_columns(location, options, _csv_header(_first_line(fs, location.path, compression)))
     elif options.columns is not None:
@@ -193,10 +209,10 @@ def _plan_object(location: Location, fmt: str, compression: str | None, options:
             raise ServiceError(413, "compressed_input_too_large",
                                f"{location.name}: a compressed file is one chunk, at most "
                                f"{settings.batch_compressed_max_bytes} bytes; split it or send it uncompressed")
-        yield PlannedChunk(location.uri, -1, 0, size, None)
+        yield PlannedChunk(location.uri, -1, 0, size, None, version)
         return
     for start in range(0, size, settings.batch_chunk_bytes):
-        yield PlannedChunk(location.uri, -1, start, min(size, start + settings.batch_chunk_bytes), None)
+        yield PlannedChunk(location.uri, -1, start, min(size, start + settings.batch_chunk_bytes), None, version)
 
 
 def _is_corrupt(exc: BaseException) -> bool:
@@ -302,9 +318,26 @@ def chunk_requests(data: Pairs | list[bytes], options: Options, tokenizer: Reque
         raise InputError("input_corrupt", f"the chunk's rows could not be read: {exc}") from None
 
 
-def read_input(location: Location, part: int, start: int, stop: int, options: Options) -> Pairs | list[bytes]:
+def read_input(location: Location, part: int, start: int, stop: int, options: Options,
+               version: str | None = None) -> Pairs | list[bytes]:
     """A chunk's rows from storage: a pair table's, or JSONL request lines. Raises InputError when the object
-    is missing or corrupt; any other exception is transient."""
+    is missing or corrupt, or is no longer the `version` planned; any other exception is transient."""
+    rows = _read_rows(location, part, start, stop, options)
+    if version is not None:
+        # Checked after reading: a rewrite before or during the read shows here (its bytes at the planned
+        # offsets are other rows, and a part cut at a line break of the old object may start mid-line).
+        try:
+            now = object_version(location.fs.info(location.path))
+        except FileNotFoundError:
+            now = "removed"
+        if now != version:
+            raise InputError("input_changed", f"the input object {location.uri} changed after the batch was "
+                                              f"planned (size:version {version}, now {now}); its chunks read "
+                                              "the object as planned: create the batch again")
+    return rows
+
+
+def _read_rows(location: Location, part: int, start: int, stop: int, options: Options) -> Pairs | list[bytes]:
     fmt, compression = format_of(location, options.format)
     fs = location.fs
     try:
