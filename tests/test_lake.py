@@ -712,7 +712,7 @@ BROKEN = [  # (name, data or None for no object, status, code)
     ("corrupt.csv.gz", b"\x1f\x8b\x08\x00 not gzip after all", 400, "input_corrupt"),
     ("corrupt.csv.zst", b"\x28\xb5\x2f\xfd not zstd after all", 400, "input_corrupt"),
     ("corrupt.jsonl.gz", b"\x1f\x8b\x08\x00 not gzip after all", 400, "input_corrupt"),
-    ("empty.csv", b"", 400, "unknown_column"),
+    ("empty.csv", b"", 400, "empty_batch"),
     ("binary.csv", bytes(range(256)) * 4, 400, "unknown_column"),
     ("other-columns.csv", b"a,b\n1,2\n", 400, "unknown_column"),
     ("other-columns.jsonl", b'{"a": 1, "b": 2}\n', 400, "unknown_column"),
@@ -787,6 +787,31 @@ def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, m
     manifest = json.loads((root / "out" / batch_id / "_manifest.json").read_text())
     assert manifest["rows"] == 4 and manifest["rows_failed"] == 3
     assert {c["error"]["code"] for c in manifest["failed_chunks"]} == {"input_corrupt", "input_not_found"}
+
+
+def test_empty_and_header_only_csv_parts_in_a_folder_add_no_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                   lake_settings) -> None:
+    """An export's empty parts beside the others: a 0-byte CSV refused the whole folder (`unknown_column`: no
+    header), and a header with no line break after it failed its chunk as `input_corrupt`."""
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    (root / "parts").mkdir()
+    (root / "parts" / "part-0.csv").write_bytes(encoded("csv", pair_table(2, 3)))
+    (root / "parts" / "part-1.csv").write_bytes(b"")
+    (root / "parts" / "part-2.csv").write_bytes(b'"q","doc","pair_id"')
+    body = {"input": "parts/", "output": "parts-out", "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+            "label_token_ids": LABELS}
+    created = client.post("/batches", json=body, headers=auth(key))
+    assert created.status_code == 201, created.text
+    done = wait_batch(client, key, created.json()["id"])
+    assert done["status"] == "completed" and done["chunks"]["failed"] == 0 and done["rows"]["failed"] == 0, done
+    assert sorted(r["pair_id"] for r in results(client, key, done["id"])) == sorted(
+        str(i) for i in pair_table(2, 3).column("pair_id").to_pylist())
+    # Only empty objects: nothing to run, said with their names.
+    response = client.post("/batches", json={**body, "input": "parts/part-1.csv", "output": "empty-out"},
+                           headers=auth(key))
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (400, "empty_batch") and "part-1.csv" in error["message"]
 
 
 def test_a_chunk_with_nothing_to_score_is_committed(client, make_key, empty_queue, lake_settings) -> None:  # type: ignore[no-untyped-def]

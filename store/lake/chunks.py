@@ -130,7 +130,8 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     if page:
         session.execute(insert(Chunk), page)
     if n == 0:
-        raise ServiceError(400, "empty_batch", "the input has no data")
+        names = ", ".join(location.name for location in objects[:5]) + (", ..." if len(objects) > 5 else "")
+        raise ServiceError(400, "empty_batch", f"the input has no rows ({names})")
     batch.chunks_total = n
     batch.total = rows if known else 0
     session.commit()

@@ -200,6 +200,8 @@ def _plan_object(location: Location, fmt: str, compression: str | None, options:
                                        min(rows, start + step) - start, version)
         return
     size = info["size"]
+    if size == 0 and not compression:
+        return  # no rows, and no header to check (an export's empty part, beside the others)
     if fmt == "csv":
         _check_columns(location, options, _csv_header(_first_line(fs, location.path, compression)))
     elif options.columns is not None:
@@ -353,6 +355,8 @@ def _read_rows(location: Location, part: int, start: int, stop: int, options: Op
         else:
             begin, data = _byte_range(fs, location.path, start, stop)
         if fmt == "csv":
+            if not data.endswith(b"\n"):
+                data += b"\n"  # pyarrow finds no columns in a header-only file with no line break after it
             header = _first_line(fs, location.path, compression) if begin > 0 else data.split(b"\n", 1)[0]
             present = [c for c in options.columns.names() if c in _csv_header(header)]
             # A CSV's values are text: an id comes back as written (a guessed type turned "007" into 7). (A CSV
