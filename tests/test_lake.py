@@ -1018,7 +1018,8 @@ def test_jsonl_lines_in_both_formats_as_a_reference_batch(client, make_key, empt
 def test_ids_json_has_no_type_for_come_back_as_text_in_both_output_formats(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
                                                                            lake_settings) -> None:
     """A date, decimal or bytes id column (BigQuery's DATE, NUMERIC, BYTES): each JSONL write of the chunk
-    failed as if the store were down, until the chunk failed; the results of a Parquet output broke off."""
+    failed as if the store were down, until the chunk failed; the results of a Parquet output broke off. A
+    float id's NaN or infinity was written as a bare `NaN`, which strict JSON readers refuse: now null."""
     import base64
     import datetime
     from decimal import Decimal
@@ -1029,12 +1030,20 @@ def test_ids_json_has_no_type_for_come_back_as_text_in_both_output_formats(clien
            "at": pa.array([datetime.datetime(2026, 12, 6, 13, i) for i in range(4)], pa.timestamp("us")),
            "amount": pa.array([Decimal("1.10"), Decimal("-0.05"), None, Decimal("12345678901234567890.5")],
                               pa.decimal128(38, 2)),
-           "raw": pa.array([b"\x00\xff", b"", None, b"id"])}
+           "raw": pa.array([b"\x00\xff", b"", None, b"id"]),
+           "weight": pa.array([float("nan"), float("inf"), -float("inf"), 1.5])}
     pq.write_table(pa.table({"q": ["which?"] * 4, "doc": ["a", "b", "c", "d"], **ids}), root / "typed.parquet")
     expected = [{"day": f"2026-12-0{i + 1}", "at": f"2026-12-06T13:0{i}:00",
                  "amount": [None if v is None else str(v) for v in ids["amount"].to_pylist()][i],
-                 "raw": [None if v is None else base64.b64encode(v).decode() for v in ids["raw"].to_pylist()][i]}
+                 "raw": [None if v is None else base64.b64encode(v).decode() for v in ids["raw"].to_pylist()][i],
+                 "weight": [None, None, None, 1.5][i]}
                 for i in range(4)]
+
+    def strict(text: str) -> list[dict]:
+        def refuse(constant: str) -> None:
+            raise AssertionError(f"{constant} is not JSON")
+        return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
     for output_format in ("jsonl", "parquet"):
         created = client.post("/batches", json={"input": "typed.parquet", "output": f"typed-{output_format}",
                                                 "output_format": output_format, "label_token_ids": LABELS,
@@ -1043,8 +1052,11 @@ def test_ids_json_has_no_type_for_come_back_as_text_in_both_output_formats(clien
         assert created.status_code == 201, created.text
         done = wait_batch(client, key, created.json()["id"])
         assert done["status"] == "completed" and done["rows"]["failed"] == 0, done
-        got = results(client, key, done["id"])
+        got = strict(client.get(f"/batches/{done['id']}/results", headers=auth(key)).text)
         assert [{name: row[name] for name in ids} for row in got] == expected, output_format
+        if output_format == "jsonl":
+            written = root / f"typed-{output_format}" / done["id"]
+            assert len(strict("".join(p.read_text() for p in written.glob("part-*.jsonl")))) == 4
 
 
 # ---- the same request again (issue 44, item 3) and progress totals (item 5) -------------------------------------

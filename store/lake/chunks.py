@@ -39,7 +39,7 @@ from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
 from store.lake.access import Access
-from store.lake.tables import (Columns, Options, PlannedChunk, json_value, object_name, plan, read_table,
+from store.lake.tables import (Columns, Options, PlannedChunk, json_line, object_name, plan, read_table,
                                write_manifest)
 from store.location import Location
 from store.models import ApiKey, Batch, Chunk, utcnow
@@ -613,9 +613,8 @@ def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
             yield (json.dumps(line) + "\n").encode()
             continue
         for k, rows in enumerate(read_table(folder.child(chunk.output))):
-            yield "".join(json.dumps(_line(row, batch_id, chunk.index, k * 1000 + i, openai), separators=(",", ":"),
-                                     default=json_value)
-                          + "\n" for i, row in enumerate(rows)).encode()
+            yield "".join(json_line(_line(row, batch_id, chunk.index, k * 1000 + i, openai)) + "\n"
+                          for i, row in enumerate(rows)).encode()
 
 
 def _line(row: dict, batch_id: str, chunk: int, i: int, openai: bool) -> dict:

@@ -26,6 +26,7 @@ import datetime
 import gzip
 import io
 import json
+import math
 import posixpath
 import zlib
 from collections.abc import Iterator, Sequence
@@ -683,14 +684,33 @@ def json_value(value: object) -> object:
     return str(value)
 
 
+def json_line(row: dict) -> str:
+    """A result row as one JSON line. NaN and the infinities (a float id column's), for which JSON has no
+    literal, are written null as pandas' JSON exports write them: `json.dumps` wrote a bare `NaN`, which strict
+    readers (Go's, Java's, `jq`) refuse, failing the whole file."""
+    try:
+        return json.dumps(row, separators=(",", ":"), default=json_value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(row), separators=(",", ":"), default=json_value, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_table(location: Location, table: pa.Table, output_format: str) -> None:
     with location.fs.open(location.path, "wb") as f:
         if output_format == "parquet":
             pq.write_table(table, f, compression="zstd")
         else:
             for batch in table.to_batches(max_chunksize=1000):
-                f.write("".join(json.dumps(row, separators=(",", ":"), default=json_value) + "\n"
-                                for row in batch.to_pylist()).encode())
+                f.write("".join(json_line(row) + "\n" for row in batch.to_pylist()).encode())
 
 
 def read_table(location: Location) -> Iterator[list[dict]]:
