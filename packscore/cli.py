@@ -290,6 +290,15 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                   on_retry=lambda message: print(f"\npackscore: {args.url}: {message}", file=sys.stderr))
 
 
+def _storage_prefix(text: str) -> str:
+    from store.lake.access import storage_prefix
+
+    try:
+        return storage_prefix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -533,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("create-key", help="create an API key and print it with its webhook secret")
     p.add_argument("--name", required=True)
-    p.add_argument("--storage-prefix", action="append",
+    p.add_argument("--storage-prefix", action="append", type=_storage_prefix,
                    help="a URI prefix (s3://bucket/team/) the key's reference batches may read and write (repeat)")
     p.add_argument("--embedded", action="store_true", help="in the embedded SQLite database under ./.packscore")
     p.set_defaults(func=create_key)

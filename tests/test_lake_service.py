@@ -347,3 +347,15 @@ def test_create_key_with_storage_prefixes(service: Service) -> None:
         prefixes = connection.execute(text("SELECT storage_prefixes FROM api_keys WHERE name = 'lake-team'")).scalar()
     engine.dispose()
     assert (json.loads(prefixes) if isinstance(prefixes, str) else prefixes) == ["s3://lake/team-a/", "gs://other/x/"]
+    # A prefix that could never match (no scheme, a wildcard, '..', credentials) is refused here, not stored: it
+    # made every batch request of its key a 400 `invalid_uri`, as if that request's URI were wrong.
+    for bad in ("lake/team-a/", "s3://lake/team-*/", "s3://lake/team-a/../", "s3://key:secret@lake/x/", "ftp://x/"):
+        refused = subprocess.run([sys.executable, "-m", "packscore.cli", "create-key", "--name", "bad",
+                                  "--storage-prefix", bad], env=service.env, cwd=REPO, capture_output=True, text=True)
+        assert refused.returncode == 2 and "--storage-prefix" in refused.stderr, (bad, refused.stderr)
+        assert "api_key=" not in refused.stdout
+    # BATCH_STORAGE_PREFIXES by the same rules, when the service starts.
+    started = subprocess.run([sys.executable, "-c", "from store.settings import get_settings; get_settings()"],
+                             env={**service.env, "BATCH_STORAGE_PREFIXES": "s3://lake/ok/,lake/no-scheme/"},
+                             cwd=REPO, capture_output=True, text=True)
+    assert started.returncode == 1 and "'lake/no-scheme/' is not a storage prefix" in started.stderr

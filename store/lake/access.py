@@ -152,6 +152,23 @@ class Access:
         return objects
 
 
+def storage_prefix(uri: str) -> str:
+    """A prefix an operator allows (BATCH_STORAGE_PREFIXES, `create-key --storage-prefix`), checked as the URIs
+    it is compared with are; raises ValueError saying what is wrong. Stored unchecked, a bad prefix made every
+    batch request of its key a 400 `invalid_uri`, as if the request's own URI were at fault."""
+    scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
+    if scheme not in REMOTE_PROTOCOLS:
+        raise ValueError(f"{uri!r} is not a storage prefix: an s3://, gs:// or az:// URI with a bucket "
+                         "(local paths are served under BATCH_LOCAL_ROOT)")
+    if any(c in uri for c in GLOB_CHARACTERS):
+        raise ValueError(f"{uri!r}: a storage prefix has no wildcard (every object under it is allowed)")
+    try:
+        _remote(uri)
+    except ServiceError as exc:
+        raise ValueError(f"{uri!r}: {exc.message}") from None
+    return uri
+
+
 def _remote(uri: str, check: bool = True) -> Location:
     parts = urlsplit(uri)
     protocol = REMOTE_PROTOCOLS.get(parts.scheme.lower())
