@@ -168,6 +168,7 @@ class Batch(Base):
         # One batch of a key owns an output prefix (migration 0015): a re-run finds it, another input is refused.
         Index("uq_batches_output", "api_key_id", "output_key", unique=True,
               postgresql_where=text("output_key IS NOT NULL"), sqlite_where=text("output_key IS NOT NULL")),
+        _partial_index("ix_batches_finished", ("finished_at",), "finished_at IS NOT NULL"),  # retention
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))

@@ -1,5 +1,6 @@
 """Data retention, run by the workers' sweeper: finished jobs (with their results and webhook deliveries) and
-finished batches (with their requests) go after RESULT_TTL_DAYS, passes after PASS_HISTORY_DAYS.
+finished batches (with their requests, or a reference batch's chunk rows) go after RESULT_TTL_DAYS, passes
+after PASS_HISTORY_DAYS.
 
 Rows go in chunks of RETENTION_CHUNK_ROWS, each chunk in a transaction of its own, so that no lock is held
 for long: claims and result writes run between chunks. The running totals of /metrics (the counters table)
@@ -12,8 +13,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from store.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, Batch, Job, JobResult, Pass, WebhookDelivery,
-                          utcnow)
+from store.models import (BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, Batch, Chunk, Job, JobResult, Pass,
+                          WebhookDelivery, utcnow)
 from store.settings import Settings
 
 
@@ -68,7 +69,14 @@ def prune(sessions: sessionmaker[Session], settings: Settings, now: datetime | N
                                    .with_for_update(skip_locked=True)))
         if ids:
             _delete_jobs(session, ids, pruned)
-        else:  # its last requests went in earlier chunks
+            return True
+        # A reference batch's chunk rows (up to BATCH_MAX_CHUNKS) too, rather than all at once by the cascade.
+        indexes = list(session.scalars(select(Chunk.index).where(Chunk.batch_id == batch_id).limit(chunk)
+                                       .with_for_update(skip_locked=True)))
+        if indexes:
+            pruned.add("chunks", session.execute(
+                delete(Chunk).where(Chunk.batch_id == batch_id, Chunk.index.in_(indexes))).rowcount)
+        else:  # its last requests or chunks went in earlier transactions
             pruned.add("webhook_deliveries", session.execute(
                 delete(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id)).rowcount)
             pruned.add("batches", session.execute(delete(Batch).where(Batch.id == batch_id)).rowcount)

@@ -10,7 +10,8 @@ from sqlalchemy.orm import sessionmaker
 
 from api.auth import create_api_key
 from migrations import upgrade
-from store.models import Batch, Job, JobResult, Pass, WebhookDelivery, utcnow
+from store.location import Location
+from store.models import Batch, Chunk, Job, JobResult, Pass, WebhookDelivery, utcnow
 from store.retention import prune
 from store.settings import get_settings
 
@@ -52,8 +53,14 @@ def test_expired_rows_go_and_live_ones_stay(sessions) -> None:  # type: ignore[n
         old_batch = Batch(api_key_id=key.id, status="completed", model="tiny-random", total=7,
                           finished_at=now - timedelta(days=40))
         running_batch = Batch(api_key_id=key.id, status="in_progress", model="tiny-random", total=2)
-        session.add_all([old_batch, running_batch])
+        # A reference batch: its chunk rows go in bounded pieces as its requests do, not all in one statement.
+        old_reference = Batch(api_key_id=key.id, status="completed", model="tiny-random", total=0,
+                              finished_at=now - timedelta(days=40))
+        session.add_all([old_batch, running_batch, old_reference])
         session.flush()
+        session.add_all([Chunk(batch_id=b.id, index=i, input=Location("file", "/in/p.csv"), part=-1, start=i,
+                               stop=i + 1, status="succeeded", attempts=1, rows_done=1, rows_failed=0, items_done=1)
+                         for b, n in ((old_reference, 7), (running_batch, 2)) for i in range(n)])
         expired += [job(key.id, "succeeded", 40, old_batch.id) for _ in range(7)]
         # A running batch's requests finished long ago are kept with their batch.
         live += [job(key.id, "succeeded", 40, running_batch.id), job(key.id, "queued", None, running_batch.id)]
@@ -78,10 +85,12 @@ def test_expired_rows_go_and_live_ones_stay(sessions) -> None:  # type: ignore[n
         assert set(session.scalars(select(JobResult.job_id))) <= live_ids
         assert set(session.scalars(select(WebhookDelivery.job_id))) == live_ids  # the batch's delivery went too
         assert set(session.scalars(select(Batch.id))) == {running_batch.id}
+        assert set(session.scalars(select(Chunk.batch_id))) == {running_batch.id}
         assert session.scalar(select(func.count()).select_from(Pass)) == 1
     assert pruned.rows["jobs"] == len(expired_ids) and pruned.rows["passes"] == 4
-    # Bounded chunks: no transaction deleted more than CHUNK jobs (9 + 7 jobs, 4 passes, 1 batch).
-    assert pruned.transactions >= 3 + 3 + 2 + 1
+    assert pruned.rows["chunks"] == 7 and pruned.rows["batches"] == 2
+    # Bounded chunks: no transaction deleted more than CHUNK rows (9 + 7 jobs, 7 chunk rows, 4 passes, 2 batches).
+    assert pruned.transactions >= 3 + 3 + 3 + 2 + 2
     assert prune(sessions, settings).rows == {}  # nothing left to do
 
 
