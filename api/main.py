@@ -16,6 +16,7 @@ from api.limits import BodySizeLimitMiddleware
 from api.metrics import Metrics, MetricsMiddleware
 from api.routes import batches, health, jobs, models, score
 from api.waiter import JobWaiter
+from store.lake.access import check_storage_prefixes
 from store.settings import get_settings
 
 
@@ -38,6 +39,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Threads for the routes' blocking work. More than a few only fight over the GIL (the work is Python and
     # short database calls), which starves the event loop: /healthz and waiting calls answer late.
     anyio.to_thread.current_default_thread_limiter().total_tokens = get_settings().api_threads
+    check_storage_prefixes(get_settings())
     # Load the models' tokenizers before taking traffic, so the first request is not slow; and their rerank
     # templates, so a RERANK_TEMPLATE that does not fit a model stops the start instead of failing requests.
     await run_in_threadpool(get_models)

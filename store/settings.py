@@ -209,13 +209,6 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("batch_storage_prefixes")
-    @classmethod
-    def _check_prefixes(cls, prefixes: list[str]) -> list[str]:
-        from store.lake.access import storage_prefix  # the rules of the URIs they are compared with
-
-        return [storage_prefix(prefix) for prefix in prefixes]
-
     @property
     def request_limits(self) -> dict[str, int]:
         """The engine's request limits: the API validates with the same ones the workers score with."""

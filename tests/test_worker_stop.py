@@ -68,21 +68,23 @@ def test_workers_stopped_mid_batch_by_sigterm_then_sigint_exit_promptly(redis_ur
         engine.dispose()
 
 
-@pytest.mark.parametrize("fault", ["model", "database"])
+@pytest.mark.parametrize("fault", ["model", "database", "storage prefix"])
 def test_a_worker_that_cannot_start_exits_non_zero(fault: str, tmp_path: Path) -> None:
-    """A worker whose start fails (its model does not load, or the database is unreachable at its first heartbeat)
-    exits 1 at once instead of consuming half-started, so that its supervisor, systemd or compose starts it again
+    """A worker whose start fails (its model does not load, the database is unreachable at its first heartbeat,
+    BATCH_STORAGE_PREFIXES names no storage prefix) exits 1 at once instead of consuming half-started, so that its supervisor, systemd or compose starts it again
     (Celery itself only logs a failing worker_ready handler)."""
     env = {**os.environ, "BROKER_URL": "filesystem://", "BROKER_DIR": str(tmp_path / "broker"), "MODEL": "tiny-random",
            "DATABASE_URL": f"sqlite:///{tmp_path / 'jobs.db'}", "WARMUP": "none"}
     if fault == "model":
         env["MODEL"] = str(tmp_path / "no-model-here")
+    elif fault == "storage prefix":
+        env["BATCH_STORAGE_PREFIXES"] = "bucket/no-scheme/"
     else:
         env["DATABASE_URL"] = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/packscore"
     result = subprocess.run([sys.executable, "-m", "packscore.cli", "worker"], env=env, cwd=REPO, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 1, result.stderr[-3000:]
-    reason = "unknown model" if fault == "model" else "connection"
+    reason = {"model": "unknown model", "database": "connection", "storage prefix": "BATCH_STORAGE_PREFIXES"}[fault]
     assert re.search(rf"could not start: .*{reason}.*; exiting \(code 1\)", result.stderr, re.IGNORECASE | re.DOTALL), \
         result.stderr[-3000:]
     assert " ready." not in result.stderr  # Celery's own line: it never began consuming

@@ -31,6 +31,7 @@ from core.allocator import hand_back_freed_memory, python_objects
 from store import sweeper, workers
 from store.broker import DRAIN_TASK, kick_drain
 from store.db import session_factory
+from store.lake.access import check_storage_prefixes
 from store.location import load_filesystems
 from store.retention import prune
 from store.settings import Settings, get_settings
@@ -221,21 +222,19 @@ def _start(**_: object) -> None:
     # Celery logs a failing worker_ready handler and consumes anyway: a worker without its model or its
     # heartbeat would take drain messages it cannot serve, and nothing would start it again. Exiting non-zero
     # hands it to what runs it (the supervisor, systemd, compose), which starts it again after a backoff.
+    # (Only the start: once warm, a database blip is waited out like anywhere else.)
+    settings = get_settings()
     try:
-        _start_serving()
+        check_storage_prefixes(settings)
+        scorer = get_scorer()  # load before consuming: the first drain should not pay for it
+        loaded = load_filesystems(settings.batch_storage_prefixes)  # so too the object stores batches may read
+        drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "warming")
     except Exception as exc:
         log.critical("worker %s could not start: %s; exiting (code 1) to be started again", WORKER_ID, exc,
                      exc_info=True)
         raise SystemExit(1) from exc
-
-
-def _start_serving() -> None:
-    settings = get_settings()
-    scorer = get_scorer()  # load before consuming: the first drain should not pay for it
-    loaded = load_filesystems(settings.batch_storage_prefixes)  # so too the object stores batches may read
     if loaded:
         log.info("worker %s loaded the filesystems of %s", WORKER_ID, ", ".join(f"{p}://" for p in loaded))
-    drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "warming")
     for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
                           (_prune, settings.retention_interval_seconds)):
         threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()

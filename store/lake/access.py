@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from store.errors import ServiceError
 from store.location import REMOTE_PROTOCOLS, Location
+from store.settings import Settings
 
 log = logging.getLogger(__name__)
 GLOB_CHARACTERS = "*?["
@@ -167,6 +168,16 @@ def storage_prefix(uri: str) -> str:
     except ServiceError as exc:
         raise ValueError(f"{uri!r}: {exc.message}") from None
     return uri
+
+
+def check_storage_prefixes(settings: Settings) -> None:
+    """BATCH_STORAGE_PREFIXES by storage_prefix's rules: the API and the workers stop at start on a bad one,
+    rather than refuse every batch request later as if its own URI were at fault."""
+    for prefix in settings.batch_storage_prefixes:
+        try:
+            storage_prefix(prefix)
+        except ValueError as exc:
+            raise ValueError(f"BATCH_STORAGE_PREFIXES: {exc}") from None
 
 
 def _remote(uri: str, check: bool = True) -> Location:
