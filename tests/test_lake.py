@@ -670,7 +670,11 @@ def test_an_input_rewritten_after_planning_fails_its_chunks_on_every_store(  # t
     """A chunk is a range of the object as planned: an object rewritten in between (rows added, or the same size
     with other bytes) held other rows at those offsets, which were read as if planned (rows lost or read twice,
     unnoticed). Its chunks fail `input_changed` now; an object left alone still scores on every store (the
-    API's listing and the worker's own look at the object agree on its version)."""
+    API's listing and the worker's own look at the object agree on its version). Sent again with `overwrite`,
+    as the message says, the object is planned as it is now: the rewrite came from another client, and this
+    process's listings cache, which lasts as long as the process, must not plan the old sizes again."""
+    import fsspec
+
     key, _ = make_key()
     allow(key, [f"{store}://lake/changed/" for store in STORES[1:]])
     root = Path(lake_settings.batch_local_root)
@@ -682,16 +686,20 @@ def test_an_input_rewritten_after_planning_fails_its_chunks_on_every_store(  # t
     created = {}
     for store in STORES:
         for change, data in rewrites.items():
-            name = f"changed/in/{store}-{change.replace(' ', '-')}.csv"
+            name = f"changed/in/{store}-{change.replace(' ', '-')}/pairs.csv"
             out = f"changed/out/{store}-{change.replace(' ', '-')}"
-            body = {"input": put(store, root, name, planned), "output": out if store == "local" else
-                    f"{store}://lake/{out}/", "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
+            # Its folder, listed (a listing is what the store's filesystem caches).
+            body = {"input": put(store, root, name, planned).removesuffix("pairs.csv"),
+                    "output": out if store == "local" else f"{store}://lake/{out}/",
+                    "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]},
                     "label_token_ids": LABELS}
             response = client.post("/batches", json=body, headers=auth(key))
             assert response.status_code == 201, (store, change, response.text)
             created[store, change] = response.json()["id"]
-            if data is not None:
+            if data is not None and store == "local":
                 put(store, root, name, data)
+            elif data is not None:  # another client: this process's filesystem does not see the write
+                fsspec.filesystem({"gs": "gcs"}.get(store, store), skip_instance_cache=True).pipe(f"lake/{name}", data)
     for (store, change), batch_id in created.items():
         done = wait_batch(client, key, batch_id)
         chunk_errors = [r["error"] for r in results(client, key, batch_id) if "chunk" in r]
@@ -703,6 +711,36 @@ def test_an_input_rewritten_after_planning_fails_its_chunks_on_every_store(  # t
             assert done["chunks"]["failed"] == done["chunks"]["total"] > 1, (store, change, done)
             assert {e["code"] for e in chunk_errors} == {"input_changed"}, (store, change, chunk_errors)
             assert "changed after the batch was planned" in chunk_errors[0]["message"]
+            assert "overwrite" in chunk_errors[0]["message"]
+            folder = f"changed/in/{store}-{change.replace(' ', '-')}/"
+            out = f"changed/out/{store}-{change.replace(' ', '-')}"
+            again = client.post("/batches", json={
+                "input": folder if store == "local" else f"{store}://lake/{folder}", "overwrite": True,
+                "output": out if store == "local" else f"{store}://lake/{out}/", "label_token_ids": LABELS,
+                "columns": {"query": "q", "item": "doc", "ids": ["pair_id"]}}, headers=auth(key))
+            assert again.status_code == 201, again.text
+            redone = wait_batch(client, key, again.json()["id"])
+            assert redone["status"] == "completed" and redone["chunks"]["failed"] == 0, (store, change, redone)
+            assert redone["rows"]["done"] == (18 if change == "grown" else 12)
+
+
+def test_each_plan_lists_the_store_afresh(lake_settings, s3_store, gcs_store, azure_store) -> None:  # type: ignore[no-untyped-def]
+    """The stores' filesystems cache their listings as long as the process lives: an export rewritten by another
+    client after an earlier batch listed its folder was planned again from its old size and version (every
+    chunk of the new batch then failed `input_changed`, or read the old size's bytes)."""
+    import fsspec
+
+    options = Options("", Columns("q", "doc", ("pair_id",), None), tuple(LABELS))
+    planned, grown = encoded("csv", pair_table(4, 3, seed=7)), encoded("csv", pair_table(6, 3, seed=8))
+    for store in STORES[1:]:
+        put(store, Path(lake_settings.batch_local_root), "fresh/in/pairs.csv", planned)
+        access = Access(None, [f"{store}://lake/fresh/"])
+        first = list(plan(access.expand(f"{store}://lake/fresh/in/"), options, lake_settings))
+        fsspec.filesystem({"gs": "gcs"}.get(store, store), skip_instance_cache=True).pipe("lake/fresh/in/pairs.csv",
+                                                                                          grown)
+        second = list(plan(access.expand(f"{store}://lake/fresh/in/"), options, lake_settings))
+        assert first[-1].stop == len(planned) and second[-1].stop == len(grown), store
+        assert first[0].version != second[0].version, store
 
 
 BROKEN = [  # (name, data or None for no object, status, code)

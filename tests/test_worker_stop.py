@@ -71,8 +71,9 @@ def test_workers_stopped_mid_batch_by_sigterm_then_sigint_exit_promptly(redis_ur
 @pytest.mark.parametrize("fault", ["model", "database", "storage prefix"])
 def test_a_worker_that_cannot_start_exits_non_zero(fault: str, tmp_path: Path) -> None:
     """A worker whose start fails (its model does not load, the database is unreachable at its first heartbeat,
-    BATCH_STORAGE_PREFIXES names no storage prefix) exits 1 at once instead of consuming half-started, so that its supervisor, systemd or compose starts it again
-    (Celery itself only logs a failing worker_ready handler)."""
+    BATCH_STORAGE_PREFIXES names no storage prefix) exits 1 at once instead of consuming half-started, so that
+    its supervisor, systemd or compose starts it again (Celery itself only logs a failing worker_ready
+    handler)."""
     env = {**os.environ, "BROKER_URL": "filesystem://", "BROKER_DIR": str(tmp_path / "broker"), "MODEL": "tiny-random",
            "DATABASE_URL": f"sqlite:///{tmp_path / 'jobs.db'}", "WARMUP": "none"}
     if fault == "model":

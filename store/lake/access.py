@@ -119,6 +119,10 @@ class Access:
         for uri in [uris] if isinstance(uris, str) else uris:
             location = self.location(uri)
             fs = location.fs
+            # Listed afresh: the store's listings cache (s3fs's, gcsfs's, adlfs's) lasts as long as the process,
+            # and an export rewritten since an earlier batch was planned from its old sizes and versions. All
+            # of it (a folder's entry goes without those of the folders under it), which also bounds its size.
+            fs.invalidate_cache()
             try:
                 if any(c in location.path for c in GLOB_CHARACTERS):
                     found = sorted(each for path, info in fs.glob(location.path, detail=True).items()

@@ -161,9 +161,10 @@ VERSION_FIELDS = ("generation", "ETag", "etag", "mtime", "LastModified", "last_m
 def object_version(info: dict) -> str:
     """The size and version of an object, from the store's `info()`: what a worker compares with the planned
     one, since a chunk is a range of rows or bytes of the object as it was when planned."""
-    version = next((info[name] for name in VERSION_FIELDS if info.get(name) is not None), None)
-    # Quotes stripped: an ETag is quoted in some answers and not in others (Azure's listing against its HEAD).
-    return f"{info.get('size')}:{str(version).strip(chr(34))}"[:300]
+    # Quotes stripped: an ETag is quoted in some answers and not in others; an empty one (s3fs's HEAD of a store
+    # that gives none, where its listing gave none either) is passed over.
+    versions = (str(info[name]).strip('"') for name in VERSION_FIELDS if info.get(name) is not None)
+    return f"{info.get('size')}:{next((v for v in versions if v), None)}"[:300]
 
 
 def plan(objects: list[Location], options: Options, settings: Settings) -> Iterator[PlannedChunk]:
@@ -325,19 +326,34 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
                version: str | None = None) -> Pairs | list[bytes]:
     """A chunk's rows from storage: a pair table's, or JSONL request lines. Raises InputError when the object
     is missing or corrupt, or is no longer the `version` planned; any other exception is transient."""
-    rows = _read_rows(location, part, start, stop, options)
-    if version is not None:
-        # Checked after reading: a rewrite before or during the read shows here (its bytes at the planned
-        # offsets are other rows, and a part cut at a line break of the old object may start mid-line).
-        try:
-            now = object_version(location.fs.info(location.path))
-        except FileNotFoundError:
-            now = "removed"
-        if now != version:
-            raise InputError("input_changed", f"the input object {location.uri} changed after the batch was "
-                                              f"planned (size:version {version}, now {now}); its chunks read "
-                                              "the object as planned: create the batch again")
+    try:
+        rows = _read_rows(location, part, start, stop, options)
+    except Exception:
+        # A rewrite can break the read itself (a part that now starts inside a quoted value, the store's
+        # If-Match on the old ETag): said as what it is, not as a corrupt object or a store to try again.
+        if version is not None and (now := _version_now(location)) not in (None, version):
+            raise _changed(location, version, now) from None
+        raise
+    # Checked after reading too: a rewrite before or during the read that still reads shows here (its bytes
+    # at the planned offsets are other rows).
+    if version is not None and (now := _version_now(location)) != version:
+        raise _changed(location, version, now or "removed")
     return rows
+
+
+def _version_now(location: Location) -> str | None:
+    location.fs.invalidate_cache(location.path)  # a listing this process made earlier may be out of date
+    try:
+        return object_version(location.fs.info(location.path))
+    except FileNotFoundError:
+        return None
+
+
+def _changed(location: Location, version: str, now: str) -> InputError:
+    return InputError("input_changed", f"the input object {location.uri} changed after the batch was planned "
+                                       f"(size:version {version}, now {now}); the batch's chunks are ranges of "
+                                       "the object as planned: send it again with `overwrite` (the CLI's "
+                                       "--overwrite) to plan the object as it is now")
 
 
 def _read_rows(location: Location, part: int, start: int, stop: int, options: Options) -> Pairs | list[bytes]:
