@@ -193,8 +193,8 @@ def test_pinned_request_keeps_host_header_and_tls_name(empty_queue, make_key, mo
         seen.append((str(request.url), request.headers["host"], request.extensions.get("sni_hostname")))
         return httpx.Response(204)
 
-    real_client = httpx.Client
-    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(**kw, transport=httpx.MockTransport(handler)))
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real_client(**kw, transport=httpx.MockTransport(handler)))
     settings = Settings(webhook_allowlist=[])
     for url in ("https://v4.example:8443/hook?x=1", "http://v6.example/hook", "https://93.184.216.34/h"):
         _delivery(make_key, url)
@@ -280,6 +280,55 @@ def test_slow_receiver_does_not_hold_up_others(empty_queue, make_key, webhook_re
             assert {session.get(WebhookDelivery, i).status for i in [*slow_ids, fast_id]} == {"delivered"}
     finally:
         slow.receiver.close()
+
+
+def test_a_receiver_trickling_its_answer_is_cut_off(empty_queue, make_key, monkeypatch,  # type: ignore[no-untyped-def]
+                                                   caplog) -> None:
+    """WEBHOOK_TIMEOUT_SECONDS bounds each read, not the whole: a receiver that sent its status line a byte at a
+    time, each within the timeout, held the attempt (and its slot) for hours, past its lease, after which
+    another worker sent the message again. Now the attempt ends after ATTEMPT_TIMEOUTS timeouts, a failure
+    retried on the schedule. And the log names the delivery's host, never its URL (whose path or query may be
+    the receiver's secret), which httpx's own INFO line per request wrote whole."""
+    import logging
+    import threading
+
+    from worker.webhooks import ATTEMPT_TIMEOUTS
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"y" * 10_000:
+                if stop.wait(0.05):
+                    return
+                try:
+                    connection.send(bytes([byte]))
+                except OSError:
+                    return  # the attempt was cut off: its connection closed
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host == "trickle.example" else None)
+    url = f"http://trickle.example:{listener.getsockname()[1]}/hook/s3cr3t-path?token=s3cr3t-query"
+    delivery_id, _ = _delivery(make_key, url)
+    settings = Settings(webhook_allowlist=["trickle.example"], webhook_timeout_seconds=0.5)
+    caplog.set_level(logging.INFO)
+    try:
+        start = time.monotonic()
+        assert deliver_due(settings) == 1
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        listener.close()
+    assert took < ATTEMPT_TIMEOUTS * 0.5 + 2, f"the attempt took {took:.1f} s"
+    with session_scope() as session:
+        row = session.get(WebhookDelivery, delivery_id)
+        assert (row.status, row.attempts, row.last_status_code) == ("pending", 1, None)
+        assert "no whole answer within 1 s" in row.last_error
+    assert "s3cr3t" not in caplog.text and "trickle.example" in caplog.text
 
 
 def test_stopping_does_not_wait_past_its_timeout(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]

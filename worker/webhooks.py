@@ -5,6 +5,7 @@ TLS server name from the URL), so DNS rebinding cannot swap in an internal addre
 Attempts run concurrently (WEBHOOK_CONCURRENCY per worker, WEBHOOK_PER_HOST per host); a DNS failure is
 retried like any transport error, an address the guard forbids fails the delivery for good."""
 
+import asyncio
 import functools
 import logging
 import queue
@@ -25,10 +26,18 @@ from standardwebhooks import Webhook
 from store.counters import count
 from store.db import session_scope
 from store.models import ApiKey, WebhookDelivery, utcnow
-from store.outbox import UnresolvedHost, UnsafeURL, pin
+from store.outbox import Target, UnresolvedHost, UnsafeURL, pin
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
+# httpx logs each request's whole URL at INFO, and a receiver's URL may hold its secret (in its path, its query,
+# its user info): the worker logs a delivery by its id and host only.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+# WEBHOOK_TIMEOUT_SECONDS bounds each phase of a request (connect, each write, each read), not the whole: a
+# receiver trickling its answer a byte at a time held an attempt for hours, and its slot with it (a handful of
+# such URLs held every slot of every worker), past its lease (another worker then sent the message again).
+# An attempt is cut off after this many timeouts in all.
+ATTEMPT_TIMEOUTS = 2
 
 
 def sign(secret: str, msg_id: str, payload: str, when: datetime | None = None) -> dict[str, str]:
@@ -73,8 +82,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
     limit = max(1, settings.webhook_per_host)
     claimed: list[WebhookDelivery] = []
     hosts: list[str] = []
-    # Claimed until the attempt's deadline: if this process dies mid-attempt, another one retries later. The
-    # timeout bounds each of an attempt's phases (connect, write, read, a pooled connection), not the whole.
+    # Claimed until past the attempt's deadline (ATTEMPT_TIMEOUTS, after the DNS answer): if this process dies
+    # mid-attempt, another one retries later.
     lease_seconds = 4 * settings.webhook_timeout_seconds + 30
     lease_until, lease_ends = utcnow() + timedelta(seconds=lease_seconds), time.monotonic() + lease_seconds
     with session_scope() as session:
@@ -134,24 +143,34 @@ def _attempt(settings: Settings, msg_id: str, url: str, payload: str,
     except UnsafeURL as exc:
         return None, f"refused: {exc}", True
     headers = {**sign(secret, msg_id, payload), "host": target.host_header}
-    address = target.addresses[0]
+    tried: list[str] = []
+    limit = ATTEMPT_TIMEOUTS * settings.webhook_timeout_seconds
     try:
-        # follow_redirects=False: a redirect could point at an internal address; a 3xx is a failed attempt.
-        with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
-                          verify=_tls_context()) as client:
-            for i, address in enumerate(target.addresses):
-                try:
-                    # Streamed and closed unread: only the status matters, however big the body.
-                    with client.stream("POST", target.url_for(address), content=payload.encode(),
-                                       headers=headers, extensions=target.extensions) as response:
-                        status_code = response.status_code
-                    break
-                except httpx.ConnectError:
-                    if i == len(target.addresses) - 1:
-                        raise  # otherwise the host's next vetted address, as a plain connect would
+        # An event loop of its own (this is one of the delivery threads): a task is cut off cleanly at its
+        # deadline, with its connection closed, which a blocking read cannot be.
+        status_code = asyncio.run(asyncio.wait_for(
+            _post(target, headers, payload.encode(), settings.webhook_timeout_seconds, tried), limit))
+    except TimeoutError:
+        return None, f"no whole answer within {limit:g} s (at {tried[-1] if tried else '?'})", False
     except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc} (at {address})", False
+        return None, f"{type(exc).__name__}: {exc} (at {tried[-1] if tried else '?'})", False
     return status_code, None if 200 <= status_code < 300 else f"HTTP {status_code}", False
+
+
+async def _post(target: Target, headers: dict[str, str], body: bytes, timeout: float, tried: list[str]) -> int:
+    # follow_redirects=False: a redirect could point at an internal address; a 3xx is a failed attempt.
+    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, verify=_tls_context()) as client:
+        for i, address in enumerate(target.addresses):
+            tried.append(address)
+            try:
+                # Streamed and closed unread: only the status matters, however big the body.
+                async with client.stream("POST", target.url_for(address), content=body, headers=headers,
+                                         extensions=target.extensions) as response:
+                    return response.status_code
+            except httpx.ConnectError:
+                if i == len(target.addresses) - 1:
+                    raise  # otherwise the host's next vetted address, as a plain connect would
+    raise UnsafeURL("no address to connect to")  # pin() gives at least one
 
 
 def _record(settings: Settings, claimed: _Claimed, status_code: int | None, error: str | None,
@@ -181,7 +200,7 @@ def _record(settings: Settings, claimed: _Claimed, status_code: int | None, erro
             count(session, "webhook_deliveries_finished", label=row.status)
         attempts = row.attempts
     if error:
-        log.info("webhook %s to %s failed (attempt %s): %s", claimed.id, claimed.url, attempts, error)
+        log.info("webhook %s to %s failed (attempt %s): %s", claimed.id, claimed.host, attempts, error)
 
 
 def _record_while_leased(settings: Settings, claimed: _Claimed, outcome: tuple) -> None:
