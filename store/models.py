@@ -261,7 +261,8 @@ class WebhookDelivery(Base):
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=True,
                                                  index=True)
     url: Mapped[str] = mapped_column(Text)
-    payload: Mapped[str] = mapped_column(Text)
+    # Deferred: a job's whole results; the views that show a delivery's state need none of it.
+    payload: Mapped[str] = mapped_column(Text, deferred=True)
     # pending, delivered, failed
     status: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -331,6 +331,40 @@ def test_a_receiver_trickling_its_answer_is_cut_off(empty_queue, make_key, monke
     assert "s3cr3t" not in caplog.text and "trickle.example" in caplog.text
 
 
+def test_a_claim_reads_the_payloads_of_the_rows_it_claims_only(empty_queue, make_key) -> None:  # type: ignore[no-untyped-def]
+    """A payload is a job's whole results (megabytes for a large job). Each claim looks through up to a
+    thousand due rows, most passed over (their host at its limit), and every attempt that ends claims again:
+    it read each row's payload each time."""
+    from collections import Counter
+
+    from sqlalchemy import event
+
+    from store.db import get_engine
+    from worker import webhooks
+
+    big = json.dumps({"type": "job.succeeded", "data": {"scores": [0.5] * 50_000}})
+    with session_scope() as session:
+        from store.models import ApiKey
+
+        _, secret = make_key()
+        key_id = session.scalars(select(ApiKey.id).where(ApiKey.webhook_secret == secret)).one()
+        session.add_all([WebhookDelivery(api_key_id=key_id, url=f"http://{host}.example/hook", payload=big)
+                         for host in ["busy"] * 5 + ["free"]])
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args) -> None:  # type: ignore[no-untyped-def]
+        statements.append(statement)
+
+    event.listen(get_engine(), "before_cursor_execute", seen)
+    try:
+        claimed = webhooks._claim_due(get_settings(), 10, Counter({"busy.example": 4}), set())
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", seen)
+    assert [c.host for c in claimed] == ["free.example"] and claimed[0].payload == big
+    reading_payloads = [s for s in statements if s.lstrip().upper().startswith("SELECT") and ".payload" in s]
+    assert len(reading_payloads) == 1 and " IN " in reading_payloads[0].upper(), statements
+
+
 def test_stopping_does_not_wait_past_its_timeout(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from worker.webhooks import Dispatcher
 
@@ -362,7 +396,7 @@ def test_two_workers_on_sqlite_never_claim_one_delivery_twice(tmp_path,  # type:
     from collections import Counter
     from contextlib import contextmanager
 
-    from sqlalchemy import create_engine
+    from sqlalchemy import Select, create_engine
     from sqlalchemy.orm import sessionmaker
 
     from migrations import upgrade
@@ -382,22 +416,28 @@ def test_two_workers_on_sqlite_never_claim_one_delivery_twice(tmp_path,  # type:
     settings = get_settings()
     other_worker: list = []
 
+    class Rows:
+        def __init__(self, rows: list) -> None:
+            self.rows = rows
+
+        def all(self) -> list:
+            return self.rows
+
     @contextmanager
     def scope():  # type: ignore[no-untyped-def]
         with sessions() as session, session.begin():
-            read = session.scalars
+            execute = session.execute
 
-            class Interleaved:
-                def __init__(self, query) -> None:  # type: ignore[no-untyped-def]
-                    self.rows = read(query).all()
+            def interleaved(statement, *args, **kwargs):  # type: ignore[no-untyped-def]
+                result = execute(statement, *args, **kwargs)
+                if other_worker or not isinstance(statement, Select):
+                    return result
+                rows = result.all()  # the due deliveries this worker has just read, which the other one claims
+                other_worker.append([])
+                other_worker[0] = webhooks._claim_due(settings, 10, Counter(), set())
+                return Rows(rows)
 
-                def all(self) -> list:
-                    if not other_worker:  # the other worker claims what this one has just read
-                        other_worker.append([])
-                        other_worker[0] = webhooks._claim_due(settings, 10, Counter(), set())
-                    return self.rows
-
-            session.scalars = Interleaved  # type: ignore[method-assign]
+            session.execute = interleaved  # type: ignore[method-assign]
             yield session
 
     monkeypatch.setattr(webhooks, "session_scope", scope)

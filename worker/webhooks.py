@@ -73,6 +73,10 @@ def _host_of(url: str) -> str:
 # their limit still go out.
 _CLAIM_PAGE = 100
 _CLAIM_PAGES = 10
+# What a claim reads of the rows it looks through: not their payloads (a job's whole results, megabytes for
+# a large one), which it reads for the rows it claims only. Most rows looked at are passed over (their host at
+# its limit), again at each claim, and every attempt that ends claims again.
+_SCANNED = (WebhookDelivery.id, WebhookDelivery.url, WebhookDelivery.api_key_id, WebhookDelivery.next_attempt_at)
 
 
 def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set[str]) -> list[_Claimed]:
@@ -80,7 +84,7 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
     WEBHOOK_PER_HOST attempts (`per_host`: attempts in flight by host) and those in flight here (`busy`)."""
     per_host = Counter(per_host)
     limit = max(1, settings.webhook_per_host)
-    claimed: list[WebhookDelivery] = []
+    claimed: list = []  # rows of _SCANNED
     hosts: list[str] = []
     # Claimed until past the attempt's deadline (ATTEMPT_TIMEOUTS, after the DNS answer): if this process dies
     # mid-attempt, another one retries later.
@@ -89,14 +93,14 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
     with session_scope() as session:
         after: tuple[datetime, str] | None = None
         for _ in range(_CLAIM_PAGES):
-            query = (select(WebhookDelivery)
+            query = (select(*_SCANNED)
                      .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= utcnow())
                      .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id)
                      .limit(_CLAIM_PAGE)
                      .with_for_update(skip_locked=True))
             if after is not None:
                 query = query.where(tuple_(WebhookDelivery.next_attempt_at, WebhookDelivery.id) > after)
-            rows = session.scalars(query).all()
+            rows = session.execute(query).all()
             if rows:
                 after = (rows[-1].next_attempt_at, rows[-1].id)
             for row in rows:
@@ -121,7 +125,9 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
             return []
         secrets = dict(session.execute(select(ApiKey.id, ApiKey.webhook_secret)
                                        .where(ApiKey.id.in_({row.api_key_id for row in claimed}))).all())
-        return [_Claimed(row.id, row.url, row.payload, secrets.get(row.api_key_id) or "", host, lease_ends,
+        payloads = dict(session.execute(select(WebhookDelivery.id, WebhookDelivery.payload)
+                                        .where(WebhookDelivery.id.in_([row.id for row in claimed]))).all())
+        return [_Claimed(row.id, row.url, payloads[row.id], secrets.get(row.api_key_id) or "", host, lease_ends,
                          lease_until) for row, host in zip(claimed, hosts)]
 
 
