@@ -61,6 +61,7 @@ class ApiKey(Base):
 
 
 _LIVE = "status IN ('queued', 'running')"
+_FINISHED_INTERACTIVE = "finished_at IS NOT NULL AND batch_id IS NULL"
 
 
 def _partial_index(name: str, columns: tuple[str, ...], condition: str) -> Index:
@@ -105,7 +106,9 @@ class Job(Base, Leased):
                        f"batch_id IS NOT NULL AND {_LIVE}"),
         # Batch results are streamed in pages by id.
         _partial_index("ix_jobs_batch_results", ("batch_id", "id"), "batch_id IS NOT NULL"),
-        _partial_index("ix_jobs_finished", ("finished_at",), "finished_at IS NOT NULL"),  # retention
+        # Retention's look for interactive jobs (a batch's requests go with their batch): without batch_id in
+        # its condition it went through the finished requests of every batch not yet expired.
+        _partial_index("ix_jobs_finished", ("finished_at",), _FINISHED_INTERACTIVE),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job"))
