@@ -3,6 +3,7 @@ database, so every worker's passes show up here without a shared metrics store, 
 at ten rows of history or ten million: running totals are kept in the `counters` table as events happen
 (`count`), and the gauges count only live rows (queued and running jobs, pending deliveries) through indexes."""
 
+import logging
 import random
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import event, func, select
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, SessionTransaction
 
 from store.db import session_factory
@@ -93,6 +95,20 @@ class DatabaseCollector(Collector):
         self.sessions = sessions
 
     def collect(self) -> Iterator:  # type: ignore[type-arg]
+        up = GaugeMetricFamily("packscore_database_up", "Whether this scrape could read the database (0: the "
+                               "database's figures are missing from it)")
+        try:
+            families = list(self._from_database())
+        except SQLAlchemyError as exc:  # the database down: a scrape still gives this process's own figures
+            logging.getLogger(__name__).warning("metrics: the database could not be read (%s)", type(exc).__name__)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    def _from_database(self) -> Iterator:  # type: ignore[type-arg]
         with (self.sessions or session_factory())() as session:
             totals = {(name, label): value for name, label, value in session.execute(
                 select(CounterRow.name, CounterRow.label, func.sum(CounterRow.value))

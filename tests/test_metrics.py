@@ -205,3 +205,12 @@ def test_passes_export_host_and_device_time(client, make_key, empty_queue) -> No
     # The host's share counts the planning too, which the pass's own time does not.
     assert 0.75 * seconds - 0.02 * passes <= host + device <= 1.25 * seconds + 0.02 * passes
     assert 0 < delta("packscore_device_idle_seconds_total") < seconds
+
+
+def test_a_scrape_while_the_database_is_down_still_answers() -> None:
+    """The database's figures failed the whole scrape (a 500): the API's own request figures went with them,
+    just when they say most. Now they come without the database's, and packscore_database_up says why."""
+    from tests.service_harness import free_port
+
+    down = sessionmaker(create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/packscore"))
+    assert scrape(down) == {"packscore_database_up": 0.0}
