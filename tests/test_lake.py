@@ -938,8 +938,9 @@ def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settin
     assert lake.settle(created["id"])
     assert not lake.settle(created["id"])  # settled once: one webhook
     with session_scope() as session:
-        hooks = session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == created["id"])).all()
-    assert [json.loads(h.payload)["type"] for h in hooks] == ["batch.cancelled"]
+        payloads = session.scalars(select(WebhookDelivery.payload)
+                                   .where(WebhookDelivery.batch_id == created["id"])).all()
+    assert [json.loads(payload)["type"] for payload in payloads] == ["batch.cancelled"]
     batch = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
     assert batch["status"] == "cancelled" and batch["chunks"]["cancelled"] == 4
     manifest = json.loads((root / "out" / created["id"] / "_manifest.json").read_text())

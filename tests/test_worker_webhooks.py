@@ -365,6 +365,25 @@ def test_a_claim_reads_the_payloads_of_the_rows_it_claims_only(empty_queue, make
     assert len(reading_payloads) == 1 and " IN " in reading_payloads[0].upper(), statements
 
 
+def test_a_tls_error_after_the_handshake_is_a_failed_attempt(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """anyio's TLS stream raises an ssl.SSLError after the handshake as it is (a receiver that asks for a client
+    certificate alerts on the first read), not as an httpx error: the attempt went unrecorded, claimed again
+    after each lease for good, never reaching the end of its retry schedule."""
+    import ssl
+
+    from worker import webhooks
+
+    async def alert(*args) -> int:  # type: ignore[no-untyped-def]
+        raise ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert certificate required")
+
+    monkeypatch.setattr(webhooks, "_post", alert)
+    delivery_id, _ = _delivery(make_key, "http://127.0.0.1:9/hook")
+    assert deliver_due(get_settings()) == 1
+    with session_scope() as session:
+        row = session.get(WebhookDelivery, delivery_id)
+        assert (row.status, row.attempts) == ("pending", 1) and "CERTIFICATE_REQUIRED" in row.last_error
+
+
 def test_stopping_does_not_wait_past_its_timeout(empty_queue, make_key, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from worker.webhooks import Dispatcher
 

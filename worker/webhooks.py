@@ -158,7 +158,9 @@ def _attempt(settings: Settings, msg_id: str, url: str, payload: str,
             _post(target, headers, payload.encode(), settings.webhook_timeout_seconds, tried), limit))
     except TimeoutError:
         return None, f"no whole answer within {limit:g} s (at {tried[-1] if tried else '?'})", False
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, OSError) as exc:  # OSError: an ssl.SSLError after the handshake, which anyio's
+        # TLS stream raises as it is (a receiver asking for a client certificate); otherwise the attempt went
+        # unrecorded and was claimed again after each lease, never reaching its retry schedule's end.
         return None, f"{type(exc).__name__}: {exc} (at {tried[-1] if tried else '?'})", False
     return status_code, None if 200 <= status_code < 300 else f"HTTP {status_code}", False
 
