@@ -792,7 +792,7 @@ def test_broken_objects_on_every_store_are_refused_with_a_4xx(client, make_key, 
             assert 400 <= response.status_code < 500, (store, odd, response.text)
 
 
-def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+def test_bad_rows_and_a_missing_or_rewritten_object_fail_only_their_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
                                                                         lake_settings) -> None:
     key, _ = make_key()
     root = Path(lake_settings.batch_local_root)
@@ -809,14 +809,15 @@ def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, m
     created = client.post("/batches", json=body, headers=auth(key))
     assert created.status_code == 201, created.text
     batch_id = created.json()["id"]
-    # After planning: c.parquet is corrupted, a.parquet removed.
+    # After planning: c.parquet is rewritten (corrupt: the version check names it as the change it is), a.parquet
+    # removed.
     (root / "in" / "c.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
     (root / "in" / "a.parquet").unlink()
     done = wait_batch(client, key, batch_id)
     assert done["status"] == "completed" and done["chunks"]["failed"] == 2
     rows = results(client, key, batch_id)
     chunk_errors = sorted(r["error"]["code"] for r in rows if "chunk" in r)
-    assert chunk_errors == ["input_corrupt", "input_not_found"]
+    assert chunk_errors == ["input_changed", "input_not_found"]
     by_id = {r["pair_id"]: r for r in rows if "chunk" not in r}
     assert by_id[1]["scores"] is not None and "error" not in by_id[1]
     assert by_id[2]["error"]["code"] == "invalid_row"
@@ -824,7 +825,7 @@ def test_bad_rows_and_a_missing_or_corrupt_object_fail_only_their_rows(client, m
     assert by_id[4]["error"]["code"] == "too_many_tokens"
     manifest = json.loads((root / "out" / batch_id / "_manifest.json").read_text())
     assert manifest["rows"] == 4 and manifest["rows_failed"] == 3
-    assert {c["error"]["code"] for c in manifest["failed_chunks"]} == {"input_corrupt", "input_not_found"}
+    assert {c["error"]["code"] for c in manifest["failed_chunks"]} == {"input_changed", "input_not_found"}
 
 
 def test_empty_and_header_only_csv_parts_in_a_folder_add_no_rows(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
