@@ -24,7 +24,7 @@ from sqlalchemy.exc import OperationalError
 from standardwebhooks import Webhook
 
 from store.counters import count
-from store.db import session_scope
+from store.db import among, session_scope
 from store.models import ApiKey, WebhookDelivery, utcnow
 from store.outbox import Target, UnresolvedHost, UnsafeURL, pin
 from store.settings import Settings
@@ -125,8 +125,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
             return []
         secrets = dict(session.execute(select(ApiKey.id, ApiKey.webhook_secret)
                                        .where(ApiKey.id.in_({row.api_key_id for row in claimed}))).all())
-        payloads = dict(session.execute(select(WebhookDelivery.id, WebhookDelivery.payload)
-                                        .where(WebhookDelivery.id.in_([row.id for row in claimed]))).all())
+        payloads = dict(session.execute(select(WebhookDelivery.id, WebhookDelivery.payload).where(
+            among(session, WebhookDelivery.id, [row.id for row in claimed]))).all())
         return [_Claimed(row.id, row.url, payloads[row.id], secrets.get(row.api_key_id) or "", host, lease_ends,
                          lease_until) for row, host in zip(claimed, hosts)]
 
