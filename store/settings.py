@@ -146,9 +146,11 @@ class Settings(BaseSettings):
     webhook_retry_schedule: Annotated[list[float], NoDecode] = [1, 5, 30, 120, 600, 1800, 3600]
     webhook_timeout_seconds: float = 10.0
     webhook_poll_seconds: float = 1.0
-    # Delivery attempts in flight at once per worker, and at most this many of them to one host.
+    # Delivery attempts in flight at once per worker, at most this many of them to one host, and at most this
+    # many for one API key (a key's slow receivers, on however many host names, leave the other keys slots).
     webhook_concurrency: int = 16
     webhook_per_host: int = 4
+    webhook_per_key: int = 8
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
 

@@ -357,7 +357,7 @@ def test_a_claim_reads_the_payloads_of_the_rows_it_claims_only(empty_queue, make
 
     event.listen(get_engine(), "before_cursor_execute", seen)
     try:
-        claimed = webhooks._claim_due(get_settings(), 10, Counter({"busy.example": 4}), set())
+        claimed = webhooks._claim_due(get_settings(), 10, Counter({("host", "busy.example"): 4}), set())
     finally:
         event.remove(get_engine(), "before_cursor_execute", seen)
     assert [c.host for c in claimed] == ["free.example"] and claimed[0].payload == big
@@ -517,3 +517,43 @@ def test_an_attempt_that_outlasts_its_claim_does_not_record_over_the_next(  # ty
     with session_scope() as session:
         row = session.get(WebhookDelivery, delivery_id)
         assert (row.status, row.attempts, row.last_status_code) == ("delivered", 1, 200)
+
+
+def test_one_keys_slow_receivers_on_many_host_names_do_not_hold_up_other_keys(  # type: ignore[no-untyped-def]
+        empty_queue, make_key, webhook_receiver, monkeypatch) -> None:
+    """The per-host limit counts host names: one key's deliveries to slow receivers on 16 names (one server
+    behind them all) held every slot of the worker, and another key's delivery waited out their attempts.
+    WEBHOOK_PER_KEY leaves the other keys slots."""
+    import threading
+
+    from store.models import ApiKey
+
+    _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host.endswith(".example") else None)
+    slow = SlowReceiver(delay=3)
+    try:
+        hosts = [f"h{i}.slow.example" for i in range(16)]
+        _, secret = make_key()
+        with session_scope() as session:
+            key_id = session.scalars(select(ApiKey.id).where(ApiKey.webhook_secret == secret)).one()
+            slow_rows = [WebhookDelivery(api_key_id=key_id, url=f"http://{host}:{slow.port}/hook",
+                                         payload=json.dumps({"type": "job.succeeded"})) for host in hosts]
+            session.add_all(slow_rows)
+            session.flush()
+            slow_ids = [row.id for row in slow_rows]
+        time.sleep(0.01)  # the other key's delivery is due after them: oldest first, it would wait behind them
+        fast_port = webhook_receiver.server.server_address[1]
+        fast_id, _ = _delivery(make_key, f"http://fast.example:{fast_port}/hook")
+        settings = Settings(webhook_allowlist=[*hosts, "fast.example"], webhook_timeout_seconds=10)
+        start = time.monotonic()
+        runner = threading.Thread(target=deliver_due, args=(settings,))
+        runner.start()
+        while not webhook_receiver.requests and time.monotonic() - start < 2.5:
+            time.sleep(0.02)
+        fast_after = time.monotonic() - start
+        runner.join(timeout=60)
+        assert fast_after < 1.5, f"the other key's delivery waited {fast_after:.1f}s behind the slow ones"
+        assert slow.most == settings.webhook_per_key == 8
+        with session_scope() as session:
+            assert {session.get(WebhookDelivery, i).status for i in [*slow_ids, fast_id]} == {"delivered"}
+    finally:
+        slow.receiver.close()

@@ -2,7 +2,8 @@
 
 Each attempt resolves the URL's host once, vets the addresses and connects to a vetted address (Host header and
 TLS server name from the URL), so DNS rebinding cannot swap in an internal address between check and connect.
-Attempts run concurrently (WEBHOOK_CONCURRENCY per worker, WEBHOOK_PER_HOST per host); a DNS failure is
+Attempts run concurrently (WEBHOOK_CONCURRENCY per worker, WEBHOOK_PER_HOST per host and WEBHOOK_PER_KEY per API
+key); a DNS failure is
 retried like any transport error, an address the guard forbids fails the delivery for good."""
 
 import asyncio
@@ -58,6 +59,7 @@ class _Claimed:
     payload: str
     secret: str
     host: str  # for the per-host limit
+    key_id: str  # the API key's, for the per-key limit
     lease_ends: float  # time.monotonic() when another worker may claim it again
     lease_until: datetime  # the row's next_attempt_at while this claim holds it
 
@@ -67,6 +69,12 @@ def _host_of(url: str) -> str:
         return urlsplit(url).hostname or ""
     except ValueError:
         return ""
+
+
+def _limited_by(host: str, key_id: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """What an attempt counts against: its host's limit and its API key's. The host's alone let one key hold
+    every slot with slow receivers on as many host names (a.example, b.example, ...: one server behind them)."""
+    return ("host", host), ("key", key_id)
 
 
 # A claim looks through up to _CLAIM_PAGES pages of due rows, so deliveries queued behind a backlog for hosts at
@@ -79,11 +87,13 @@ _CLAIM_PAGES = 10
 _SCANNED = (WebhookDelivery.id, WebhookDelivery.url, WebhookDelivery.api_key_id, WebhookDelivery.next_attempt_at)
 
 
-def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set[str]) -> list[_Claimed]:
+def _claim_due(settings: Settings, slots: int, in_flight: Counter[tuple[str, str]],
+               busy: set[str]) -> list[_Claimed]:
     """Claims up to `slots` due deliveries, oldest first, skipping those whose host already has
-    WEBHOOK_PER_HOST attempts (`per_host`: attempts in flight by host) and those in flight here (`busy`)."""
-    per_host = Counter(per_host)
-    limit = max(1, settings.webhook_per_host)
+    WEBHOOK_PER_HOST attempts or whose API key WEBHOOK_PER_KEY (`in_flight`: attempts by `_limited_by`), and
+    those in flight here (`busy`)."""
+    in_flight = Counter(in_flight)
+    limits = {"host": max(1, settings.webhook_per_host), "key": max(1, settings.webhook_per_key)}
     claimed: list = []  # rows of _SCANNED
     hosts: list[str] = []
     # Claimed until past the attempt's deadline (ATTEMPT_TIMEOUTS, after the DNS answer): if this process dies
@@ -105,7 +115,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
                 after = (rows[-1].next_attempt_at, rows[-1].id)
             for row in rows:
                 host = _host_of(row.url)
-                if row.id in busy or per_host[host] >= limit:
+                counted = _limited_by(host, row.api_key_id)
+                if row.id in busy or any(in_flight[what] >= limits[what[0]] for what in counted):
                     continue  # left due: a later claim (here or in another worker) takes it
                 # Only if it is still as read: SQLite has no FOR UPDATE, and another worker that read it too may
                 # have claimed it meanwhile (two workers of an embedded deployment delivered messages twice).
@@ -114,7 +125,7 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
                         WebhookDelivery.next_attempt_at == row.next_attempt_at)
                         .values(next_attempt_at=lease_until).execution_options(synchronize_session=False)).rowcount:
                     continue
-                per_host[host] += 1
+                in_flight.update(counted)
                 claimed.append(row)
                 hosts.append(host)
                 if len(claimed) == slots:
@@ -127,8 +138,8 @@ def _claim_due(settings: Settings, slots: int, per_host: Counter[str], busy: set
                                        .where(ApiKey.id.in_({row.api_key_id for row in claimed}))).all())
         payloads = dict(session.execute(select(WebhookDelivery.id, WebhookDelivery.payload).where(
             among(session, WebhookDelivery.id, [row.id for row in claimed]))).all())
-        return [_Claimed(row.id, row.url, payloads[row.id], secrets.get(row.api_key_id) or "", host, lease_ends,
-                         lease_until) for row, host in zip(claimed, hosts)]
+        return [_Claimed(row.id, row.url, payloads[row.id], secrets.get(row.api_key_id) or "", host,
+                         row.api_key_id, lease_ends, lease_until) for row, host in zip(claimed, hosts)]
 
 
 @functools.cache
@@ -226,8 +237,9 @@ def _record_while_leased(settings: Settings, claimed: _Claimed, outcome: tuple) 
 
 
 class Dispatcher:
-    """Runs delivery attempts concurrently: at most WEBHOOK_CONCURRENCY at once in this process, and at most
-    WEBHOOK_PER_HOST of them to one host, so a slow receiver holds up its own deliveries only.
+    """Runs delivery attempts concurrently: at most WEBHOOK_CONCURRENCY at once in this process, at most
+    WEBHOOK_PER_HOST of them to one host and WEBHOOK_PER_KEY for one API key, so a slow receiver holds up its
+    own deliveries only, and a key's slow receivers its own key's.
 
     `dispatch` claims due deliveries as far as free slots allow and starts their attempts without waiting;
     each attempt records its result (attempts, status, next retry) when it ends. The threads are daemons:
@@ -237,8 +249,8 @@ class Dispatcher:
         self._lock = threading.Lock()  # the bookkeeping below
         self._claim_lock = threading.Lock()  # one claim at a time: slots are counted before, taken after
         self._idle = threading.Condition(self._lock)
-        self._in_flight: dict[str, str] = {}  # message id -> host
-        self._per_host: Counter[str] = Counter()
+        self._in_flight: dict[str, tuple[tuple[str, str], ...]] = {}  # message id -> what it counts against
+        self._counted: Counter[tuple[str, str]] = Counter()  # attempts by _limited_by
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = 0
         self._stopping = False
@@ -252,18 +264,18 @@ class Dispatcher:
                 if self._stopping:
                     return []
                 slots = max(1, settings.webhook_concurrency) - len(self._in_flight)
-                per_host, busy = Counter(self._per_host), set(self._in_flight)
+                in_flight, busy = Counter(self._counted), set(self._in_flight)
             if slots <= 0:
                 return []
-            claimed = _claim_due(settings, slots, per_host, busy)
+            claimed = _claim_due(settings, slots, in_flight, busy)
             futures = []
             with self._lock:
                 while self._threads < max(1, settings.webhook_concurrency):
                     threading.Thread(target=self._run, name=f"webhook-{self._threads}", daemon=True).start()
                     self._threads += 1
                 for delivery in claimed:
-                    self._in_flight[delivery.id] = delivery.host
-                    self._per_host[delivery.host] += 1
+                    self._in_flight[delivery.id] = counted = _limited_by(delivery.host, delivery.key_id)
+                    self._counted.update(counted)
                     future: Future = Future()
                     futures.append(future)
                     self._queue.put((settings, delivery, future, refill))
@@ -280,10 +292,8 @@ class Dispatcher:
                 log.exception("webhook %s: could not record the attempt", delivery.id)
                 error = exc
             with self._lock:  # the slot is free before anyone sees the future done
-                del self._in_flight[delivery.id]
-                self._per_host[delivery.host] -= 1
-                if not self._per_host[delivery.host]:
-                    del self._per_host[delivery.host]
+                self._counted.subtract(self._in_flight.pop(delivery.id))
+                self._counted = +self._counted  # drops the zeros: hosts and keys come and go
                 self._idle.notify_all()
             if error is None:
                 future.set_result(None)
