@@ -205,6 +205,28 @@ def test_a_wake_up_as_the_loop_hands_back_claims_nothing(client, make_key, empty
     assert (job.status, job.lease_owner) == ("queued", None)
 
 
+def test_a_hand_back_does_not_undo_a_lease_taken_over_meanwhile(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    """A stopping worker hands back the jobs still leased to it. It read them unlocked, then wrote by id: had
+    the sweeper ended the expired lease and another worker claimed the job between the read and the write, the
+    hand-back put that worker's job back in the queue under it (to be run twice). Now the read locks the rows
+    and waits, and then finds the job no longer its own."""
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    assert [job.id for job in claims.claim_jobs("worker-a", settings)] == [job_id]
+    with session_scope() as session:  # the sweeper and worker-b, in one transaction held open
+        session.execute(select(Job).where(Job.id == job_id).with_for_update())
+        session.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b",
+                                                                   attempts=Job.attempts + 1))
+        handing_back = threading.Thread(target=finishing.release, args=("worker-a", settings, [job_id], None))
+        handing_back.start()
+        handing_back.join(1.0)  # it waits for the lock (before, it read the row as worker-a's and wrote after)
+    handing_back.join(30)
+    assert not handing_back.is_alive()
+    job = job_row(job_id)
+    assert (job.status, job.lease_owner, job.attempts) == ("running", "worker-b", 2)
+
+
 def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     body = many_items(40)
