@@ -154,6 +154,30 @@ def test_local_paths_stay_under_the_root(tmp_path: Path) -> None:
     assert refused.value.code == "local_paths_disabled"
 
 
+def test_hidden_files_and_folders_under_the_root_are_never_served(tmp_path: Path) -> None:
+    """`serve --embedded` serves the folder it started in and keeps its API key and database in .packscore/
+    there: another key naming the key file as a CSV input read the key back in `unknown_column`'s message."""
+    root = tmp_path / "root"
+    (root / ".packscore").mkdir(parents=True)
+    (root / ".packscore" / "api_key").write_text("psk_the_embedded_key\n")
+    (root / "data").mkdir()
+    (root / "data" / "a.csv").write_text("q,d\nx,y\n")
+    (root / "data" / "key.csv").symlink_to(root / ".packscore" / "api_key")
+    access = Access(str(root), [])
+    assert [o.path for o in access.expand("data/a.csv")] == [str(root / "data" / "a.csv")]
+    for uri in [".packscore/api_key", ".packscore/", str(root / ".packscore" / "api_key"), "data/key.csv",
+                ".packscore/*", f"file://{root}/.packscore/api_key"]:
+        with pytest.raises(ServiceError) as refused:
+            access.expand(uri)
+        assert (refused.value.status, refused.value.code) == (400, "path_outside_root"), uri
+    with pytest.raises(ServiceError) as refused:
+        access.location(".packscore/out/", "output")
+    assert refused.value.code == "path_outside_root"
+    with pytest.raises(ServiceError) as refused:  # a glob matching a link to it: refused, as a link out of the root
+        access.expand("data/*")
+    assert refused.value.code == "path_outside_root"
+
+
 def test_each_object_is_input_once_and_a_batchs_own_output_never(tmp_path: Path) -> None:
     """A `**` glob matched a file and each folder above it, each listed again: the rows ran twice or three
     times. And results written inside the input's folder were read as input when the batch ran again."""

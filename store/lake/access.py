@@ -93,18 +93,18 @@ class Access:
             raise refusal("path_outside_root", f"{what}: '..' is not allowed in a path")
         # The part before a wildcard is resolved (symlinks followed) and must stay under the root.
         static = _static_part(str(path))
-        if not _within(Path(static).resolve(), self.local_root):
+        if not _served(Path(static).resolve(), self.local_root):
             # Which of input and output, and the root: a local service's root is the folder it was started in,
             # which the user may not have in mind.
             raise refusal("path_outside_root", f"{what} {path} is not under BATCH_LOCAL_ROOT ({self.local_root}; "
-                                               "symlinks followed)")
+                                               "symlinks followed), or is a hidden file or folder there")
         folder = "/" if uri.endswith("/") and not str(path).endswith("/") else ""  # "a folder's objects"
         return Location("file", str(Path(static).resolve()) + str(path)[len(static):] + folder)
 
     def allows(self, location: Location) -> bool:
         """Whether a concrete object (a glob's match, say) is still inside what this key may read."""
         if location.protocol == "file":
-            return self.local_root is not None and _within(Path(location.path).resolve(), self.local_root)
+            return self.local_root is not None and _served(Path(location.path).resolve(), self.local_root)
         return any(_under(location, prefix) for prefix in self.prefixes)
 
     def expand(self, uris: str | list[str], output: Location | None = None) -> list[Location]:
@@ -207,6 +207,13 @@ def _under(location: Location, prefix: Location) -> bool:
 
 def _within(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
+
+
+def _served(path: Path, root: Path) -> bool:
+    """Under the root, through no hidden file or folder there: `serve --embedded` keeps its API key and its
+    database in .packscore/ under the folder it serves, and a batch naming the key file as its input read the
+    key back in its error (the CSV header it did not find its columns in)."""
+    return _within(path, root) and not any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def _static_part(path: str) -> str:
