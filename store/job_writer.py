@@ -136,6 +136,13 @@ class JobWriter:
             closed, self._closed = self._closed, set()
             return closed
 
+    def claimed_again(self, job_id: str) -> None:
+        """The loop holds this job under a new lease (its claim was written after any close of the old one):
+        a close not yet taken was the old lease's. Taken after the new claim, it dropped the job, whose items
+        then never ran while the heartbeat kept its lease: `running` until the worker restarted."""
+        with self._lock:
+            self._closed.discard(job_id)
+
     def boundary(self, b: Boundary, batch_of: dict[str, str]) -> Future:
         """Queues a pass boundary's writes (`batch_of`: the batch of each of its jobs that has one)."""
         return self._put(b, batch_of)
@@ -157,7 +164,7 @@ class JobWriter:
         def work() -> None:
             release(owner, settings, job_ids, error)
             settle_batches(batch_ids)  # after an error a request may have failed for good
-            self._close(set(job_ids))
+            self._on_closed(set(job_ids))  # the loop let them go already: not for take_closed
         return self.submit(work)
 
     def close(self, timeout: float = 60) -> BaseException | None:

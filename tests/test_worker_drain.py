@@ -316,6 +316,29 @@ def test_engine_crash_requeues(client, make_key, empty_queue, monkeypatch) -> No
     assert job.status == "failed" and job.error_code == "internal_error" and job.attempts == 2
 
 
+def test_a_job_taken_back_after_an_engine_fault_runs_to_its_end(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                 monkeypatch) -> None:
+    """After an engine fault the loop hands its jobs back and runs again, and its next claim takes the same job
+    again. The hand-back had also told the loop the job was no longer its own, which the loop read after taking
+    it back: it dropped the job, whose items were never launched, and kept extending its lease: `running`
+    until the worker restarted. Only a job of several passes: one of a single pass ended before the drop."""
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(300))
+    scorer = get_scorer()
+    original, faults = scorer.launch, [RuntimeError("a transient device fault")]
+
+    def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if faults:
+            raise faults.pop()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scorer, "launch", launch)
+    drain_module.drain(scorer, "worker-a", get_settings())
+    job = job_row(job_id)
+    assert (job.status, job.attempts, job.items_done) == ("succeeded", 2, 300), (job.status, job.items_done)
+    assert job_id not in drain_module.active_jobs.snapshot()
+
+
 def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     low = submit(client, key, many_items(2))

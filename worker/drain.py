@@ -130,6 +130,7 @@ class JobBook:
 
     def hold(self, job: ClaimedJob) -> None:
         self.held[job.id] = job
+        self.writer.claimed_again(job.id)
         active_jobs.add([job.id])
 
     def advance(self, job: ClaimedJob, done: int) -> None:
