@@ -60,7 +60,7 @@ def _storable(text: str) -> str:
 
 def start_batch(session: Session, key: ApiKey, model: str, settings: Settings, webhook_url: str | None,
                 metadata: dict | None) -> Batch:
-    """Commits the batch row (status validating), so it is visible while its upload streams in."""
+    """Commits the batch row (status validating), so it is visible while its upload comes in."""
     vet_webhook_url(webhook_url, settings.webhook_allowlist)
     batch = Batch(api_key_id=key.id, model=model, webhook_url=webhook_url, metadata_=metadata)
     session.add(batch)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import create_engine, event, select, text, update
 from sqlalchemy.orm import sessionmaker
 
 from api.deps import get_api_settings, get_db
@@ -372,6 +372,42 @@ def test_large_upload_does_not_block_the_event_loop(database: str, make_key) -> 
             time.sleep(0.05)
     assert result["response"].status_code == 201, result["response"].text
     assert slowest < 1.0, f"/healthz took {slowest:.2f} s during the upload"
+
+
+def test_an_upload_that_stalls_holds_no_transaction_open(database: str, make_key) -> None:  # type: ignore[no-untyped-def]
+    """An upload's requests were written a chunk at a time as its lines came, in one transaction committed at
+    its end: a client that sent some lines and then stalled held that transaction open (on SQLite the one write
+    lock: every other write of every key failed; on PostgreSQL a pooled connection each). Now the upload is
+    received whole first."""
+    key, _ = make_key()
+    app = create_app()
+    app.dependency_overrides[get_api_settings] = lambda: Settings(batch_chunk_rows=2)
+    stalled, go_on = threading.Event(), threading.Event()
+
+    def body():  # type: ignore[no-untyped-def]
+        for i in range(6):
+            yield (json.dumps({"custom_id": f"line-{i}", **BODY}) + "\n").encode()
+        stalled.set()
+        go_on.wait(30)
+        yield json.dumps({"custom_id": "line-6", **BODY}).encode()
+
+    in_transaction = text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                          "AND state LIKE 'idle in transaction%'")
+    with InProcessServer(app) as base:
+        result: dict = {}
+        uploading = threading.Thread(target=lambda: result.update(response=httpx.post(
+            f"{base}/batches", content=body(), timeout=60,
+            headers={"Authorization": f"Bearer {key}", "content-type": "application/jsonl"})))
+        uploading.start()
+        assert stalled.wait(30)
+        time.sleep(1.0)  # the server has read the six lines
+        with session_scope() as session:
+            held = session.scalar(in_transaction)
+        go_on.set()
+        uploading.join(60)
+    assert held == 0, f"{held} transaction(s) held open while the upload stalled"
+    assert result["response"].status_code == 201, result["response"].text
+    assert result["response"].json()["counts"]["total"] == 7
 
 
 def test_authentication_gives_its_connection_back(make_key) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,9 @@
 import json
 import logging
+import tempfile
 import time
-from typing import Annotated, Literal
+from collections.abc import AsyncIterator
+from typing import IO, Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -71,7 +73,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     """Create a batch from a JSONL file sent as the raw body (one request per line, each with a `custom_id`;
     `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
     "webhook_url", "metadata"}`. A line is a job's fields, or an OpenAI Batch API line (`method`, `url`:
-    /v1/score or /v1/rerank, `body`). The upload is validated line by line as it streams in: a bad line
+    /v1/score or /v1/rerank, `body`). The upload is received whole, then validated line by line: a bad line
     becomes an error result of its own. An upload with no JSON object line is a 400. A batch runs one model:
     `model` (a query parameter, or a field of the JSON body), else its first request's.
 
@@ -114,10 +116,9 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
         if body is not None:
             await run_in_threadpool(ingest.add_values, body.requests)
         else:
-            async for lines in batches.jsonl_lines(request.stream(), settings):
-                if time.monotonic() > deadline:
-                    raise batches.upload_timeout()
-                await run_in_threadpool(ingest.add_lines, lines)
+            with await _spool(request.stream(), deadline, settings) as spooled:
+                async for lines in batches.jsonl_lines(_read_back(spooled), settings):
+                    await run_in_threadpool(ingest.add_lines, lines)
         batch = await run_in_threadpool(ingest.finish)
     except ClientDisconnect:
         await _fail_upload(session, batch, "upload_interrupted", "the client went away during the upload")
@@ -148,6 +149,37 @@ def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: 
 def read(session: Session, batch: Batch) -> BatchOut:
     """An uploaded batch's counts come from its jobs, a reference batch's from its chunks."""
     return chunks.read_reference(session, batch) if batch.source is not None else batches.read_batch(session, batch)
+
+
+# An upload is received whole before its requests are written, which they are in one transaction (an upload
+# that breaks off keeps none): written as they came, a client that sent a chunk of lines and then slowed down or
+# stalled held that transaction open, on SQLite the database's one write lock (every other write waited, then
+# failed: 503s for every key, and the workers' results), on PostgreSQL a pooled connection.
+_SPOOL_IN_MEMORY_BYTES = 1 << 20
+
+
+async def _spool(stream: AsyncIterator[bytes], deadline: float, settings: Settings) -> IO[bytes]:
+    """The body in a temporary file (in memory up to _SPOOL_IN_MEMORY_BYTES), at most BATCH_MAX_BYTES, by
+    the upload's deadline."""
+    spooled = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY_BYTES)
+    try:
+        async for data in stream:
+            if time.monotonic() > deadline:
+                raise batches.upload_timeout()
+            if spooled.tell() + len(data) > settings.batch_max_bytes:
+                raise ServiceError(413, "batch_too_large",
+                                   f"a batch file is at most {settings.batch_max_bytes} bytes")
+            spooled.write(data)
+    except BaseException:
+        spooled.close()
+        raise
+    spooled.seek(0)
+    return spooled
+
+
+async def _read_back(spooled: IO[bytes], size: int = 1 << 20) -> AsyncIterator[bytes]:
+    while data := spooled.read(size):
+        yield data
 
 
 async def _fail_upload(session: Session, batch: Batch, code: str, message: str) -> None:
