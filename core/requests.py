@@ -233,15 +233,18 @@ class RequestTokenizer:
     or raises ScoringError with a stable code."""
 
     def __init__(self, tokenizer, vocab_size: int, *, model_name: str, max_items: int = 100_000,
-                 max_tokens: int = 4_000_000, max_labels: int = 4096, max_sequence_tokens: int = 8192):
+                 max_tokens: int = 4_000_000, max_labels: int = 4096, max_scores: int = 1_000_000,
+                 max_sequence_tokens: int = 8192):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.max_items = max_items
         self.max_tokens = max_tokens
         # The results hold items x labels values (a float per pair in every pass's output, and in the database):
-        # bounded like the items.
+        # bounded like the items, and together: each limit alone let 100,000 items x 4,096 labels through,
+        # 11 GB of JSON to answer (a 27 KB body).
         self.max_labels = max_labels
+        self.max_scores = max_scores
         self.max_sequence_tokens = max_sequence_tokens
 
     @classmethod
@@ -288,8 +291,7 @@ class RequestTokenizer:
         if ((labels < 0) | (labels >= self.vocab_size)).any():
             bad = int(labels[(labels < 0) | (labels >= self.vocab_size)][0])
             raise ScoringError("label_token_id_out_of_range", f"label token id {bad} is outside [0, {self.vocab_size})")
-        if request.n_items > self.max_items:
-            raise ScoringError("too_many_items", f"{request.n_items} items; the limit is {self.max_items}")
+        self._check_counts(request.n_items, len(labels))
         tokens = np.frombuffer(data, "<i4")[4 + len(labels) + request.n_items:]
         outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))
         if len(outside):
@@ -363,6 +365,13 @@ class RequestTokenizer:
         if n > self.max_labels:
             raise ScoringError("too_many_labels", f"{n} label token ids; the limit is {self.max_labels}")
 
+    def _check_counts(self, items: int, labels: int) -> None:
+        if items > self.max_items:
+            raise ScoringError("too_many_items", f"{items} items; the limit is {self.max_items}")
+        if items * labels > self.max_scores:
+            raise ScoringError("too_many_labels", f"{items} items x {labels} label token ids is {items * labels} "
+                                                  f"scores; the limit is {self.max_scores} (MAX_SCORES)")
+
     def _check_shape(self, query, items, label_token_ids) -> bool:  # type: ignore[no-untyped-def]
         """Checks what can be checked before encoding (labels, the items' count and types); whether the request
         is in text (else token ids)."""
@@ -379,8 +388,7 @@ class RequestTokenizer:
                                f"label token id {bad[0]} is outside [0, {self.vocab_size})")
         if not isinstance(items, (list, tuple)):
             raise ScoringError("invalid_input", "items must be a list")
-        if len(items) > self.max_items:
-            raise ScoringError("too_many_items", f"{len(items)} items; the limit is {self.max_items}")
+        self._check_counts(len(items), len(label_token_ids))
         text_query = isinstance(query, str)
         if not text_query and not isinstance(query, (list, tuple)):
             raise ScoringError("invalid_input", "query must be a string or a list of token ids")

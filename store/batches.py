@@ -155,7 +155,10 @@ class Ingest:
         model = self._model_of(body.model)
         rerank = None
         if isinstance(body, RerankRequest):
-            body, rerank = model.rerank.score_input(body)
+            try:
+                body, rerank = model.rerank.score_input(body)
+            except ScoringError as exc:
+                raise LineError(exc.code, exc.message) from None
         digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
         if digest in self._seen:
             raise LineError("duplicate_custom_id",

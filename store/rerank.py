@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from core import RequestTokenizer
+from core import RequestTokenizer, ScoringError
 from core.requests import ModelSource
 from store.schemas import RerankInput, ScoreInput
 
@@ -98,6 +98,7 @@ class RerankPrompt:
 
     template: RerankTemplate
     label_token_ids: tuple[int, ...]
+    limits: RequestTokenizer  # its tokenizer and request limits
 
     def score_input(self, body: RerankInput) -> tuple[ScoreInput, dict]:
         """The scoring request of a rerank request, and what its results need (stored with the job)."""
@@ -106,11 +107,26 @@ class RerankPrompt:
         values = {"query": body.query, "instruction": instruction_text}
         query, suffix = fill(self.template.prefix, values), fill(self.template.suffix, values)
         separator = self.template.separator
+        self._check_size(len(body.documents), suffix)
         items = [separator + (doc if isinstance(doc, str) else doc.text) + suffix for doc in body.documents]
         score = ScoreInput(query=query, items=items, label_token_ids=list(self.label_token_ids),
                            apply_softmax=len(self.label_token_ids) > 1, model=body.model)
         return score, {"top_n": body.top_n or None, "return_documents": body.return_documents,
                        "separator": separator, "suffix": suffix}
+
+    def _check_size(self, documents: int, suffix: str) -> None:
+        """Refuses, before the items are built, a request whose documents alone are over the limits: the
+        suffix (the instruction, in some templates) goes after every document, and 200 empty documents with a
+        100 KB instruction built and tokenized 5,000,000 tokens of text to be refused after (0.35 GB of the
+        API's memory for a 100 KB body). Its tokens, less a couple that may merge with the document's end."""
+        limits = self.limits
+        if documents > limits.max_items:
+            raise ScoringError("too_many_items", f"{documents} documents; the limit is {limits.max_items}")
+        per_document = len(limits.tokenizer(suffix, add_special_tokens=False).input_ids) - 2 if suffix else 0
+        if documents * per_document > limits.max_tokens:
+            raise ScoringError("too_many_tokens", f"{documents} documents, each followed by the template's "
+                                                  f"{per_document + 2}-token suffix (its instruction), are over "
+                                                  f"{limits.max_tokens} tokens")
 
 
 def template_for(setting: str, model: str, model_cache_dir: str | None = None) -> RerankTemplate:
@@ -172,4 +188,4 @@ def rerank_prompt(template: RerankTemplate, request_tokenizer: RequestTokenizer)
         ids.append(tokens[0])
     if len(ids) not in (1, 2) or len(set(ids)) != len(ids):
         raise ValueError(f"a rerank template needs two distinct labels (yes, no) or one (yes), got {template.labels}")
-    return RerankPrompt(template, tuple(ids))
+    return RerankPrompt(template, tuple(ids), request_tokenizer)

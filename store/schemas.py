@@ -35,6 +35,7 @@ def check_storable(data: object) -> None:
 
 
 MAX_METADATA_DEPTH = 32
+MAX_INSTRUCTION_CHARS = 4096
 
 
 def check_metadata(value: object) -> object:
@@ -42,6 +43,12 @@ def check_metadata(value: object) -> object:
     MAX_METADATA_DEPTH: it is stored and echoed back as sent, and pydantic's serializer, which echoes it, stops
     at about 255 levels (a 500 after the job was taken)."""
     check_storable(value)
+    try:  # Python's parser takes NaN and Infinity, which JSON has not: stored, they came back as null
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ValueError("metadata must be JSON: NaN and Infinity are not numbers there") from None
+    except TypeError:
+        pass  # not JSON-shaped: the field's type says what is wrong
     level, depth = [value], 0
     while level := [v for v in level if isinstance(v, (dict, list))]:
         depth += 1
@@ -138,6 +145,8 @@ class ScoreResponse(BaseModel):
 
 
 class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # Cohere's `title`, say, is not read: refused, not dropped
+
     text: str
 
 
@@ -150,8 +159,9 @@ class RerankInput(_ValidUnicode):
     # None or 0 (vLLM's default): every document.
     top_n: StrictInt | None = Field(default=None, ge=0)
     return_documents: StrictBool = True
-    # The task, in Qwen3-Reranker's words; the template's default when unset.
-    instruction: str | None = None
+    # The task, in Qwen3-Reranker's words; the template's default when unset. Bounded: some templates repeat
+    # it after every document.
+    instruction: str | None = Field(default=None, max_length=MAX_INSTRUCTION_CHARS)
 
 
 class RerankRequest(RerankInput, _DropInBody):

@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     max_items: int = 100_000
     max_tokens: int = 4_000_000
     max_labels: int = 4096
+    max_scores: int = 1_000_000  # items x labels of one request: the size of its results
     # Tokens per packed pass (None: the engine's default for the backend).
     pass_tokens: int | None = None
     # bfloat16 on accelerators (no further from float32 than transformers' own bfloat16: docs/score-semantics.md);
@@ -214,7 +215,8 @@ class Settings(BaseSettings):
     @property
     def request_limits(self) -> dict[str, int]:
         """The engine's request limits: the API validates with the same ones the workers score with."""
-        return {"max_items": self.max_items, "max_tokens": self.max_tokens, "max_labels": self.max_labels}
+        return {"max_items": self.max_items, "max_tokens": self.max_tokens, "max_labels": self.max_labels,
+                "max_scores": self.max_scores}
 
     @property
     def celery_broker_url(self) -> str:

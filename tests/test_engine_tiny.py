@@ -99,6 +99,8 @@ def test_empty_items_and_order(tiny):
     (("q", ["a"] * 101, [1]), "too_many_items"),
     (([1] * 300, [[2] * 300], [1]), "too_many_tokens"),
     (("q", ["a"], [1] * 9), "too_many_labels"),
+    (("q", ["a"] * 26, [1] * 8), "too_many_labels"),  # 208 scores: items x labels over MAX_SCORES
+    (("q", ["a"] * 101, [1] * 8), "too_many_items"),  # the items' own limit first
     (("q", "abc", [1]), "invalid_input"),
     (("q", ["a"], [1.5]), "invalid_input"),
     (("q\ud800", ["a"], [1]), "invalid_input"),
@@ -107,7 +109,7 @@ def test_empty_items_and_order(tiny):
 ])
 def test_error_codes(tiny, args, code):
     limited = Scorer(tiny.config, tiny.model, tiny.tokenizer, name="tiny", max_items=100, max_tokens=500,
-                     max_labels=8)
+                     max_labels=8, max_scores=200)
     with pytest.raises(ScoringError) as err:
         limited.logprobs(*args)
     assert err.value.code == code and code in ERROR_CODES

@@ -92,12 +92,32 @@ def test_rerank_top_n_documents_and_instruction(client, make_key, clean) -> None
     ({"query": "q", "documents": ["a"], "top_n": -1}, 422, "invalid_input"),
     ({"query": "q", "documents": ["a"], "model": "Qwen3-Reranker-0.6B"}, 400, "unknown_model"),
     ({"query": "q", "documents": ["x"] * 5001}, 400, "too_many_items"),
+    ({"query": "q", "documents": [{"text": "a", "title": "not read"}]}, 422, "invalid_input"),
+    ({"query": "q", "documents": ["a"], "instruction": "x" * 4097}, 422, "invalid_input"),
 ])
 def test_rerank_errors(client, make_key, body: dict, status: int, code: str) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     response = client.post("/v1/rerank", json=body, headers=auth(key))
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code
+
+
+def test_documents_over_the_limits_with_their_suffix_are_refused_before_they_are_built(  # type: ignore[no-untyped-def]
+        client, make_key, monkeypatch) -> None:
+    """The template's suffix (the instruction, in the bundled model's) goes after every document: 200 empty
+    documents with a 100 KB instruction built and tokenized 5,000,000 tokens of text before too_many_tokens."""
+    from core import RequestTokenizer
+
+    tokenized: list[int] = []
+    original = RequestTokenizer.tokenize
+    monkeypatch.setattr(RequestTokenizer, "tokenize", lambda self, query, items, *rest: (
+        tokenized.append(len(items)), original(self, query, items, *rest))[1])
+    key, _ = make_key()
+    body = {"query": "q", "documents": [""] * 2000, "instruction": "word " * 200}  # 2,000 x 200 tokens
+    for path, extra in (("/v1/rerank", {}), ("/jobs", {"kind": "rerank"})):
+        response = client.post(path, json={**body, **extra}, headers=auth(key))
+        assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_tokens", response.text
+    assert tokenized == []
 
 
 def test_rerank_job(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]

@@ -62,6 +62,10 @@ JOBS = ("/jobs",)
     (json.dumps({**BODY, "query": ""}).encode(), 400, "empty_query", BOTH),
     (json.dumps({**BODY, "items": ["x"] * 5001}).encode(), 400, "too_many_items", BOTH),
     (json.dumps({**BODY, "label_token_ids": [5] * 4097}).encode(), 400, "too_many_labels", BOTH),
+    # 1,000 items x 4,096 labels: each under its limit, 4 million scores (MAX_SCORES) together.
+    (json.dumps({**BODY, "items": ["x"] * 1000, "label_token_ids": [5] * 4096}).encode(), 400, "too_many_labels",
+     BOTH),
+    (b'{"query": "q", "items": ["a"], "label_token_ids": [1], "metadata": {"x": NaN}}', 422, "invalid_input", JOBS),
     (json.dumps({**BODY, "query": "word " * 120_000}).encode(), 400, "too_many_tokens", BOTH),
     (b'{"query": "\\ud800 lone surrogate", "items": ["a"], "label_token_ids": [1]}', 422, "invalid_input", BOTH),
     (b'{"query": "q", "items": ["a"], "label_token_ids": [1], "metadata": ' + b'{"a":' * 5000 + b"1"

@@ -561,7 +561,7 @@ def test_stored_requests_are_checked_as_their_token_ids() -> None:
     same error code."""
     from core import RequestTokenizer, ScoringError
 
-    checker = RequestTokenizer(None, 100, model_name="m", max_items=3, max_tokens=20, max_labels=4,
+    checker = RequestTokenizer(None, 100, model_name="m", max_items=3, max_tokens=20, max_labels=4, max_scores=8,
                                max_sequence_tokens=8)
     good = TokenizedRequest((1, 2), ((3,), (), (4, 5)), (6, 7), False)
     assert checker.check_stored(good.to_bytes()) == good == checker.tokenize([1, 2], [[3], [], [4, 5]], [6, 7])
@@ -570,7 +570,8 @@ def test_stored_requests_are_checked_as_their_token_ids() -> None:
                       (TokenizedRequest((1,), ((2,),) * 4, (3,)), "too_many_items"),
                       (TokenizedRequest((), ((2,),), (3,)), "empty_query"),
                       (TokenizedRequest((1,) * 5, ((2,) * 4,), (3,)), "too_many_tokens"),
-                      (TokenizedRequest((1,), ((2,),), (3,) * 5), "too_many_labels")):
+                      (TokenizedRequest((1,), ((2,),), (3,) * 5), "too_many_labels"),
+                      (TokenizedRequest((1,), ((2,),) * 3, (3,) * 3), "too_many_labels")):  # 9 scores
         with pytest.raises(ScoringError) as stored:
             checker.check_stored(bad.to_bytes())
         with pytest.raises(ScoringError) as tokenized:
