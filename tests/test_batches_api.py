@@ -174,6 +174,21 @@ def test_not_jsonl_and_limits(client, make_key, clean, monkeypatch) -> None:  # 
                  "unauthorized")
 
 
+def test_query_parameters_beside_a_json_body_are_refused(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
+    """A JSON body's batch took its model, webhook and metadata from the body only: `?model=judge` ran on the
+    default model, `?webhook_url=` sent nothing, and an unknown model was a 201."""
+    key, _ = make_key()
+    for params in ({"model": "tiny-random"}, {"model": "no-such-model"}, {"webhook_url": "https://example.com/h"},
+                   {"metadata": '{"run": 1}'}):
+        for body in ({"requests": [request_line(0)]}, {"input": "p.parquet", "output": "out/"}):
+            response = client.post("/batches", json=body, params=params, headers=auth(key))
+            assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_input", \
+                (params, response.text)
+            assert next(iter(params)) in response.json()["error"]["message"]
+    with session_scope() as session:
+        assert session.scalar(text("SELECT count(*) FROM batches")) == 0
+
+
 def test_hostile_values_on_the_batch_routes_get_typed_4xx(client, make_key, clean) -> None:  # type: ignore[no-untyped-def]
     """Each of these was a 500, and the lone surrogate in a batch's metadata was stored: every later read of the
     batch a 500 too."""

@@ -72,10 +72,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
                        ) -> BatchOut:
     """Create a batch from a JSONL file sent as the raw body (one request per line, each with a `custom_id`;
     `webhook_url` and `metadata` as query parameters), or from a JSON body `{"requests": [...],
-    "webhook_url", "metadata"}`. A line is a job's fields, or an OpenAI Batch API line (`method`, `url`:
-    /v1/score or /v1/rerank, `body`). The upload is received whole, then validated line by line: a bad line
-    becomes an error result of its own. An upload with no JSON object line is a 400. A batch runs one model:
-    `model` (a query parameter, or a field of the JSON body), else its first request's.
+    "webhook_url", "metadata", "model"}` (query parameters beside a JSON body are a 422). A line is a job's
+    fields, or an OpenAI Batch API line (`method`, `url`: /v1/score or /v1/rerank, `body`). The upload is
+    received whole, then validated line by line: a bad line becomes an error result of its own. An upload with
+    no JSON object line is a 400. A batch runs one model: `model` (a query parameter, or a field of the JSON
+    body), else its first request's.
 
     A JSON body naming `input` and `output` instead is a reference batch: the data stays in storage (s3://,
     gs://, az://, or a local path under BATCH_LOCAL_ROOT) and is run in chunks; see README "Backfills from
@@ -91,6 +92,11 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     body = None
     if content_type == "application/json":
         body = await _json_body(request, settings.max_body_bytes)
+        given = [name for name, value in (("model", model), ("webhook_url", webhook_url), ("metadata", metadata))
+                 if value is not None]
+        if given:  # read from the body only: a batch ran on the default model, with no webhook, and nothing said so
+            raise ServiceError(422, "invalid_input", f"with a JSON body, give {', '.join(given)} in the body, not "
+                                                     "as query parameters")
         if isinstance(body, BatchSource):
             batch, created = await run_in_threadpool(_create_reference, session, key, body, models, settings)
             if created:
