@@ -2,9 +2,9 @@
 synchronous; `AsyncClient` has the same methods as coroutines, for callers that fan out from asyncio. Each call
 is defined once (`_Calls`); the two clients differ only in how they send it and wait.
 
-Every call backs off and retries on 429 and 503 (honouring Retry-After) and on connection failures, so a
-long backfill rides out a restarting service: up to `max_retries` times, and for at most `retry_seconds` from
-the call's first try when that is set (the CLI sets 30 s by default).
+Every call backs off and retries on 429, on a 503 that says "try again" (honouring Retry-After) and on connection
+failures, so a long backfill rides out a restarting service: up to `max_retries` times, and for at most
+`retry_seconds` from the call's first try when that is set (the CLI sets 30 s by default).
 """
 
 import asyncio
@@ -20,6 +20,9 @@ import httpx
 TERMINAL_JOB = ("succeeded", "failed", "cancelled")
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
 RETRY_STATUSES = (429, 503)
+# The 503s that mean "try again": not `worker_lost` (the job ran and its workers died MAX_ATTEMPTS times, so a
+# POST sent again only makes another job that kills them). None: a 503 that is not the API's (a proxy's page).
+TRANSIENT_503 = ("unavailable", "storage_unreachable", None)
 
 
 class PackscoreError(Exception):
@@ -47,6 +50,21 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _no_answer(method: str, error: httpx.TransportError) -> None:
+    """A POST with no answer in time is no sign of a service down: it may have run, and still be running."""
+    if method != "GET" and isinstance(error, httpx.ReadTimeout):
+        read = error.request.extensions.get("timeout", {}).get("read")
+        raise PackscoreError(504, "no_answer", f"no answer to {method} {error.request.url.path} within {read:g} s; "
+                             "the request may still have run (its job, if it made one: GET /jobs)") from error
+
+
 def _raise_for_error(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -69,6 +87,8 @@ class _Calls(Generic[R]):
     max_retries: int
     max_backoff: float
     retry_seconds: float | None = None
+    timeout: float
+    score_timeout: float | None
     _on_retry: Callable[[str], None] | None
 
     def _call(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
@@ -82,8 +102,10 @@ class _Calls(Generic[R]):
         backoff = min(self.max_backoff, 0.5 * 2 ** attempt)
         if attempt >= self.max_retries:
             return None
+        left = self.max_backoff * 10  # the longest a Retry-After may keep us: at most what is left of retry_seconds
         if self.retry_seconds is not None:
-            backoff = min(backoff, max(0.0, started + self.retry_seconds - time.monotonic()))
+            left = min(left, max(0.0, started + self.retry_seconds - time.monotonic()))
+            backoff = min(backoff, left)
             if backoff <= 0:
                 return None
         if error is not None:
@@ -95,8 +117,10 @@ class _Calls(Generic[R]):
             return backoff
         if response is None or response.status_code not in RETRY_STATUSES:
             return None
+        if response.status_code == 503 and _error_code(response) not in TRANSIENT_503:
+            return None
         wait = _retry_after(response)
-        wait = backoff if wait is None else min(wait, self.max_backoff * 10)
+        wait = backoff if wait is None else min(wait, left)
         self._note_retry(f"HTTP {response.status_code}; retrying in {wait:.1f}s")
         return wait
 
@@ -110,13 +134,20 @@ class _Calls(Generic[R]):
               apply_softmax: bool = False, item_first: bool = False) -> R:
         """POST /v1/score: waits for the scores."""
         return self._call("POST", "/v1/score", {"query": query, "items": items, "label_token_ids": label_token_ids,
-                                                "apply_softmax": apply_softmax, "item_first": item_first})
+                                                "apply_softmax": apply_softmax, "item_first": item_first},
+                          timeout=self._score_timeout())
 
     def rerank(self, query: str, documents: list[str] | list[dict], *, top_n: int | None = None,
                return_documents: bool = True, instruction: str | None = None) -> R:
         """POST /v1/rerank: `{"results": [{"index", "relevance_score", "document"?}]}`, most relevant first."""
         body = {"query": query, "documents": documents, "top_n": top_n, "return_documents": return_documents}
-        return self._call("POST", "/v1/rerank", {**body, **({"instruction": instruction} if instruction else {})})
+        return self._call("POST", "/v1/rerank", {**body, **({"instruction": instruction} if instruction else {})},
+                          timeout=self._score_timeout())
+
+    def _score_timeout(self) -> httpx.Timeout:
+        # The service answers these itself when they run long (504 `timeout` with the job's id, after its
+        # SCORE_TIMEOUT_SECONDS): a read timeout of ours at or below that would cut that answer off.
+        return httpx.Timeout(self.timeout, read=self.score_timeout)
 
     def submit_job(self, request: dict, *, idempotency_key: str | None = None) -> R:
         """POST /jobs with the body of docs/score-semantics.md (plus return_logprobs, webhook_url, metadata), or a
@@ -133,16 +164,19 @@ class _Calls(Generic[R]):
     # ---- batches --------------------------------------------------------------------------
 
     def create_batch(self, requests: list[dict] | Content, *, webhook_url: str | None = None,
-                     metadata: dict | None = None) -> R:
+                     metadata: dict | None = None, timeout: httpx.Timeout | None = None) -> R:
         """POST /batches. `requests` is a list of request dicts (sent as one JSON body) or, for large batches,
-        a function returning the JSONL file's bytes in chunks (streamed; called again if the upload is retried)."""
+        a function returning the JSONL file's bytes in chunks (streamed; called again if the upload is retried).
+        `timeout`: this call's, instead of the client's (the answer comes once the whole upload is ingested:
+        `httpx.Timeout(60.0, read=None)` waits for it however long that takes)."""
+        options = {"timeout": timeout} if timeout is not None else {}
         if isinstance(requests, list):
             return self._call("POST", "/batches", {"requests": requests, "webhook_url": webhook_url,
-                                                   "metadata": metadata})
+                                                   "metadata": metadata}, **options)
         params = {k: v for k, v in (("webhook_url", webhook_url),
                                     ("metadata", json.dumps(metadata) if metadata is not None else None)) if v}
         return self._call("POST", "/batches", content=requests, params=params,
-                          headers={"content-type": "application/jsonl"})
+                          headers={"content-type": "application/jsonl"}, **options)
 
     def create_reference_batch(self, input: str | list[str], output: str, *, format: str | None = None,
                                columns: dict | None = None, label_token_ids: list[int] | None = None,
@@ -186,11 +220,16 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 
 class Client(_Calls[dict]):
-    """`Client(base_url, api_key)`; the key defaults to $PACKSCORE_API_KEY and the URL to $PACKSCORE_URL."""
+    """`Client(base_url, api_key)`; the key defaults to $PACKSCORE_API_KEY and the URL to $PACKSCORE_URL.
+    `timeout` (seconds) is each call's, except that score and rerank wait for the service's answer however long
+    (or `score_timeout` seconds when set; no answer in time raises PackscoreError 504 `no_answer`)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
-                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None) -> None:
+                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
+                 score_timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self.score_timeout = score_timeout
         self.max_retries = max_retries
         self.max_backoff = max_backoff
         self.retry_seconds = retry_seconds
@@ -217,15 +256,16 @@ class Client(_Calls[dict]):
                 response = self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
                 if (wait := self._retry_wait(method, attempt, started, error=exc)) is None:
+                    _no_answer(method, exc)
                     raise
                 self._sleep(wait)
                 continue
+            if response.status_code >= 400 and stream:
+                response.read()  # its error code decides whether to retry
             if (wait := self._retry_wait(method, attempt, started, response)) is not None:
                 response.close()
                 self._sleep(wait)
                 continue
-            if response.status_code >= 400 and stream:
-                response.read()
             _raise_for_error(response)
             return response
         raise AssertionError("unreachable")
@@ -276,7 +316,10 @@ class AsyncClient(_Calls[Awaitable[dict]]):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0,
-                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None) -> None:
+                 on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
+                 score_timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self.score_timeout = score_timeout
         self.max_retries = max_retries
         self.max_backoff = max_backoff
         self.retry_seconds = retry_seconds
@@ -303,15 +346,16 @@ class AsyncClient(_Calls[Awaitable[dict]]):
                 response = await self._http.send(request, stream=stream)
             except httpx.TransportError as exc:
                 if (wait := self._retry_wait(method, attempt, started, error=exc)) is None:
+                    _no_answer(method, exc)
                     raise
                 await asyncio.sleep(wait)
                 continue
+            if response.status_code >= 400 and stream:
+                await response.aread()  # its error code decides whether to retry
             if (wait := self._retry_wait(method, attempt, started, response)) is not None:
                 await response.aclose()
                 await asyncio.sleep(wait)
                 continue
-            if response.status_code >= 400 and stream:
-                await response.aread()
             _raise_for_error(response)
             return response
         raise AssertionError("unreachable")

@@ -4,7 +4,11 @@ tiny-random): Client.rerank, AsyncClient (the same calls as coroutines, fanned o
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +133,96 @@ def test_async_client_backs_off_on_503() -> None:
         assert server.bodies == [b'{"custom_id": "a"}\n'] * 3  # the streamed upload, sent again in full
     finally:
         server.close()
+
+
+@contextmanager
+def answering(answers: list[tuple[int, dict, dict[str, str]]], delay: float = 0.0) -> Iterator[tuple[str, list[str]]]:
+    """A local server answering each POST, `delay` seconds after it came, with the next (status, JSON body, headers),
+    the last again once they run out; yields its URL and the paths it was sent."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            seen.append(self.path)
+            status, body, headers = answers[min(len(seen), len(answers)) - 1]
+            time.sleep(delay)
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            for name, value in {**headers, "content-length": str(len(payload))}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    http.handle_error = lambda *args: None  # type: ignore[method-assign]  # a client that gave up closed its end
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}", seen
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+def test_client_does_not_resend_on_worker_lost() -> None:
+    # Workers kept dying on the job: sending the POST again makes another job, which kills them again.
+    lost = {"error": {"code": "worker_lost", "message": "the worker running this job stopped", "job_id": "job_1"}}
+    with answering([(503, lost, {"Retry-After": "0"})]) as (url, seen), Client(url, "psk_x") as client:
+        with pytest.raises(PackscoreError) as failure:
+            client.score("q", ["a"], [1])
+        assert (failure.value.code, failure.value.body["error"]["job_id"]) == ("worker_lost", "job_1")
+        assert seen == ["/v1/score"]
+    # The database down or busy is worth another try.
+    busy = {"error": {"code": "unavailable", "message": "the database is busy; retry later"}}
+    with answering([(503, busy, {"Retry-After": "0"}), (200, {"scores": [[0.5]]}, {})]) as (url, seen):
+        with Client(url, "psk_x") as client:
+            assert client.score("q", ["a"], [1]) == {"scores": [[0.5]]}
+        assert seen == ["/v1/score"] * 2
+
+
+def test_client_retry_after_kept_within_retry_seconds() -> None:
+    server = ScriptedServer([(503, {"Retry-After": "120"})] * 9)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        time.sleep(min(seconds, 1.0))
+
+    try:
+        with Client(server.url, "psk_x", sleep=sleep, retry_seconds=0.5) as client:
+            with pytest.raises(PackscoreError) as failure:
+                client.get_batch("batch_1")
+        # One wait, to the end of the half second, then the server's own error once none is left.
+        assert len(slept) == 1 and 0 < slept[0] <= 0.5 and len(server.bodies) == 2
+        assert (failure.value.status, failure.value.code, failure.value.message) == (503, "unavailable", "busy")
+    finally:
+        server.close()
+
+
+def test_score_waits_for_the_service_answer() -> None:
+    timed_out = {"error": {"code": "timeout", "message": "job job_1 did not finish within 1 s", "job_id": "job_1"}}
+    # The service's 504 comes after the client's `timeout`, which score and rerank do not apply to their answer.
+    with answering([(504, timed_out, {})], delay=1.0) as (url, seen):
+        with Client(url, "psk_x", timeout=0.5) as client:
+            with pytest.raises(PackscoreError) as failure:
+                client.score("q", ["a"], [1])
+            assert (failure.value.code, failure.value.body["error"]["job_id"]) == ("timeout", "job_1")
+
+            async def rerank() -> dict:
+                async with AsyncClient(url, "psk_x", timeout=0.5) as client:
+                    return await client.rerank("q", ["a"])
+            with pytest.raises(PackscoreError) as failure:
+                asyncio.run(rerank())
+            assert failure.value.code == "timeout"
+            # No answer in time to a POST: not sent again, and not told as a service that cannot be reached.
+            with pytest.raises(PackscoreError) as failure:
+                client.submit_job({"query": "q", "items": ["a"], "label_token_ids": [1]})
+            assert failure.value.code == "no_answer" and "within 0.5 s; the request may still have run" in str(
+                failure.value)
+        with Client(url, "psk_x", score_timeout=0.5) as client, pytest.raises(PackscoreError) as failure:
+            client.score("q", ["a"], [1])
+        assert failure.value.code == "no_answer" and failure.value.message.startswith("no answer to POST /v1/score")
+        assert seen == ["/v1/score", "/v1/rerank", "/jobs", "/v1/score"]
