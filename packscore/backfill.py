@@ -3,7 +3,9 @@ request's result line to the output exactly once.
 
 Resumable: the output itself is the record of what is done (custom_ids already in it are skipped), and
 `RESULTS.jsonl.batch` holds the id of the batch in flight, so a re-run after an interruption follows that
-batch instead of submitting its requests again. A torn last line (the process died mid-write) is dropped.
+batch instead of submitting its requests again. Before the upload it holds a token sent as the batch's
+metadata: a re-run after an upload whose answer never came finds that batch by it. A torn last line (the
+process died mid-write) is dropped. --out must be a results file (or new), not the input.
 
 Lines behave as POST /batches lines: a bad line becomes an error result whose message starts with its line
 number in the file. Results are keyed by custom_id; a line without a usable one (none, not a string of 1 to
@@ -22,12 +24,17 @@ when the batch ends. One the service cannot read is refused before anything is s
 """
 
 import json
+import os
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO
+
+import httpx
 
 from packscore.client import TERMINAL_BATCH, Client, PackscoreError
 
@@ -39,6 +46,12 @@ UPLOAD_MAX_BYTES = 200 * 1024 * 1024
 REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
 # Without a terminal the bar is a line of its own at most this often (a log is not a screen).
 LOG_EVERY_SECONDS = 10.0
+# The service answers an upload only once it has ingested all of it (100,000 lines: a minute or more), so its
+# answer is waited for however long that takes; connecting and sending keep the client's timeouts.
+UPLOAD_TIMEOUT = httpx.Timeout(60.0, read=None)
+# The state file holds `upload-<hex>` while an upload's answer is awaited; the batch carries it as metadata.
+UPLOAD_TOKEN_PREFIX = "upload-"
+UPLOAD_TOKEN_KEY = "packscore_backfill"
 
 
 class BackfillError(Exception):
@@ -102,16 +115,32 @@ def _error_result(line: InputLine, format: str) -> dict:
 
 
 def read_done(path: Path) -> set[str]:
-    """custom_ids already in the output; cuts off a torn last line so that appending stays valid JSONL."""
+    """custom_ids already in the output; cuts off a torn last line so that appending stays valid JSONL. A file
+    that is not a results file is refused before anything in it is changed."""
     if not path.exists():
         return set()
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
+    keep = data.rfind(b"\n") + 1
+    done = set()
+    for number, line in enumerate(data[:keep].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            result = json.loads(line)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict) or "custom_id" not in result:
+            raise BackfillError(f"--out {path} is not a results file (line {number} is not a result line): give "
+                                "a new file, or the one an earlier run of this backfill wrote")
+        done.add(result["custom_id"])
+    torn = data[keep:]
+    if torn.strip():
+        if not torn.lstrip().startswith(b"{"):  # what a result line written in part starts with
+            raise BackfillError(f"--out {path} is not a results file (its last line is not a result line): give a "
+                                "new file, or the one an earlier run of this backfill wrote")
         with path.open("r+b") as f:
             f.truncate(keep)
-        data = data[:keep]
-    return {json.loads(line)["custom_id"] for line in data.splitlines() if line.strip()}
+    return done
 
 
 class ProgressBar:
@@ -211,6 +240,21 @@ def _follow(client: Client, batch_id: str, out: IO[bytes], done: set[str], wante
         time.sleep(poll)
 
 
+def _find_upload(client: Client, token: str, state: Path) -> str:
+    """The id of the batch uploaded with `token` as its metadata, or "" if the service has none (the upload
+    never arrived). Newest first, down to an hour (clocks differ) before the token was written."""
+    since = datetime.fromtimestamp(state.stat().st_mtime).astimezone() - timedelta(hours=1)
+    cursor = None
+    while True:
+        page = client.list_batches(limit=100, cursor=cursor)
+        for batch in page["data"]:
+            if (batch.get("metadata") or {}).get(UPLOAD_TOKEN_KEY) == token:
+                return batch["id"]
+        cursor = page.get("next_cursor")
+        if not cursor or not page["data"] or datetime.fromisoformat(page["data"][-1]["created_at"]) < since:
+            return ""
+
+
 def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: float = 1.0, format: str = "packscore",
                  stderr: IO[str] = sys.stderr) -> int:
     """Runs the backfill to the end; returns how many results (of all the input's requests) are in the output.
@@ -219,6 +263,10 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
     ids: list[str] = []
     wanted: set[str] = set()  # the lines the service scores; the others are refused here
     refused: list[InputLine] = []
+    if out_path.exists() and input_path.exists() and os.path.samefile(input_path, out_path):
+        raise BackfillError(f"--out {out_path} is the input file: results go to a file of their own")
+    # Before anything else: the caller writes an upload too large into --out too.
+    done = read_done(out_path)
     if input_path.stat().st_size > UPLOAD_MAX_BYTES:
         raise UploadTooLarge(f"{input_path} is over the upload limit ({UPLOAD_MAX_BYTES} bytes)")
     for line in read_input(input_path):
@@ -232,7 +280,6 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
             refused.append(line)
     if not ids:
         raise BackfillError(f"{input_path} has no requests")
-    done = read_done(out_path)
     state = Path(f"{out_path}.batch")
     every = set(ids)  # each line's custom_id is its own (a repeated one is refused as line-N)
     bar = ProgressBar(len(every), len(done & every), stderr)
@@ -246,6 +293,8 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
             if not wanted - done:
                 break
             batch_id = state.read_text().strip() if state.exists() else ""
+            if batch_id.startswith(UPLOAD_TOKEN_PREFIX):
+                batch_id = _find_upload(client, batch_id, state)
             if batch_id:
                 try:
                     if client.get_batch(batch_id)["status"] in ("failed", "cancelled"):
@@ -258,7 +307,17 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
                 stderr.write(f"resuming batch {batch_id}\n")
             else:
                 bar.show(len(done & every), "uploading")
-                batch_id = client.create_batch(_upload_chunks(input_path, done))["id"]
+                token = f"{UPLOAD_TOKEN_PREFIX}{uuid.uuid4().hex}"
+                state.write_text(token + "\n")  # before the upload: its batch may exist though no answer comes
+                try:
+                    batch_id = client.create_batch(_upload_chunks(input_path, done), metadata={UPLOAD_TOKEN_KEY: token},
+                                                   timeout=UPLOAD_TIMEOUT)["id"]
+                except httpx.TransportError as exc:
+                    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                        raise  # it never reached the service
+                    raise BackfillError(f"no answer to the upload ({type(exc).__name__}: {exc}); its batch may exist: "
+                                        "run the same command again, which follows that batch (found by the token in "
+                                        f"{state}) or uploads again if there is none") from None
                 state.write_text(batch_id + "\n")
             status = _follow(client, batch_id, out, done, wanted, every, bar, poll, format)
             if wanted - done and status != "completed":

@@ -431,6 +431,12 @@ INPUT_FORMATS = ("jsonl", "parquet", "csv")
 RESULT_FORMATS = ("packscore", "openai")
 
 
+def _reference_failed(batch: dict) -> bool:
+    """A failed chunk is whole objects unscored (missing, corrupt), though the batch still completes: a script
+    running the command must see it."""
+    return batch["status"] != "completed" or bool(batch["chunks"]["failed"])
+
+
 def backfill(args: argparse.Namespace) -> None:
     from packscore.backfill import BackfillError, UploadTooLarge, input_kind, run_backfill, run_reference_backfill
 
@@ -465,7 +471,7 @@ def backfill(args: argparse.Namespace) -> None:
                             out.write(json.dumps(line, separators=(",", ":")) + "\n")
                             lines += 1
                     print(f"{lines} result lines in {args.out}", file=sys.stderr)
-                    if batch["status"] != "completed":
+                    if _reference_failed(batch):
                         sys.exit(1)
                     return
             columns = None
@@ -480,8 +486,7 @@ def backfill(args: argparse.Namespace) -> None:
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
                 label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite)
-            # A failed chunk is whole objects unscored (missing, corrupt): a script running this must see it.
-            if batch["status"] != "completed" or batch["chunks"]["failed"]:
+            if _reference_failed(batch):
                 sys.exit(1)
     except BackfillError as exc:
         raise CommandError(str(exc)) from None

@@ -2,6 +2,7 @@
 `score`, `submit --wait`, and `backfill` interrupted (SIGKILL) and resumed: each custom_id exactly once.
 Also the client's backoff on 429/503 against a scripted HTTP server."""
 
+import io
 import json
 import os
 import signal
@@ -13,10 +14,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from core import Scorer
+from packscore.backfill import UPLOAD_TIMEOUT, BackfillError, run_backfill
 from packscore.client import Client, PackscoreError
 from tests.service_harness import REPO, Service, running_service
 from tests.load_runner import SCORE_RTOL
@@ -140,6 +143,7 @@ class ScriptedServer:
         server = self
         self.script = script
         self.bodies: list[bytes] = []
+        self.delay = 0.0  # seconds before each answer
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
@@ -152,6 +156,7 @@ class ScriptedServer:
                 else:
                     body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 server.bodies.append(body)
+                time.sleep(server.delay)
                 status, headers = server.script.pop(0) if server.script else (200, {})
                 payload = json.dumps({"id": "batch_1", "status": "in_progress"} if status < 400 else
                                      {"error": {"code": "unavailable", "message": "busy"}}).encode()
@@ -192,6 +197,47 @@ def test_client_backs_off_on_429_and_503() -> None:
             assert failure.value.status == 503 and failure.value.code == "unavailable"
     finally:
         server.close()
+
+
+def test_a_batch_upload_waits_for_its_answer_past_the_read_timeout() -> None:
+    """The service answers an upload once it has ingested all of it (100,000 lines: over a minute); a read
+    timeout before that left a batch on the server that the backfill did not know of, and its re-run uploaded a
+    second copy."""
+    server = ScriptedServer([])
+    server.delay = 1.0
+    try:
+        with Client(server.url, "psk_x", timeout=0.3, max_retries=0) as client:
+            batch = client.create_batch(lambda: iter([b'{"custom_id": "a"}\n']), timeout=UPLOAD_TIMEOUT)
+            assert batch["id"] == "batch_1"
+    finally:
+        server.close()
+
+
+def test_backfill_follows_the_batch_of_an_upload_whose_answer_was_lost(service: Service, tmp_path: Path) -> None:
+    """The batch is made though its answer never came (the client gave up, the connection broke): the re-run
+    finds it by the token the state file kept, and does not score everything twice."""
+    uploads: list[dict] = []
+
+    class AnswerLost(Client):
+        def create_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            uploads.append(kwargs)
+            super().create_batch(*args, **kwargs)
+            raise httpx.ReadError("the connection broke before the answer")
+
+    requests = [{"custom_id": f"r{i}", "query": "Pick one.", "items": ["a", "b"], "label_token_ids": [5, 17]}
+                for i in range(20)]
+    source, out = tmp_path / "input.jsonl", tmp_path / "results.jsonl"
+    write_input(source, requests)
+    with Client(service.base_url, service.key) as client:
+        before = len(client.list_batches(limit=100)["data"])
+    with AnswerLost(service.base_url, service.key) as lost, pytest.raises(BackfillError, match="run the same command"):
+        run_backfill(lost, source, out, poll=0.1, stderr=io.StringIO())
+    assert uploads[0]["timeout"].read is None  # the answer is waited for however long the upload takes to ingest
+    _, err = run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
+    assert "resuming batch" in err, err
+    assert sorted(line["custom_id"] for line in read_output(out)) == sorted(r["custom_id"] for r in requests)
+    with Client(service.base_url, service.key) as client:
+        assert len(client.list_batches(limit=100)["data"]) == before + 1, "uploaded once"
 
 
 def failed(service: Service, *args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
@@ -281,5 +327,27 @@ def test_a_reference_backfill_exits_1_where_a_chunk_failed(monkeypatch, status: 
     with pytest.raises(SystemExit) as ended:
         cli.main(["backfill", "s3://bucket/pairs/", "--out", "s3://bucket/scores/", "--query-column", "q",
                   "--item-column", "doc"])
+        raise SystemExit(0)
+    assert ended.value.code == code
+
+
+@pytest.mark.parametrize("status, failed, code", [("completed", 0, 0), ("completed", 1, 1), ("failed", 0, 1)])
+def test_a_jsonl_file_run_as_a_reference_batch_exits_1_where_a_chunk_failed(monkeypatch, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                             status: str, failed: int,
+                                                                             code: int) -> None:
+    """A JSONL file over the upload limit runs as a reference batch: a failed chunk there is requests with no
+    result line, and it exited 0 ("completed: 0 rows (0 errors, 1 chunks failed)")."""
+    import packscore.backfill
+    from packscore import cli
+
+    source = tmp_path / "big.jsonl"
+    write_input(source, [{"custom_id": "a", "query": "q", "items": ["i"], "label_token_ids": [1]}])
+    monkeypatch.setattr(packscore.backfill, "UPLOAD_MAX_BYTES", 10)
+    monkeypatch.setattr(packscore.backfill, "run_reference_backfill",
+                        lambda *args, **kwargs: {"id": "batch_1", "status": status, "chunks": {"failed": failed}})
+    monkeypatch.setattr(Client, "iter_batch_results", lambda *args, **kwargs: iter([]))
+    monkeypatch.setenv("PACKSCORE_URL", "http://127.0.0.1:9")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["backfill", str(source), "--out", str(tmp_path / "out.jsonl"), "--api-key", "psk_x"])
         raise SystemExit(0)
     assert ended.value.code == code

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packscore.backfill import LOG_EVERY_SECONDS, ProgressBar, input_kind, run_reference_backfill
+from packscore.backfill import LOG_EVERY_SECONDS, ProgressBar, input_kind, read_done, run_reference_backfill
 from tests.service_harness import REPO, free_port
 from tests.test_lake import LABELS, lake_settings, pair_table  # noqa: F401  (a fixture)
 
@@ -64,6 +64,26 @@ def test_wrong_inputs_end_in_one_line_not_a_traceback(tmp_path: Path) -> None:
     # s3:// goes to the service as a reference batch (here: none listening, so a one-line connection error).
     result = backfill("s3://my-bucket/requests.jsonl", "--out", "s3://my-bucket/out/", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr and "cannot reach" in result.stderr
+
+
+def test_an_out_that_is_not_a_results_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """--out naming the input cut its last line (no newline at the end) off the user's requests; a text file
+    was a JSONDecodeError traceback. Only a results file's torn last line is cut."""
+    request = '{"custom_id": "a", "query": "q", "items": ["i"], "label_token_ids": [1]}'
+    (tmp_path / "req.jsonl").write_text(request + "\n" + request.replace('"a"', '"b"'))  # no newline at the end
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "tail.txt").write_text('{"custom_id": "x"}\nmy notes')
+    for out, message in [("req.jsonl", "--out req.jsonl is the input file"),
+                         ("notes.txt", "--out notes.txt is not a results file (line 1"),
+                         ("tail.txt", "--out tail.txt is not a results file (its last line")]:
+        before = (tmp_path / out).read_bytes()
+        result = backfill("req.jsonl", "--out", out, cwd=tmp_path)
+        assert result.returncode == 1 and message in result.stderr, (out, result.stderr)
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert (tmp_path / out).read_bytes() == before
+    (tmp_path / "results.jsonl").write_text('{"custom_id": "x", "scores": [[0.5]]}\n{"custom_id": "y", "sco')
+    assert read_done(tmp_path / "results.jsonl") == {"x"}
+    assert (tmp_path / "results.jsonl").read_text() == '{"custom_id": "x", "scores": [[0.5]]}\n'
 
 
 def test_a_file_over_the_upload_limit_is_refused_before_sending(tmp_path: Path) -> None:
