@@ -18,6 +18,8 @@ EMBEDDED_DIR = Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
 EMBEDDED_POINTER = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "packscore" / "embedded_home"
 # How long a client command keeps retrying a service it cannot reach (or that answers 429/503).
 DEFAULT_RETRY_SECONDS = 30.0
+# Seconds `serve` gives the connections still open once asked to stop (README: it stops within 10 s).
+API_STOP_SECONDS = 5
 
 
 class CommandError(Exception):
@@ -239,6 +241,10 @@ def serve(args: argparse.Namespace) -> None:
     # `worker` ends: `make run` runs this without a shell, so make prints no "Error 130" after a Ctrl-C.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, frame: sys.exit(0))
+    # Connections still open when stopping (a /v1/score call waiting for its job) are cut after this long: the
+    # default waits for them, a minute or more.
+    server = uvicorn.Server(uvicorn.Config("api.main:create_app", factory=True, host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=API_STOP_SECONDS))
     child = None
     try:
         if args.embedded:
@@ -252,8 +258,8 @@ def serve(args: argparse.Namespace) -> None:
             # Started again if it fails: a crash must not leave the service accepting jobs that nothing runs.
             child = WorkerSupervisor([DeviceGroup("embedded", allocator)], lambda i: worker_command())
             child.start()
-            child.watch()
-        uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+            child.watch(lambda: server.should_exit)  # Ctrl-C reaches the worker too: its exit 0 is no failure
+        server.run()
     finally:
         if child is not None:
             child.stop()

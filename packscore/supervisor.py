@@ -181,7 +181,7 @@ class _Child:
     started: float = 0.0
     failures: int = 0  # failures in a row, each within STABLE_SECONDS of its start (the backoff doubles)
     restart_at: float | None = None  # set while it waits out its backoff
-    done: bool = False  # exited 0: it was stopped on purpose (Ctrl-C reaches the children too)
+    done: bool = False  # exited 0 while its supervisor was stopping (Ctrl-C reaches the children too)
 
 
 class WorkerSupervisor:
@@ -191,6 +191,8 @@ class WorkerSupervisor:
         self._children = [_Child(group, command(i)) for i, group in enumerate(groups)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        # Whether this process was asked to stop (a signal its own handler took, before stop() is called).
+        self._asked_to_stop: Callable[[], bool] = self._stopping.is_set
 
     def start(self) -> None:
         with self._lock:
@@ -198,7 +200,12 @@ class WorkerSupervisor:
                 self._start(child)
 
     def _start(self, child: _Child) -> None:
-        child.process = subprocess.Popen(child.command, env={**os.environ, **child.group.env})
+        # Its supervisor's pid: a worker whose supervisor died (SIGKILL, OOM) stops itself, not to hold its chips
+        # (and take jobs) beside the workers of the supervisor started again.
+        from worker.celery_app import SUPERVISOR_PID
+
+        env = {**os.environ, **child.group.env, SUPERVISOR_PID: str(os.getpid())}
+        child.process = subprocess.Popen(child.command, env=env)
         child.started, child.restart_at = time.monotonic(), None
         if len(self._children) > 1 or child.group.env:
             print(f"packscore: worker {child.group.name} started (pid {child.process.pid})", file=sys.stderr,
@@ -221,20 +228,25 @@ class WorkerSupervisor:
                 code = child.process.poll()
                 if code is None:
                     continue
-                if code == 0:
+                if code == 0 and self._asked_to_stop():
                     print(f"packscore: worker {child.group.name} stopped", file=sys.stderr, flush=True)
                     child.done = True
                     continue
+                # Exit 0 without this process stopping is a SIGTERM from outside (earlyoom, an operator's kill):
+                # left stopped, the API went on accepting jobs that nothing ran.
+                why = f"failed (exit code {code})" if code else "stopped without its supervisor stopping"
                 child.failures = child.failures + 1 if now - child.started < STABLE_SECONDS else 1
                 delay = min(BACKOFF_SECONDS[0] * 2 ** (child.failures - 1), BACKOFF_SECONDS[1])
-                print(f"packscore: worker {child.group.name} failed (exit code {code}); starting it again in "
-                      f"{delay:.0f} s (its jobs run again once their leases expire)", file=sys.stderr, flush=True)
+                print(f"packscore: worker {child.group.name} {why}; starting it again in {delay:.0f} s (its jobs run "
+                      "again once their leases expire)", file=sys.stderr, flush=True)
                 child.process, child.restart_at = None, now + delay
             return not all(child.done for child in self._children)
 
-    def watch(self) -> None:
+    def watch(self, asked_to_stop: Callable[[], bool]) -> None:
         """Checks the workers in a thread of its own until stop() (for `serve --embedded`, whose main thread
-        runs the API)."""
+        runs the API). `asked_to_stop`: whether the process took a signal to stop (its workers exit 0 on it)."""
+        self._asked_to_stop = lambda: self._stopping.is_set() or asked_to_stop()
+
         def loop() -> None:
             while not self._stopping.wait(POLL_SECONDS) and self.check():
                 pass
@@ -247,6 +259,7 @@ class WorkerSupervisor:
         signalled = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda signum, frame: signalled.set())
+        self._asked_to_stop = signalled.is_set
         self.start()
         while not signalled.wait(POLL_SECONDS) and self.check():
             pass

@@ -58,6 +58,11 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
         while not running_jobs(tmp_path):
             assert time.monotonic() < deadline, "no job started"
             time.sleep(0.1)
+        # And a /v1/score call waiting for its job when the signal comes: uvicorn waited for it to end (its
+        # SCORE_TIMEOUT_SECONDS, a minute) before stopping.
+        waiting = threading.Thread(target=_answer_or_none, args=(f"{base}/v1/score", many, key), daemon=True)
+        waiting.start()
+        time.sleep(0.5)
     finally:
         signalled = time.monotonic()
         if stop == signal.SIGINT:
@@ -101,6 +106,13 @@ def test_a_worker_that_dies_is_started_again(tmp_path: Path) -> None:
         assert "worker embedded failed (exit code -9)" in service.log_path.read_text(errors="replace")
     finally:
         assert service.stop()["seconds"] < 10
+
+
+def _answer_or_none(url: str, body: dict, key: str) -> httpx.Response | None:
+    try:
+        return httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    except httpx.HTTPError:  # the service stopped under it
+        return None
 
 
 def _read(path: Path) -> bytes:

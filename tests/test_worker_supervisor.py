@@ -251,6 +251,21 @@ def test_a_killed_worker_is_started_again_and_its_job_runs_once(
     assert f"worker {group} failed (exit code -9)" in (service.logs / "supervisor.log").read_text()
 
 
+def test_a_worker_stopped_from_outside_is_started_again(supervised: tuple[Service, subprocess.Popen, str]) -> None:
+    """A SIGTERM to one worker alone (earlyoom, an operator's kill) stops it cleanly, exit 0, which the supervisor
+    took for a stop on purpose and left it so: a host of fewer workers, or in embedded mode none, while the API
+    kept accepting jobs."""
+    service, supervisor, url = supervised
+    wait_until(lambda: sum(_alive(pid) for pid in _workers(url)) == 2, 120, "two live workers")
+    stopped = next(pid for pid in _workers(url) if _alive(pid))
+    group = _workers(url)[stopped]
+    os.kill(stopped, signal.SIGTERM)
+    wait_until(lambda: any(g == group and pid != stopped and _alive(pid) for pid, g in _workers(url).items()), 120,
+               f"a new worker for {group}")
+    assert not _alive(stopped) and supervisor.poll() is None
+    assert f"worker {group} stopped without its supervisor stopping" in (service.logs / "supervisor.log").read_text()
+
+
 def test_sigint_stops_every_worker_within_the_stop_time(supervised: tuple[Service, subprocess.Popen, str]) -> None:
     service, supervisor, url = supervised
     wait_until(lambda: sum(_alive(pid) for pid in _workers(url)) == 2, 120, "two live workers")
@@ -263,3 +278,19 @@ def test_sigint_stops_every_worker_within_the_stop_time(supervised: tuple[Servic
     assert not any(_alive(pid) for pid in children)
     # Each stopped cleanly (a killed one would have left its row until it went stale).
     assert not set(children) & set(_workers(url))
+
+
+def test_workers_stop_when_their_supervisor_is_killed(supervised: tuple[Service, subprocess.Popen, str]) -> None:
+    """Started with a plain Popen, the workers of a SIGKILLed supervisor ran on (their parent now init), holding
+    their chips and taking jobs beside the workers of the supervisor started again. Each watches its parent."""
+    service, _, url = supervised
+    supervisor = service.cli("worker", "--devices", "all", "--platform", "cpu", "--chips", "1",
+                             log="supervisor-killed.log")
+    service.workers.append(supervisor)
+    wait_until(lambda: any(_alive(pid) and _parent(pid) == supervisor.pid for pid in _workers(url)), 120,
+               "the supervisor's worker")
+    worker = next(pid for pid in _workers(url) if _alive(pid) and _parent(pid) == supervisor.pid)
+    supervisor.kill()
+    supervisor.wait()
+    wait_until(lambda: not _alive(worker), WORKER_STOP_SECONDS + 10, "the orphaned worker to stop")
+    assert worker not in _workers(url)  # a clean stop: it deregistered

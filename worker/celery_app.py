@@ -9,6 +9,9 @@ from store.broker import drain_queue, make_celery
 from store.settings import get_settings
 
 app = make_celery(get_settings(), include=("worker.tasks",))
+# The variable by which `worker --devices` and `serve --embedded` (packscore/supervisor.py) give each worker they
+# start their own pid (worker/tasks.py stops a worker whose supervisor is gone).
+SUPERVISOR_PID = "PACKSCORE_SUPERVISOR_PID"
 # Celery warns at each start of a worker run as root (a container's default user, `make run` in a root shell).
 # The danger it means is a message unpickled as root; these workers accept JSON only (Celery's default, which
 # the broker settings keep), and Celery itself refuses to start as root if pickle is accepted.

@@ -13,6 +13,7 @@ import linecache
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -25,7 +26,7 @@ import kombu.exceptions
 import pyarrow as pa
 import redis.exceptions
 import sqlalchemy.exc
-from celery.signals import after_setup_logger, worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import after_setup_logger, worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from core.allocator import hand_back_freed_memory, python_objects
 from store import sweeper, workers
@@ -37,7 +38,7 @@ from store.retention import prune
 from store.settings import Settings, get_settings
 from worker import drain as drain_module
 from worker import lake as chunk_feed
-from worker.celery_app import app
+from worker.celery_app import SUPERVISOR_PID, app
 from worker.scorer import get_scorer
 from worker.webhooks import dispatch_due, stop_delivery
 
@@ -52,6 +53,8 @@ _loop: threading.Thread | None = None
 _loop_lock = threading.Lock()
 # A stopping worker waits this long at most for webhook attempts in flight.
 STOP_DELIVERY_SECONDS = 3.0
+# How often a supervised worker checks that its supervisor is still there.
+SUPERVISOR_CHECK_SECONDS = 1.0
 # Set once the engine's programs are warm (WARMUP): until then the heartbeat says "warming" (with the warm-up's
 # programs done and total, for /readyz) and nothing drains.
 _ready = threading.Event()
@@ -215,6 +218,24 @@ def _prune() -> None:
 def _deliver() -> None:
     # Starts the due attempts that free slots allow, without waiting for them (they run in the webhook pool).
     dispatch_due(get_settings())
+
+
+@worker_init.connect
+def _watch_supervisor(**_: object) -> None:
+    """A worker started by a supervisor stops (warm, as on SIGTERM) once that supervisor is gone: SIGKILLed or
+    killed for memory, it left its workers running, holding their chips and taking jobs beside the workers of
+    the supervisor started again (in embedded mode, a second worker on the same SQLite database)."""
+    supervisor = os.environ.get(SUPERVISOR_PID)
+    if not supervisor:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(supervisor):
+            time.sleep(SUPERVISOR_CHECK_SECONDS)
+        log.warning("worker %s: its supervisor (pid %s) is gone; stopping", WORKER_ID, supervisor)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
 @worker_ready.connect
