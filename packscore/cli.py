@@ -4,11 +4,12 @@ backfill`."""
 import argparse
 import ctypes.util
 import json
+import math
 import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 # Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
@@ -322,6 +323,25 @@ def _devices(text: str) -> str:
     return text
 
 
+def _number(convert: Callable[[str], float], positive: bool) -> Callable[[str], float]:
+    """An argparse type for a count or a number of seconds: a negative one would fail deep in the command (an
+    AssertionError in the client's retries, a ValueError from sleep); with `positive`, 0 too (a busy loop)."""
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'positive' if positive else 'non-negative'} "
+                                             f"{'whole number' if convert is int else 'number'}")
+        return value
+    return parse
+
+
+_count, _positive_count = _number(int, False), _number(int, True)
+_non_negative, _positive = _number(float, False), _number(float, True)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -510,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedded", action="store_true",
                    help="SQLite + filesystem broker under ./.packscore, migrations applied, one worker started")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_count, default=8000)
     p.set_defaults(func=serve)
 
     p = commands.add_parser("worker", help="run a scoring worker; with --devices, one per group of chips")
@@ -519,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "worker process per TENSOR_PARALLEL of them, each given its own chips; failed ones restarted")
     p.add_argument("--platform", choices=("tpu", "cuda", "cpu"), help="with --devices: the chips' platform "
                    "(default: found from the host's device files)")
-    p.add_argument("--chips", type=int, help="with --devices: how many chips the host has (default: found)")
+    p.add_argument("--chips", type=_positive_count, help="with --devices: how many chips the host has (default: found)")
     p.add_argument("--dry-run", action="store_true", help="with --devices: print the workers and their chips' "
                    "variables; start nothing")
     p.set_defaults(func=worker)
@@ -530,18 +550,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="device time per op kind (JAX's profiler)")
     p.add_argument("--profile-dir", help="with --profile: keep the trace (Perfetto, TensorBoard) and the programs' "
                    "HLO in this folder")
-    p.add_argument("--query-tokens", "-P", type=int, help="a request shape (as benchmarks.bench's; unset ones from "
-                   "500,100,20): the scored request, and timed besides the contract's")
-    p.add_argument("--items", "-N", type=int)
-    p.add_argument("--item-tokens", "-L", type=int)
+    p.add_argument("--query-tokens", "-P", type=_positive_count, help="a request shape (as benchmarks.bench's; "
+                   "unset ones from 500,100,20): the scored request, and timed besides the contract's")
+    p.add_argument("--items", "-N", type=_positive_count)
+    p.add_argument("--item-tokens", "-L", type=_positive_count)
     p.add_argument("--full-contract", action="store_true", help="time the contract's 2,000-token query and 500 "
                    "items on a CPU too (minutes; a CPU times 500,100,20 by default)")
-    p.add_argument("--tolerance", type=float, help="max |log-prob difference| from the CPU's float32 (default: "
+    p.add_argument("--tolerance", type=_non_negative, help="max |log-prob difference| from the CPU's float32 (default: "
                    "docs/score-semantics.md's bfloat16 rule)")
-    p.add_argument("--memory-gb", type=float, help="a worker's memory, instead of what its chips (or the host) say")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-gb", type=_positive,
+                   help="a worker's memory, instead of what its chips (or the host) say")
+    p.add_argument("--seed", type=_count, default=0)
     p.add_argument("--platform", choices=("tpu", "cuda", "cpu"), help="as worker --devices")
-    p.add_argument("--chips", type=int, help="as worker --devices")
+    p.add_argument("--chips", type=_positive_count, help="as worker --devices")
     p.add_argument("--url", default=os.environ.get("PACKSCORE_URL"),
                    help="a service to send one job through (default $PACKSCORE_URL; none: skipped)")
     p.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the embedded service's key file")
@@ -563,9 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the service (default $PACKSCORE_URL or http://127.0.0.1:8000)")
     connection.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the key file of the service that "
                                               "`packscore serve --embedded` last started ($PACKSCORE_HOME/api_key)")
-    connection.add_argument("--max-retries", type=int, default=30,
+    connection.add_argument("--max-retries", type=_count, default=30,
                             help="retries on 429, 503 and connection errors, with backoff (Retry-After honoured)")
-    connection.add_argument("--retry-seconds", type=float, default=DEFAULT_RETRY_SECONDS,
+    connection.add_argument("--retry-seconds", type=_non_negative, default=DEFAULT_RETRY_SECONDS,
                             help="give up on a call after retrying it this long (default %(default)s s)")
     request = argparse.ArgumentParser(add_help=False)
     request.add_argument("--query", required=True)
@@ -578,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("wait-ready", help="wait until the service is ready (/readyz answers 200)")
     p.add_argument("--url", default=os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds (default %(default)s)")
+    p.add_argument("--timeout", type=_non_negative, default=300.0, help="seconds (default %(default)s)")
     p.set_defaults(func=wait_ready)
 
     p = commands.add_parser("score", parents=[connection, request], help="score one request, print a table")
@@ -587,14 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("rerank", parents=[connection], help="rank documents by relevance to a query (/v1/rerank)")
     p.add_argument("--query", required=True)
     p.add_argument("--document", action="append", required=True, help="repeat for each document")
-    p.add_argument("--top-n", type=int, help="only the N most relevant")
+    p.add_argument("--top-n", type=_count, help="only the N most relevant")
     p.add_argument("--instruction", help="the task, in the template's words (default: the template's)")
     p.add_argument("--json", action="store_true", help="print the API's answer as JSON instead of a table")
     p.set_defaults(func=rerank)
 
     p = commands.add_parser("submit", parents=[connection, request], help="submit one job, print it as JSON")
     p.add_argument("--wait", action="store_true", help="wait until the job has finished")
-    p.add_argument("--poll", type=float, default=0.5)
+    p.add_argument("--poll", type=_positive, default=0.5)
     p.add_argument("--logprobs", action="store_true", help="return_logprobs")
     p.add_argument("--webhook-url")
     p.add_argument("--metadata", type=_json_object, help="a JSON object, echoed back")
@@ -603,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("wait-batch", parents=[connection], help="wait until a batch has ended; print it as JSON")
     p.add_argument("batch_id")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--poll", type=_positive, default=1.0, help="seconds between checks")
     p.set_defaults(func=wait_batch)
 
     p = commands.add_parser("backfill", parents=[connection],
@@ -613,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "JSONL)")
     p.add_argument("--out", required=True, help="results JSONL (appended to, custom_ids in it are skipped); for "
                                                 "data in storage, the URI prefix for the result objects")
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between progress checks")
+    p.add_argument("--poll", type=_positive, default=1.0, help="seconds between progress checks")
     p.add_argument("--format", default="packscore", metavar="{packscore,openai}",
                    help="the result lines written to --out: this service's own, or OpenAI Batch API output lines")
     p.add_argument("--input-format", choices=INPUT_FORMATS,
@@ -656,6 +677,53 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{name}: {exc}")
     except KeyboardInterrupt:
         _fail(f"{name}: interrupted", 130)
+    except OSError as exc:
+        if exc.filename != str(EMBEDDED_DIR):
+            raise
+        _fail(f"{name}: {EMBEDDED_DIR} (the embedded service's folder, $PACKSCORE_HOME): {exc.strerror}", 2)
+    except _settings_errors() as exc:  # evaluated only once an exception gets here: no imports on the way in
+        failure = _settings_failure(exc)
+        if failure is None:
+            raise
+        _fail(f"{name}: {failure[0]}", failure[1])
+
+
+def _settings_errors() -> tuple[type[Exception], ...]:
+    """What a bad setting raises, or a database that DATABASE_URL names and that fails. Imported only when needed:
+    SQLAlchemy alone would add a tenth of a second to every client command."""
+    from pydantic import ValidationError
+    from sqlalchemy.exc import ArgumentError, OperationalError
+
+    from store.settings import SettingsError
+
+    return ValidationError, SettingsError, ArgumentError, OperationalError
+
+
+def _settings_failure(exc: Exception) -> tuple[str, int] | None:
+    """One line and the exit status for a bad setting (2) or a failing database (1); None for anything else."""
+    from pydantic import ValidationError
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, OperationalError
+
+    from store.settings import SettingsError, get_settings
+
+    if isinstance(exc, ValidationError):
+        if exc.title != "Settings":
+            return None
+        problems = []
+        for error in exc.errors(include_url=False):
+            setting = str(error["loc"][0]).upper() if error["loc"] else "settings"
+            value = "" if setting.endswith("_URL") else f"={error['input']!r}"  # a URL may hold a password
+            problems.append(f"{setting}{value}: {error['msg'].removeprefix('Value error, ')}")
+        return "bad setting " + "; ".join(problems) + " (from the environment or .env)", 2
+    if isinstance(exc, SettingsError):
+        return f"bad setting: {exc}", 2
+    if isinstance(exc, ArgumentError):  # NoSuchModuleError too: a URL SQLAlchemy cannot parse or has no driver for
+        return f"bad setting DATABASE_URL: {exc}", 2
+    if isinstance(exc, OperationalError):
+        url = make_url(get_settings().database_url).render_as_string(hide_password=True)
+        return f"the database at {url} failed: {str(exc.orig or exc).strip().splitlines()[0]}", 1
+    return None
 
 
 def _fail(message: str, status: int = 1) -> None:

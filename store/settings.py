@@ -10,17 +10,21 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+class SettingsError(ValueError):
+    """A setting the service cannot run with, found after the settings were read (the CLI reports it as one line)."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/packscore"
     # Threads that run the API's blocking work (validation, tokenization, database calls).
-    api_threads: int = 8
+    api_threads: int = Field(8, gt=0)
     # Connections per process. Above API_THREADS plus a worker's threads, so a burst of requests waits for
     # threads, not for connections; an exhausted pool answers 503 after DB_POOL_TIMEOUT_SECONDS.
-    db_pool_size: int = 20
-    db_max_overflow: int = 30
-    db_pool_timeout_seconds: float = 10.0
+    db_pool_size: int = Field(20, ge=0)  # 0: no limit (SQLAlchemy's)
+    db_max_overflow: int = Field(30, ge=-1)  # -1: no limit (SQLAlchemy's)
+    db_pool_timeout_seconds: float = Field(10.0, ge=0)
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Celery broker; defaults to REDIS_URL. Embedded mode uses "filesystem://".
     broker_url: str | None = None
@@ -37,12 +41,12 @@ class Settings(BaseSettings):
     # Without MODELS: the one model, named as its source. With MODELS: the one a worker serves (a name of
     # MODELS; unset, the first); the API reads MODELS only.
     model: str | None = None
-    max_items: int = 100_000
-    max_tokens: int = 4_000_000
-    max_labels: int = 4096
-    max_scores: int = 1_000_000  # items x labels of one request: the size of its results
+    max_items: int = Field(100_000, gt=0)
+    max_tokens: int = Field(4_000_000, gt=0)
+    max_labels: int = Field(4096, gt=0)
+    max_scores: int = Field(1_000_000, gt=0)  # items x labels of one request: the size of its results
     # Tokens per packed pass (None: the engine's default for the backend).
-    pass_tokens: int | None = None
+    pass_tokens: int | None = Field(None, gt=0)
     # bfloat16 on accelerators (no further from float32 than transformers' own bfloat16: docs/score-semantics.md);
     # float32 on CPU, where bfloat16 is not faster.
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -50,12 +54,12 @@ class Settings(BaseSettings):
     attention: Literal["auto", "xla", "pallas"] = "auto"
     # Compiled pass programs a worker keeps in memory (least recently used go first; each holds tens of MB).
     # Above the warm-up's (21 on CPU), so that programs met later do not evict warmed ones.
-    max_programs: int = 24
+    max_programs: int = Field(24, gt=0)
     # Device memory for recent queries' keys/values (a query shared by requests, or whose items span passes,
     # is computed once). A job whose items span passes starts when its query fits beside those under way.
     # Unset: 256 MiB on CPU; on accelerators a share of the device memory left after the weights and the
     # largest pass (core.scorer.device_prefix_cache_bytes).
-    prefix_cache_bytes: int | None = None
+    prefix_cache_bytes: int | None = Field(None, ge=0)
     # How often a ready worker hands glibc's freed memory back (malloc_trim) and logs its RSS beside the bounded
     # parts (prefix cache, resident programs, Arrow's pool), so that a cache filling up is told from a leak; with
     # trace_python_memory (tracemalloc: slows the worker; for hunting a leak) also the lines whose Python
@@ -83,28 +87,28 @@ class Settings(BaseSettings):
     device_group: str | None = None
     # A GGUF model's converted tokenizer and dequantized weights, kept so that restarts skip the conversion.
     model_cache_dir: str | None = None
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     api_key_prefix: str = "psk_"
 
     # Work claimed by one drain round: jobs are coalesced into packed passes up to these bounds.
-    drain_max_jobs: int = 256
-    drain_max_items: int = 20_000
-    lease_seconds: float = 60.0
+    drain_max_jobs: int = Field(256, gt=0)
+    drain_max_items: int = Field(20_000, gt=0)
+    lease_seconds: float = Field(60.0, gt=0)
     # How often a worker heartbeats its leases and itself, sweeps expired leases and re-kicks idle queued jobs.
-    sweep_interval_seconds: float = 2.0
-    max_attempts: int = 5
+    sweep_interval_seconds: float = Field(2.0, gt=0)
+    max_attempts: int = Field(5, gt=0)
     # A worker not seen for this long is not counted by /readyz.
-    worker_stale_seconds: float = 30.0
+    worker_stale_seconds: float = Field(30.0, gt=0)
 
     # Offline batches (POST /batches): limits per upload (lines, bytes of the JSONL file).
-    batch_max_requests: int = 100_000
-    batch_max_bytes: int = 200 * 1024 * 1024
+    batch_max_requests: int = Field(100_000, gt=0)
+    batch_max_bytes: int = Field(200 * 1024 * 1024, gt=0)
     # Tokens of batch requests a worker claims per drain round (unset: one packed pass). Queued interactive
     # jobs run before the next round, so smaller rounds mean lower interactive latency during a backfill.
-    batch_round_tokens: int | None = None
+    batch_round_tokens: int | None = Field(None, gt=0)
     # An upload still running this long after it began is failed (`upload_timeout`): by the API, or by a
     # worker's sweeper if the API died with it.
-    batch_upload_timeout_seconds: float = 3600.0
+    batch_upload_timeout_seconds: float = Field(3600.0, gt=0)
 
     # Reference batches (POST /batches naming its data; store/lake/): local paths are served only under this
     # folder (unset: none are; `serve --embedded` sets the folder it was started in), and remote URIs only under
@@ -113,47 +117,63 @@ class Settings(BaseSettings):
     batch_storage_prefixes: Annotated[list[str], NoDecode] = []
     # A reference batch is planned into chunks of about this many Parquet rows, or JSONL/CSV bytes; at most
     # this many chunks per batch (not BATCH_MAX_REQUESTS).
-    batch_chunk_rows_target: int = 5000
-    batch_chunk_bytes: int = 8 << 20
+    batch_chunk_rows_target: int = Field(5000, gt=0)
+    batch_chunk_bytes: int = Field(8 << 20, gt=0)
     # A worker whose passes run on the CPU cuts a chunk it reads into pieces of about this many seconds of its
     # own passes (accelerators keep the planned chunks). A piece is also a batch's turn: uploaded batches run
     # for as long between two chunks, and other reference batches take turns chunk by chunk.
-    batch_chunk_seconds: float = 60.0
-    batch_max_chunks: int = 200_000
+    batch_chunk_seconds: float = Field(60.0, gt=0)
+    batch_max_chunks: int = Field(200_000, gt=0)
     # A compressed JSONL file cannot be split into chunks: it is one, so at most this large.
-    batch_compressed_max_bytes: int = 64 << 20
+    batch_compressed_max_bytes: int = Field(64 << 20, gt=0)
 
     # Retention (store/retention.py): finished jobs, their results and webhook deliveries, and finished batches
     # are deleted this long after they finished (as the OpenAI Batch API keeps files); passes after their own.
-    result_ttl_days: float = 30.0
-    pass_history_days: float = 7.0
-    retention_chunk_rows: int = 1000
-    retention_interval_seconds: float = 60.0
+    result_ttl_days: float = Field(30.0, gt=0)
+    pass_history_days: float = Field(7.0, gt=0)
+    retention_chunk_rows: int = Field(1000, gt=0)
+    retention_interval_seconds: float = Field(60.0, gt=0)
     # Rows per database round trip while an upload streams in, and per page of streamed results.
-    batch_chunk_rows: int = 1000
+    batch_chunk_rows: int = Field(1000, gt=0)
 
     # How /v1/rerank turns a query and documents into a scoring request (store/rerank.py): "auto" (Qwen3-Reranker's
     # template for Qwen3 models, "smollm2" for others), a built-in name ("qwen3-reranker", "smollm2"), or a JSON
     # object {"prefix", "suffix", "instruction", "labels": [yes, no]} whose prefix holds {instruction} and {query}.
     rerank_template: str = "auto"
 
-    score_timeout_seconds: float = 60.0
+    score_timeout_seconds: float = Field(60.0, gt=0)
     # How often the API looks for finished /v1/score jobs on SQLite (one query for all waiting calls);
     # Postgres notifies instead.
-    score_poll_seconds: float = 0.05
-    retry_after_seconds: int = 5
+    score_poll_seconds: float = Field(0.05, gt=0)
+    retry_after_seconds: int = Field(5, ge=0)
 
     # Seconds to wait before attempt n+1 of a webhook delivery; its length bounds the attempts.
-    webhook_retry_schedule: Annotated[list[float], NoDecode] = [1, 5, 30, 120, 600, 1800, 3600]
-    webhook_timeout_seconds: float = 10.0
-    webhook_poll_seconds: float = 1.0
+    webhook_retry_schedule: Annotated[list[Annotated[float, Field(ge=0)]], NoDecode] = [1, 5, 30, 120, 600, 1800, 3600]
+    webhook_timeout_seconds: float = Field(10.0, gt=0)
+    webhook_poll_seconds: float = Field(1.0, gt=0)
     # Delivery attempts in flight at once per worker, at most this many of them to one host, and at most this
     # many for one API key (a key's slow receivers, on however many host names, leave the other keys slots).
-    webhook_concurrency: int = 16
-    webhook_per_host: int = 4
-    webhook_per_key: int = 8
+    webhook_concurrency: int = Field(16, gt=0)
+    webhook_per_host: int = Field(4, gt=0)
+    webhook_per_key: int = Field(8, gt=0)
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, url: str) -> str:
+        # Else SQLAlchemy fails at the first query, deep in a traceback: postgres:// (libpq's and Heroku's spelling)
+        # is no dialect of its, and other databases' drivers are not installed. Not shown: it may hold a password.
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            backend = make_url(url).get_backend_name()
+        except (ArgumentError, ValueError):  # ValueError: a port that is no number
+            backend = None
+        if backend not in ("postgresql", "sqlite"):
+            raise ValueError("not a PostgreSQL or SQLite URL (postgresql+psycopg://... or sqlite:///...)")
+        return url
 
     @field_validator("models", mode="before")
     @classmethod
@@ -199,7 +219,7 @@ class Settings(BaseSettings):
         if self.model is None or not self.models:
             return self.default_model
         if self.model not in self.models:
-            raise ValueError(f"MODEL={self.model!r} is not a name of MODELS ({', '.join(self.models)})")
+            raise SettingsError(f"MODEL={self.model!r} is not a name of MODELS ({', '.join(self.models)})")
         return self.model
 
     @field_validator("webhook_allowlist", "webhook_retry_schedule", "batch_storage_prefixes", mode="before")
