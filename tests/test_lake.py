@@ -748,6 +748,22 @@ def test_an_input_rewritten_after_planning_fails_its_chunks_on_every_store(  # t
             assert redone["rows"]["done"] == (18 if change == "grown" else 12)
 
 
+def test_a_uri_given_many_times_is_listed_once(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`input` may list 10,000 URIs: 10,000 copies of one glob listed its folder 10,000 times, in an API thread."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    for i in range(3):
+        (root / "data" / f"part-{i}.csv").write_text("q,doc\n")
+    listings: list[str] = []
+    glob = LocalFileSystem.glob
+    monkeypatch.setattr(LocalFileSystem, "glob",
+                        lambda self, path, **kw: (listings.append(path), glob(self, path, **kw))[1])
+    objects = Access(str(root), []).expand(["data/*.csv"] * 2000)
+    assert [o.name for o in objects] == [f"part-{i}.csv" for i in range(3)] and len(listings) == 1
+
+
 def test_each_plan_lists_the_store_afresh(lake_settings, s3_store, gcs_store, azure_store) -> None:  # type: ignore[no-untyped-def]
     """The stores' filesystems cache their listings as long as the process lives: an export rewritten by another
     client after an earlier batch listed its folder was planned again from its old size and version (every

@@ -116,13 +116,18 @@ class Access:
         in a folder under the root may point out of it."""
         objects: list[Location] = []
         seen: set[str] = set()
-        for uri in [uris] if isinstance(uris, str) else uris:
+        listed_afresh: set[int] = set()
+        # Each URI once: a list of 10,000 copies of one glob listed its folder 10,000 times in an API thread.
+        for uri in dict.fromkeys([uris] if isinstance(uris, str) else uris):
             location = self.location(uri)
             fs = location.fs
             # Listed afresh: the store's listings cache (s3fs's, gcsfs's, adlfs's) lasts as long as the process,
             # and an export rewritten since an earlier batch was planned from its old sizes and versions. All
-            # of it (a folder's entry goes without those of the folders under it), which also bounds its size.
-            fs.invalidate_cache()
+            # of it (a folder's entry goes without those of the folders under it), which also bounds its size;
+            # once per request, so that URIs of one folder share one listing.
+            if id(fs) not in listed_afresh:
+                fs.invalidate_cache()
+                listed_afresh.add(id(fs))
             try:
                 if any(c in location.path for c in GLOB_CHARACTERS):
                     found = sorted(each for path, info in fs.glob(location.path, detail=True).items()
