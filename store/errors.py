@@ -15,7 +15,6 @@ HTTP_CODES = {
     413: "body_too_large",
     415: "unsupported_media_type",
     422: "invalid_input",
-    429: "rate_limited",
     503: "unavailable",
 }
 

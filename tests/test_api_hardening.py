@@ -252,8 +252,12 @@ def test_readme_documents_every_error_the_api_answers() -> None:
     answered |= {(e.status, e.code) for e in (errors.job_error("j", c, "") for c in ("worker_lost", "internal_error"))}
     answered |= {(status, code) for status, code in errors.HTTP_CODES.items()}
     answered |= {(500, "internal_error"), (503, "unavailable")}
-    for path in (Path(__file__).parent.parent / "api").rglob("*.py"):
-        answered |= {(int(s), c) for s, c in re.findall(r'ServiceError\(\s*(\d{3}),\s*"(\w+)"', path.read_text())}
+    for folder in ("api", "store"):  # the data layer's refusals too (the lake's, batches')
+        for path in (Path(__file__).parent.parent / folder).rglob("*.py"):
+            text = path.read_text()
+            answered |= {(int(s), c) for s, c in re.findall(r'ServiceError\(\s*(\d{3}),\s*"(\w+)"', text)}
+            answered |= {(int(s or 400), c) for c, s in
+                         re.findall(r'refusal\(\s*"(\w+)",(?:[^()]|\([^()]*\))*?(?:, (\d{3}))?\)', text)}
     missing = answered - documented_errors()
     assert not missing, f"README's error table lacks {sorted(missing)}"
 
