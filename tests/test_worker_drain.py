@@ -339,6 +339,43 @@ def test_a_job_taken_back_after_an_engine_fault_runs_to_its_end(client, make_key
     assert job_id not in drain_module.active_jobs.snapshot()
 
 
+def test_heartbeats_go_on_while_a_sweep_is_stuck(empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The heartbeat ran in the sweep's loop: a sweep waiting on the object store (a chunk's manifest written to
+    a store that does not answer) held it, this worker's leases ran out and other workers ran its jobs again."""
+    from store.settings import Settings
+    from worker import tasks
+
+    beats: list[float] = []
+    stuck, release = threading.Event(), threading.Event()
+
+    def stuck_sweep(settings) -> bool:  # type: ignore[no-untyped-def]
+        stuck.set()
+        release.wait(30)
+        return False
+
+    monkeypatch.setattr(drain_module, "heartbeat", lambda *args, **kwargs: beats.append(time.monotonic()))
+    monkeypatch.setattr(tasks.sweeper, "sweep", stuck_sweep)
+    for quiet in ("_log_memory", "_deliver", "_prune"):
+        monkeypatch.setattr(tasks, quiet, lambda *args: None)
+    monkeypatch.setattr(tasks, "_ready", threading.Event())
+    tasks._ready.set()
+    get_scorer()  # loaded, as in a worker that is ready
+    threads = tasks._start_background_loops(Settings(sweep_interval_seconds=0.05, webhook_poll_seconds=0.05,
+                                                     retention_interval_seconds=0.05))
+    try:
+        assert stuck.wait(10)
+        beats_then = len(beats)
+        time.sleep(1.0)
+        assert len(beats) - beats_then >= 5, "no heartbeat while the sweep was stuck"
+    finally:
+        release.set()
+        tasks._stop.set()
+        for thread in threads:
+            thread.join(10)
+        tasks._stop.clear()
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     low = submit(client, key, many_items(2))

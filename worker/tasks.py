@@ -193,12 +193,16 @@ def _every(seconds: float, step: Callable[[], None]) -> None:
             log.exception("background step %s failed", step.__name__)
 
 
-def _maintain() -> None:
+def _heartbeat() -> None:
     settings = get_settings()
     drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, get_scorer().attention_path,
                            "ready" if _ready.is_set() else "warming", _warmup)
+
+
+def _maintain() -> None:
     if not _ready.is_set():
         return
+    settings = get_settings()
     _log_memory(settings)
     # Queued jobs that nobody drains (a lost message, a dead worker) while this worker is idle: wake the other
     # workers through the broker, and drain here without waiting for a message. After a Redis restart Celery's
@@ -238,6 +242,19 @@ def _watch_supervisor(**_: object) -> None:
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
+def _start_background_loops(settings: Settings) -> list[threading.Thread]:
+    # Each in a thread of its own. The heartbeat's above all: behind a sweep that waited on the object store (a
+    # chunk's manifest) or a long memory log, this worker's leases ran out, and other workers ran its jobs again.
+    threads = [threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True)
+               for step, seconds in ((_heartbeat, settings.sweep_interval_seconds),
+                                     (_maintain, settings.sweep_interval_seconds),
+                                     (_deliver, settings.webhook_poll_seconds),
+                                     (_prune, settings.retention_interval_seconds))]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 @worker_ready.connect
 def _start(**_: object) -> None:
     # Celery logs a failing worker_ready handler and consumes anyway: a worker without its model or its
@@ -256,9 +273,7 @@ def _start(**_: object) -> None:
         raise SystemExit(1) from exc
     if loaded:
         log.info("worker %s loaded the filesystems of %s", WORKER_ID, ", ".join(f"{p}://" for p in loaded))
-    for step, seconds in ((_maintain, settings.sweep_interval_seconds), (_deliver, settings.webhook_poll_seconds),
-                          (_prune, settings.retention_interval_seconds)):
-        threading.Thread(target=_every, args=(seconds, step), name=step.__name__, daemon=True).start()
+    _start_background_loops(settings)
     if settings.warmup == "ladder":  # Celery consumes nothing before this handler returns
         start = time.perf_counter()
 
