@@ -269,6 +269,25 @@ def test_parquet_is_planned_by_row_groups_and_pairs_group_by_query(lake_settings
     assert refused.value.code == "unknown_column"
 
 
+def test_a_query_s_rows_are_cut_into_requests_within_max_scores(lake_settings) -> None:  # type: ignore[no-untyped-def]
+    """A query's rows go in one request up to MAX_ITEMS; with many labels that request was over MAX_SCORES
+    (items x labels), and every row of it failed `too_many_labels` though each scored on its own."""
+    from core import RequestTokenizer
+
+    root = Path(lake_settings.batch_local_root)
+    table = pair_table(1, 60)  # one query, 60 rows
+    pq.write_table(table, root / "one-query.parquet")
+    options = Options("", Columns("q", "doc", ("pair_id",)), tuple(LABELS))  # 3 labels
+    limits = RequestTokenizer(get_scorer().requests.tokenizer, get_scorer().requests.vocab_size, model_name="m",
+                              max_scores=100)  # 33 rows of 3 labels
+    sizes, errors = [], {}
+    for chunk in plan(Access(str(root), []).expand("one-query.parquet"), options, lake_settings):
+        rows = read_chunk(Location.parse(chunk.input), chunk.part, chunk.start, chunk.stop, options, limits)
+        sizes += [len(covered) for covered, _, _ in rows.requests]
+        errors.update(rows.errors)
+    assert errors == {} and sum(sizes) == 60 and max(sizes) == 33, sizes
+
+
 def test_csv_byte_ranges_keep_the_header(lake_settings) -> None:  # type: ignore[no-untyped-def]
     root = Path(lake_settings.batch_local_root)
     table = pair_table(15, 7)

@@ -527,10 +527,14 @@ def _pairs(data: Pairs, options: Options, tokenizer: RequestTokenizer) -> ChunkR
     items = data.columns[columns.item]
     labels = data.columns[columns.label] if columns.label else None
     groups: list[list[int]] = []
-    group_rows = min(MAX_GROUP_ROWS, tokenizer.max_items)  # a request of more items is refused (too_many_items)
 
     def key(i: int) -> tuple:
         return (queries[i], tuple(labels[i]) if labels and labels[i] is not None else None)
+
+    def group_rows(i: int) -> int:
+        # A request of more items is refused (too_many_items), or of more items x labels (too_many_labels).
+        n_labels = len(labels[i]) if labels is not None else len(options.label_token_ids or ())
+        return max(1, min(MAX_GROUP_ROWS, tokenizer.max_items, tokenizer.max_scores // max(1, n_labels)))
 
     for i in range(data.n_rows):
         if i in rows.errors:
@@ -542,7 +546,7 @@ def _pairs(data: Pairs, options: Options, tokenizer: RequestTokenizer) -> ChunkR
         if labels is not None and not isinstance(labels[i], list):
             rows.errors[i] = ("invalid_row", f"{columns.label!r} must be a list of token ids")
             continue
-        if not groups or key(groups[-1][0]) != key(i) or len(groups[-1]) >= group_rows:
+        if not groups or key(groups[-1][0]) != key(i) or len(groups[-1]) >= group_rows(i):
             groups.append([])
         groups[-1].append(i)
     label_ids = lambda group: labels[group[0]] if labels is not None else list(options.label_token_ids or [])
