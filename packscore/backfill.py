@@ -47,8 +47,9 @@ REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abf
 # Without a terminal the bar is a line of its own at most this often (a log is not a screen).
 LOG_EVERY_SECONDS = 10.0
 # The service answers an upload only once it has ingested all of it (100,000 lines: a minute or more), so its
-# answer is waited for however long that takes; connecting and sending keep the client's timeouts.
-UPLOAD_TIMEOUT = httpx.Timeout(60.0, read=None)
+# answer is waited for as long as the service itself gives an upload (BATCH_UPLOAD_TIMEOUT_SECONDS' default), not
+# for ever; connecting and sending keep the client's timeouts.
+UPLOAD_TIMEOUT = httpx.Timeout(60.0, read=3600.0)
 # The state file holds `upload-<hex>` while an upload's answer is awaited; the batch carries it as metadata.
 UPLOAD_TOKEN_PREFIX = "upload-"
 UPLOAD_TOKEN_KEY = "packscore_backfill"

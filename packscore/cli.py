@@ -585,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     connection.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the key file of the service that "
                                               "`packscore serve --embedded` last started ($PACKSCORE_HOME/api_key)")
     connection.add_argument("--max-retries", type=_count, default=30,
-                            help="retries on 429, 503 and connection errors, with backoff (Retry-After honoured)")
+                            help="retries on 429, 503 (not worker_lost) and connection errors, with backoff "
+                                 "(Retry-After honoured)")
     connection.add_argument("--retry-seconds", type=_non_negative, default=DEFAULT_RETRY_SECONDS,
                             help="give up on a call after retrying it this long (default %(default)s s)")
     request = argparse.ArgumentParser(add_help=False)

@@ -20,9 +20,12 @@ import httpx
 TERMINAL_JOB = ("succeeded", "failed", "cancelled")
 TERMINAL_BATCH = ("completed", "cancelled", "failed")
 RETRY_STATUSES = (429, 503)
-# The 503s that mean "try again": not `worker_lost` (the job ran and its workers died MAX_ATTEMPTS times, so a
-# POST sent again only makes another job that kills them). None: a 503 that is not the API's (a proxy's page).
-TRANSIENT_503 = ("unavailable", "storage_unreachable", None)
+# The one 503 that is not "try again": the job ran and its workers died MAX_ATTEMPTS times, so a POST sent again
+# only makes another job that kills them. (Any other, a proxy's or a gateway's too, is retried.)
+FINAL_503 = "worker_lost"
+# A score or rerank call waits for the service's own answer (past SCORE_TIMEOUT_SECONDS it answers 504 with the
+# job's id), but not for ever: a service that took the request and hangs is given up on after this long.
+SCORE_READ_SECONDS = 600.0
 
 
 class PackscoreError(Exception):
@@ -62,7 +65,7 @@ def _no_answer(method: str, error: httpx.TransportError) -> None:
     if method != "GET" and isinstance(error, httpx.ReadTimeout):
         read = error.request.extensions.get("timeout", {}).get("read")
         raise PackscoreError(504, "no_answer", f"no answer to {method} {error.request.url.path} within {read:g} s; "
-                             "the request may still have run (its job, if it made one: GET /jobs)") from error
+                             "the request may still have run (GET /jobs or /batches lists what it made)") from error
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -88,7 +91,7 @@ class _Calls(Generic[R]):
     max_backoff: float
     retry_seconds: float | None = None
     timeout: float
-    score_timeout: float | None
+    score_timeout: float
     _on_retry: Callable[[str], None] | None
 
     def _call(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
@@ -117,7 +120,7 @@ class _Calls(Generic[R]):
             return backoff
         if response is None or response.status_code not in RETRY_STATUSES:
             return None
-        if response.status_code == 503 and _error_code(response) not in TRANSIENT_503:
+        if response.status_code == 503 and _error_code(response) == FINAL_503:
             return None
         wait = _retry_after(response)
         wait = backoff if wait is None else min(wait, left)
@@ -221,13 +224,13 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 class Client(_Calls[dict]):
     """`Client(base_url, api_key)`; the key defaults to $PACKSCORE_API_KEY and the URL to $PACKSCORE_URL.
-    `timeout` (seconds) is each call's, except that score and rerank wait for the service's answer however long
-    (or `score_timeout` seconds when set; no answer in time raises PackscoreError 504 `no_answer`)."""
+    `timeout` (seconds) is each call's, except that score and rerank wait longer for the service's own answer
+    (`score_timeout`, SCORE_READ_SECONDS by default; no answer in time raises PackscoreError 504 `no_answer`)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float | None = None) -> None:
+                 score_timeout: float = SCORE_READ_SECONDS) -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries
@@ -317,7 +320,7 @@ class AsyncClient(_Calls[Awaitable[dict]]):
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float | None = None) -> None:
+                 score_timeout: float = SCORE_READ_SECONDS) -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries

@@ -232,7 +232,7 @@ def test_backfill_follows_the_batch_of_an_upload_whose_answer_was_lost(service: 
         before = len(client.list_batches(limit=100)["data"])
     with AnswerLost(service.base_url, service.key) as lost, pytest.raises(BackfillError, match="run the same command"):
         run_backfill(lost, source, out, poll=0.1, stderr=io.StringIO())
-    assert uploads[0]["timeout"].read is None  # the answer is waited for however long the upload takes to ingest
+    assert uploads[0]["timeout"].read == 3600.0  # the answer is waited for as long as the service gives an upload
     _, err = run(service, "backfill", str(source), "--out", str(out), "--poll", "0.2")
     assert "resuming batch" in err, err
     assert sorted(line["custom_id"] for line in read_output(out)) == sorted(r["custom_id"] for r in requests)

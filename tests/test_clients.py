@@ -175,12 +175,14 @@ def test_client_does_not_resend_on_worker_lost() -> None:
             client.score("q", ["a"], [1])
         assert (failure.value.code, failure.value.body["error"]["job_id"]) == ("worker_lost", "job_1")
         assert seen == ["/v1/score"]
-    # The database down or busy is worth another try.
+    # The database down or busy is worth another try, and so is a gateway's 503 with a JSON body of its own.
     busy = {"error": {"code": "unavailable", "message": "the database is busy; retry later"}}
-    with answering([(503, busy, {"Retry-After": "0"}), (200, {"scores": [[0.5]]}, {})]) as (url, seen):
-        with Client(url, "psk_x") as client:
-            assert client.score("q", ["a"], [1]) == {"scores": [[0.5]]}
-        assert seen == ["/v1/score"] * 2
+    gateway = {"error": {"code": 503, "status": "UNAVAILABLE", "message": "upstream connect error"}}
+    for answer in (busy, gateway):
+        with answering([(503, answer, {"Retry-After": "0"}), (200, {"scores": [[0.5]]}, {})]) as (url, seen):
+            with Client(url, "psk_x") as client:
+                assert client.score("q", ["a"], [1]) == {"scores": [[0.5]]}
+            assert seen == ["/v1/score"] * 2
 
 
 def test_client_retry_after_kept_within_retry_seconds() -> None:
@@ -226,3 +228,8 @@ def test_score_waits_for_the_service_answer() -> None:
             client.score("q", ["a"], [1])
         assert failure.value.code == "no_answer" and failure.value.message.startswith("no answer to POST /v1/score")
         assert seen == ["/v1/score", "/v1/rerank", "/jobs", "/v1/score"]
+    # Longer than the service's own answer takes, but not for ever: a service that took the call and hangs.
+    from packscore.client import SCORE_READ_SECONDS
+
+    with Client("http://127.0.0.1:9", "psk_x") as client:
+        assert client._score_timeout().read == SCORE_READ_SECONDS < 3600
