@@ -339,6 +339,25 @@ def test_a_job_taken_back_after_an_engine_fault_runs_to_its_end(client, make_key
     assert job_id not in drain_module.active_jobs.snapshot()
 
 
+def test_a_job_found_lost_and_claimed_again_is_kept(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A boundary finds a job's lease lost (the sweeper re-queued it) and this worker's next claim takes it again
+    before the loop reads what the boundary found: that close was the old lease's, and dropping the job then
+    left its items unrun while the heartbeat kept the new lease (as after an engine fault's hand-back)."""
+    writer = job_writer.JobWriter(lambda ids: None)
+    try:
+        book = drain_module.JobBook(writer, "worker-a", get_settings())
+        job = claims.ClaimedJob("job_x", 0, "m", None, None, None, None)
+        book.hold(job)
+        writer._close({"job_x"})  # the boundary: no longer ours
+        assert book.take_closed() == {"job_x"} and "job_x" not in book.held
+        writer._close({"job_x"})  # lost again, and claimed again before the loop looked
+        book.hold(job)
+        assert book.take_closed() == set() and "job_x" in book.held
+    finally:
+        writer.close()
+        drain_module.active_jobs.discard({"job_x"})
+
+
 def test_heartbeats_go_on_while_a_sweep_is_stuck(empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The heartbeat ran in the sweep's loop: a sweep waiting on the object store (a chunk's manifest written to
     a store that does not answer) held it, this worker's leases ran out and other workers ran its jobs again."""
