@@ -557,3 +557,27 @@ def test_one_keys_slow_receivers_on_many_host_names_do_not_hold_up_other_keys(  
             assert {session.get(WebhookDelivery, i).status for i in [*slow_ids, fast_id]} == {"delivered"}
     finally:
         slow.receiver.close()
+
+
+def test_a_key_at_its_limit_with_a_deep_backlog_does_not_hide_other_keys(empty_queue, make_key) -> None:  # type: ignore[no-untyped-def]
+    """A claim looks through at most 1,000 due rows, oldest first: one key at its limit with more than that due
+    filled every page, and another key's delivery behind them was never reached."""
+    from collections import Counter
+    from datetime import timedelta
+
+    from store.models import ApiKey, utcnow
+    from worker import webhooks
+
+    keys = []
+    for name in ("busy", "other"):
+        _, secret = make_key(name)
+        with session_scope() as session:
+            keys.append(session.scalars(select(ApiKey.id).where(ApiKey.webhook_secret == secret)).one())
+    due = utcnow() - timedelta(minutes=1)
+    with session_scope() as session:
+        session.add_all([WebhookDelivery(api_key_id=keys[0], url=f"http://h{i}.example/hook", payload="{}",
+                                         next_attempt_at=due) for i in range(1050)])
+        session.add(WebhookDelivery(api_key_id=keys[1], url="http://other.example/hook", payload="{}"))
+    settings = get_settings()
+    claimed = webhooks._claim_due(settings, 4, Counter({("key", keys[0]): settings.webhook_per_key}), set())
+    assert [c.key_id for c in claimed] == [keys[1]]

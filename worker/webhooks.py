@@ -93,7 +93,10 @@ def _claim_due(settings: Settings, slots: int, in_flight: Counter[tuple[str, str
     WEBHOOK_PER_HOST attempts or whose API key WEBHOOK_PER_KEY (`in_flight`: attempts by `_limited_by`), and
     those in flight here (`busy`)."""
     in_flight = Counter(in_flight)
-    limits = {"host": max(1, settings.webhook_per_host), "key": max(1, settings.webhook_per_key)}
+    limits = {"host": settings.webhook_per_host, "key": settings.webhook_per_key}
+    # Keys at their limit are left out of the scan itself: a key with a thousand due rows of its own would fill
+    # every page looked through, and other keys' rows behind them would never be reached.
+    saturated = [key for (kind, key), n in in_flight.items() if kind == "key" and n >= limits["key"]]
     claimed: list = []  # rows of _SCANNED
     hosts: list[str] = []
     # Claimed until past the attempt's deadline (ATTEMPT_TIMEOUTS, after the DNS answer): if this process dies
@@ -110,6 +113,8 @@ def _claim_due(settings: Settings, slots: int, in_flight: Counter[tuple[str, str
                      .with_for_update(skip_locked=True))
             if after is not None:
                 query = query.where(tuple_(WebhookDelivery.next_attempt_at, WebhookDelivery.id) > after)
+            if saturated:
+                query = query.where(WebhookDelivery.api_key_id.not_in(saturated))
             rows = session.execute(query).all()
             if rows:
                 after = (rows[-1].next_attempt_at, rows[-1].id)
