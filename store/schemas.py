@@ -20,17 +20,20 @@ from store.models import Batch, Job, WebhookDelivery, utcnow
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
-def check_storable(data: object) -> None:
+def check_storable(data: object, allow_nan: bool = True) -> None:
     """Raises ValueError where a parsed JSON value cannot be stored or tokenized: JSON allows lone surrogates
     ("\ud800"), which neither the tokenizer nor the database can take, and nesting deeper than Python's
-    recursion limit, which no encoder gets through."""
+    recursion limit, which no encoder gets through; without `allow_nan`, NaN and Infinity (not JSON)."""
     try:
-        json.dumps(data, ensure_ascii=False).encode()
+        json.dumps(data, ensure_ascii=False, allow_nan=allow_nan).encode()
     except UnicodeEncodeError:
         raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
     except RecursionError:
         raise ValueError("the value is nested too deeply") from None
-    except (TypeError, ValueError):
+    except ValueError as exc:
+        if "Out of range float" in str(exc):
+            raise ValueError("NaN and Infinity are not JSON numbers") from None
+    except TypeError:
         pass  # not JSON-shaped: the field validators say what is wrong
 
 
@@ -42,13 +45,7 @@ def check_metadata(value: object) -> object:
     """Raises ValueError where `metadata` cannot be stored (`check_storable`) or nests deeper than
     MAX_METADATA_DEPTH: it is stored and echoed back as sent, and pydantic's serializer, which echoes it, stops
     at about 255 levels (a 500 after the job was taken)."""
-    check_storable(value)
-    try:  # Python's parser takes NaN and Infinity, which JSON has not: stored, they came back as null
-        json.dumps(value, allow_nan=False)
-    except ValueError:
-        raise ValueError("metadata must be JSON: NaN and Infinity are not numbers there") from None
-    except TypeError:
-        pass  # not JSON-shaped: the field's type says what is wrong
+    check_storable(value, allow_nan=False)  # Python's parser takes NaN and Infinity: stored, they came back null
     level, depth = [value], 0
     while level := [v for v in level if isinstance(v, (dict, list))]:
         depth += 1
