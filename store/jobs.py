@@ -140,8 +140,8 @@ def cancel_job(session: Session, job: Job) -> Job:
     # The flag first, for a queued or a running job: the row is then locked until the commit, so a worker
     # cannot hand the job back (running -> queued) between the two statements, where neither would match and
     # the cancel was lost; a job handed back before it keeps the flag, and a hand-back after it reads it.
-    session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "running")))
-                    .values(cancel_requested=True))
+    flagged = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "running")))
+                              .values(cancel_requested=True)).rowcount
     done = session.execute(update(Job).where(Job.id == job.id, Job.status == "queued")
                            .values(status="cancelled", finished_at=now)).rowcount
     if done:
@@ -150,6 +150,8 @@ def cancel_job(session: Session, job: Job) -> Job:
         enqueue_job_webhook(session, job)
     session.commit()
     session.refresh(job)
-    if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not done):
+    # Cancelled since by its worker (a hand-back waiting on the flag's lock reads it at once) is this cancel's
+    # doing, not an earlier one's: a 409 "already cancelled" then told the client its cancel had not counted.
+    if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not flagged):
         raise ServiceError(409, "job_finished", f"job {job.id} is already {job.status}")
     return job

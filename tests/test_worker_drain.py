@@ -167,7 +167,15 @@ def test_a_cancel_is_kept_when_the_worker_hands_the_job_back_during_it(client, m
             return result
 
         session.execute = between_the_statements  # type: ignore[method-assign]
-        job_store.cancel_job(session, job)
+        commit = session.commit
+
+        def commit_then_let_the_hand_back_end() -> None:  # type: ignore[no-untyped-def]
+            commit()
+            handing_back.join(30)  # it cancels the job (its flag read) before the cancel reads the job again
+
+        session.commit = commit_then_let_the_hand_back_end  # type: ignore[method-assign]
+        # This cancel's doing, not an earlier one's: not a 409 "already cancelled".
+        assert job_store.cancel_job(session, job).status == "cancelled"
     handing_back.join(30)
     assert job_row(job_id).status == "cancelled"
 
