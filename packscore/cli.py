@@ -682,26 +682,17 @@ def main(argv: list[str] | None = None) -> None:
         if exc.filename != str(EMBEDDED_DIR):
             raise
         _fail(f"{name}: {EMBEDDED_DIR} (the embedded service's folder, $PACKSCORE_HOME): {exc.strerror}", 2)
-    except _settings_errors() as exc:  # evaluated only once an exception gets here: no imports on the way in
+    except Exception as exc:  # a bad setting or a failing database, else raised as it is
         failure = _settings_failure(exc)
         if failure is None:
             raise
         _fail(f"{name}: {failure[0]}", failure[1])
 
 
-def _settings_errors() -> tuple[type[Exception], ...]:
-    """What a bad setting raises, or a database that DATABASE_URL names and that fails. Imported only when needed:
-    SQLAlchemy alone would add a tenth of a second to every client command."""
-    from pydantic import ValidationError
-    from sqlalchemy.exc import ArgumentError, OperationalError
-
-    from store.settings import SettingsError
-
-    return ValidationError, SettingsError, ArgumentError, OperationalError
-
-
 def _settings_failure(exc: Exception) -> tuple[str, int] | None:
-    """One line and the exit status for a bad setting (2) or a failing database (1); None for anything else."""
+    """One line and the exit status for a bad setting (2) or a failing database (1); None for anything else.
+    Its imports only once something failed: SQLAlchemy alone would add a tenth of a second to every client
+    command."""
     from pydantic import ValidationError
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, OperationalError

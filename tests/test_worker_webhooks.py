@@ -257,9 +257,22 @@ class SlowReceiver:
         self.port = self.receiver.server.server_address[1]
 
 
-def test_slow_receiver_does_not_hold_up_others(empty_queue, make_key, webhook_receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def _first_delivery_after(settings: Settings, receiver) -> float:  # type: ignore[no-untyped-def]
+    """Delivers everything due (in a thread, waited for); returns the seconds until `receiver` got its first
+    request (2.5 at most: it waited behind the others)."""
     import threading
 
+    start = time.monotonic()
+    runner = threading.Thread(target=deliver_due, args=(settings,))
+    runner.start()
+    while not receiver.requests and time.monotonic() - start < 2.5:
+        time.sleep(0.02)
+    first = time.monotonic() - start
+    runner.join(timeout=60)
+    return first
+
+
+def test_slow_receiver_does_not_hold_up_others(empty_queue, make_key, webhook_receiver, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host in ("slow.example", "fast.example") else None)
     slow = SlowReceiver(delay=3)
     try:
@@ -267,13 +280,7 @@ def test_slow_receiver_does_not_hold_up_others(empty_queue, make_key, webhook_re
         fast_port = webhook_receiver.server.server_address[1]
         fast_id, _ = _delivery(make_key, f"http://fast.example:{fast_port}/hook")
         settings = Settings(webhook_allowlist=["slow.example", "fast.example"], webhook_timeout_seconds=10)
-        start = time.monotonic()
-        runner = threading.Thread(target=deliver_due, args=(settings,))
-        runner.start()
-        while not webhook_receiver.requests and time.monotonic() - start < 2.5:
-            time.sleep(0.02)
-        fast_after = time.monotonic() - start
-        runner.join(timeout=60)
+        fast_after = _first_delivery_after(settings, webhook_receiver)
         assert fast_after < 1.5, f"the fast receiver waited {fast_after:.1f}s behind the slow one"
         assert slow.most == 4  # WEBHOOK_PER_HOST: at most 4 attempts at once to one host
         with session_scope() as session:
@@ -524,8 +531,6 @@ def test_one_keys_slow_receivers_on_many_host_names_do_not_hold_up_other_keys(  
     """The per-host limit counts host names: one key's deliveries to slow receivers on 16 names (one server
     behind them all) held every slot of the worker, and another key's delivery waited out their attempts.
     WEBHOOK_PER_KEY leaves the other keys slots."""
-    import threading
-
     from store.models import ApiKey
 
     _fake_dns(monkeypatch, lambda host, n: "127.0.0.1" if host.endswith(".example") else None)
@@ -544,13 +549,7 @@ def test_one_keys_slow_receivers_on_many_host_names_do_not_hold_up_other_keys(  
         fast_port = webhook_receiver.server.server_address[1]
         fast_id, _ = _delivery(make_key, f"http://fast.example:{fast_port}/hook")
         settings = Settings(webhook_allowlist=[*hosts, "fast.example"], webhook_timeout_seconds=10)
-        start = time.monotonic()
-        runner = threading.Thread(target=deliver_due, args=(settings,))
-        runner.start()
-        while not webhook_receiver.requests and time.monotonic() - start < 2.5:
-            time.sleep(0.02)
-        fast_after = time.monotonic() - start
-        runner.join(timeout=60)
+        fast_after = _first_delivery_after(settings, webhook_receiver)
         assert fast_after < 1.5, f"the other key's delivery waited {fast_after:.1f}s behind the slow ones"
         assert slow.most == settings.webhook_per_key == 8
         with session_scope() as session:

@@ -268,14 +268,14 @@ class Dispatcher:
             with self._lock:
                 if self._stopping:
                     return []
-                slots = max(1, settings.webhook_concurrency) - len(self._in_flight)
+                slots = settings.webhook_concurrency - len(self._in_flight)
                 in_flight, busy = Counter(self._counted), set(self._in_flight)
             if slots <= 0:
                 return []
             claimed = _claim_due(settings, slots, in_flight, busy)
             futures = []
             with self._lock:
-                while self._threads < max(1, settings.webhook_concurrency):
+                while self._threads < settings.webhook_concurrency:
                     threading.Thread(target=self._run, name=f"webhook-{self._threads}", daemon=True).start()
                     self._threads += 1
                 for delivery in claimed:
