@@ -28,7 +28,7 @@ def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
 
 
 # How long an API process trusts a key it has found, without asking the database again: a deleted key stops
-# working within this time. Looked up on every request instead, a key cost a query and a commit per request.
+# working within this time. Looked up on every request instead, a key would cost a query and a commit each.
 KEY_CACHE_SECONDS = 5.0
 _found: dict[str, tuple[float, ApiKey]] = {}  # by key hash: (when it was read, the row, detached)
 

@@ -33,7 +33,7 @@ def _close(session: Session) -> None:
 
 async def get_db() -> AsyncIterator[Session]:
     # On the event loop: a new session has no connection yet, and one whose route committed has none left, so
-    # neither does I/O here (a sync dependency cost two trips through the thread pool per request). Closing a
+    # neither does I/O here (a sync dependency costs two trips through the thread pool per request). Closing a
     # session still in a transaction rolls back over the network: that goes to a thread.
     session = session_factory()()
     try:
@@ -47,7 +47,7 @@ async def get_db() -> AsyncIterator[Session]:
 
 # scope="function": the session closes when the route function returns, not after the response is sent. A sync
 # route's response is serialized in a worker thread; a connection held until then is held while that thread is
-# waited for, and under a burst every pooled connection ended up held so (256 concurrent calls stalled).
+# waited for, and under a burst every pooled connection would be held so.
 SessionDep = Annotated[Session, Depends(get_db, scope="function")]
 
 
@@ -69,7 +69,7 @@ def get_models() -> ModelCatalog:
 
 
 async def _loaded_models() -> ModelCatalog:
-    # On the event loop, not in a thread (a thread hop per request cost more than the call): the app loads it
+    # On the event loop, not in a thread (a thread hop per request costs more than the call): the app loads it
     # before it takes traffic (main.lifespan), so this never blocks.
     return get_models()
 
@@ -84,7 +84,7 @@ HOW_TO_SEND_KEY = "send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>
 def _read_api_key(presented: str) -> ApiKey | None:
     # A session of its own, closed at once: the connection goes back to the pool now. The request's session
     # (SessionDep) is not a dependency of authentication: the key is read from the database only on a cache miss,
-    # and solving that dependency cost every request (FastAPI solves a sub-dependency again for each dependant).
+    # and solving that dependency costs every request (FastAPI solves a sub-dependency again for each dependant).
     with session_factory()() as session:
         return find_api_key(session, presented)
 

@@ -60,7 +60,7 @@ def _not_json_body(request: Request, exc: RequestValidationError) -> str | None:
     content_type = request.headers.get("content-type")
     if content_type and content_type.split(";")[0].strip().lower().endswith(("/json", "+json")):
         return None
-    # A body that is there but was not read as JSON (no body at all is "missing", answered as before).
+    # A body that is there but was not read as JSON (no body at all stays FastAPI's "missing").
     if not any(tuple(err.get("loc", ())) == ("body",) and err.get("type") != "missing" for err in exc.errors()):
         return None
     got = f"content-type {content_type!r}" if content_type else "no content-type"
@@ -91,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         code = HTTP_CODES.get(exc.status_code, "error")
         return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
-    # Postgres stopped or unreachable: a retryable 503, not a 500 (issue 5's chaos test).
+    # Postgres stopped or unreachable: a retryable 503, not a 500.
     @app.exception_handler(OperationalError)
     async def _db_down(_: Request, exc: OperationalError) -> JSONResponse:
         log.warning("database unavailable: %s", exc.orig)

@@ -3,10 +3,10 @@
 
 benchmarks.bench's packed timings (its requests and seed: the one request by default, `--mix`, `--requests`),
 the query computed in each run, with this tree's attention and with OTHER.py's, alternating (AB, BA, ...). Where
-only the attention differs between two commits (as between f6ba1d5 and the cascade's tiles of issues 37 and 44),
-this compares them on a loaded host: both run under the same load, where separate processes a minute apart do
-not (one version's wall time moved 4x with the load, its CPU time by 10%: docs/performance.md). Prints each
-version's best wall and median process CPU time, and the other version's CPU time over this tree's, per round.
+only the attention differs between two commits, this compares them on a loaded host: both run under the same
+load, where separate processes a minute apart do not (on a shared host wall time moves several-fold with the
+load, CPU time far less). Prints each version's best wall and median process CPU time, and the other version's
+CPU time over this tree's, per round.
 """
 
 import argparse

@@ -3,7 +3,7 @@
 Scores requests of random shapes one after another (queries of 5-1,200 tokens, 1-300 items of 1-60 tokens,
 random token ids, a query repeated now and then so the prefix cache fills and is read) and prints, as JSON,
 the process's RSS after chosen requests, the programs compiled and resident and the prefix cache's size.
-Issue 10's bound: RSS grows at most 150 MB from request 20 to request 80.
+The bound it checks: RSS grows at most 150 MB from request 20 to request 80.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 45's checks on a lent GPU, in one call (docs/performance.md, "On an H200"): run from the repository root
+# The engine's checks on a lent GPU, in one call (docs/performance.md, "On an H200"): run from the repository root
 # on the device machine, with the wheels the image lacks in .whl (benchmarks/device_wheels.txt), the bundled
 # model's tokenizer saved in .dev/tokenizer, and b31e77f's engine in .dev/b31e77f (the "before":
 # `git archive b31e77f core | tar -x -C .dev/b31e77f`). Each step's output goes to $OUT/logs.tgz (the device tool

@@ -1,4 +1,4 @@
-"""The Mosaic GPU attention kernel on the GPU at hand, today's and the aligned one (issue 45, item 4):
+"""The Mosaic GPU attention kernel on the GPU at hand, the default and the aligned one:
 `python -m benchmarks.gpu_kernels`. One request is laid out four ways (its query in the pass or cached, alone or
 packed between other requests; tests/request_layouts.py, which tests/test_engine_tpu.py runs in interpret mode on a
 CPU); for each kernel: whether that request's output rows are bitwise the same in every layout, and their largest

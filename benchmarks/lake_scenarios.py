@@ -232,7 +232,7 @@ class Embedded:
     def close(self) -> None:
         if self.service is not None and self.service.proc.poll() is None:
             self.service.stop()
-        # A start that failed before EmbeddedService returned left its processes with no handle on them.
+        # A start that fails before EmbeddedService returns leaves its processes with no handle on them.
         for pid in _processes_in(self.folder):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -1,9 +1,9 @@
-"""The contract pass's cost per op kind, from its accelerator programs (issue 45, item 5).
+"""The contract pass's cost per op kind, from its accelerator programs.
 
     python -m benchmarks.pass_cost [--model qwen3-0.6b] [--ladder old|new|both] [--target ...] [--json]
 
 Builds core.aot's contract pass (a 2,000-token query and 500 items of 20 tokens, bfloat16, shapes only: nothing
-big is allocated) at the length each ladder pads it to: "old", the halving ladder before issue 45 (16,384 tokens
+big is allocated) at the length each ladder pads it to: "old", the halving ladder (16,384 tokens
 for the contract's 12,000), and "new", the accelerators' ladder (core.packing.ACCELERATOR_STEPS_PER_OCTAVE). Per
 op kind it reports FLOPs and bytes accessed:
 - tpu-v5e: the program XLA and Mosaic compiled on libtpu's compile-only devices, walked op by op in its optimized

@@ -767,7 +767,7 @@ class Soak:
     def sample(self) -> None:
         # Every 5 s: a worker's RSS swings by an sd of 3-7 MB from one sample to the next (mostly the 10-26 MB of
         # freed pages jemalloc holds between two purges), and its fit covers the 10 minutes it lives after its
-        # first 10; at 15 s that scatter alone made the slope's standard error about 18 MB/h (docs/soak.md).
+        # first 10; at 15 s that scatter alone would give the slope a standard error of about 18 MB/h.
         while not self.stop.wait(min(5.0, max(2.0, self.minutes * 2))):
             now = self.now()
             for name, pid in self.deployment.processes().items():
@@ -1034,8 +1034,8 @@ class MemoryLog(NamedTuple):
     threads: int
     jemalloc_in_use: float | None
     jemalloc_resident: float | None
-    jemalloc_metadata: float | None = None  # logs before the thirteenth session have none
-    huge_pages: float | None = None  # of the anonymous, in transparent huge pages (none before the 14th session)
+    jemalloc_metadata: float | None = None  # absent from older logs
+    huge_pages: float | None = None  # of the anonymous, in transparent huge pages (absent from older logs)
 
 
 def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> dict:
@@ -1072,15 +1072,14 @@ def logged_memory_growth(lives: dict[str, list[MemoryLog]], skip_s: float) -> di
     return out
 
 
-GOAL_MB_PER_HOUR = 20  # issue 47: RSS growth per process after its first 10 minutes
+GOAL_MB_PER_HOUR = 20  # the soak's memory criterion: RSS growth per process after its first 10 minutes
 WINDOW_HOURS = 1 / 6  # a worker killed every 20 minutes has 10 minutes to be fitted over
 
 
 def window_fits(hours: np.ndarray, values: np.ndarray) -> dict | None:
     """How fits over WINDOW_HOURS (every minute's start) scatter within a longer span: a worker killed every 20
-    minutes is judged on one such window, and in the fifteenth session's hour without kills windows of workers
-    growing 4-9 MB/h over 50 minutes read -84 to +74 MB/h (docs/soak.md). None for a span under two windows or
-    points too sparse for three in a window."""
+    minutes has only one such window, which scatters far beyond a whole life's fit (docs/soak.md). None for a span
+    under two windows or points too sparse for three in a window."""
     if np.ptp(hours) < 2 * WINDOW_HOURS:
         return None
     slopes = []

@@ -145,5 +145,5 @@ def test_interactive_latency_during_backfill(service: Service) -> None:
         # (behind the device, in the writer's thread) share the two cores. Measured on this machine: busy
         # median 41-50 ms against 40 idle (2026-11-24); 2026-11-25, the API faster: median 62-84 ms against
         # 31-34 idle (up to 2.6x), p95 85-139 ms against 37-41 (up to 3.6x), in five runs. The code before
-        # the pass-loop fix of that day gave the same ratio on one host; where the time goes: docs/service.md.
+        # the pass-loop fix of that day gave the same ratio on one host; where the time goes: docs/batches.md.
         assert np.median(busy) <= 4 * np.median(idle) and p95(busy) <= 5 * p95(idle)

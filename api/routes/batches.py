@@ -94,7 +94,7 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
         body = await _json_body(request, settings.max_body_bytes)
         given = [name for name, value in (("model", model), ("webhook_url", webhook_url), ("metadata", metadata))
                  if value is not None]
-        if given:  # read from the body only: a batch ran on the default model, with no webhook, and nothing said so
+        if given:  # read from the body only: a query parameter beside a JSON body would be ignored silently
             raise ServiceError(422, "invalid_input", f"with a JSON body, give {', '.join(given)} in the body, not "
                                                      "as query parameters")
         if isinstance(body, BatchSource):
@@ -157,10 +157,9 @@ def read(session: Session, batch: Batch) -> BatchOut:
     return chunks.read_reference(session, batch) if batch.source is not None else batches.read_batch(session, batch)
 
 
-# An upload is received whole before its requests are written, which they are in one transaction (an upload
-# that breaks off keeps none): written as they came, a client that sent a chunk of lines and then slowed down or
-# stalled held that transaction open, on SQLite the database's one write lock (every other write waited, then
-# failed: 503s for every key, and the workers' results), on PostgreSQL a pooled connection.
+# An upload is received whole before its requests are written in one transaction (an upload that breaks off
+# keeps none), so a client that stalls mid-upload holds no transaction: on SQLite that would be the database's one
+# write lock (every other write waiting), on PostgreSQL a pooled connection.
 _SPOOL_IN_MEMORY_BYTES = 1 << 20
 
 
