@@ -135,7 +135,7 @@ def worker_allocator_environment(environ: Mapping[str, str] = os.environ) -> tup
         return {}, "the system's (WORKER_ALLOCATOR=jemalloc, but no libjemalloc here: Debian's libjemalloc2 has it)"
     # Arrow's tables (the lake's chunks) through the same allocator, not through Arrow's own bundled one; and
     # Python's small objects too, not through Python's own arenas, which a big batch's rows fragment for good
-    # (docs/soak.md: a third of the step, no cost benchmarks.capacity could see). An operator's value wins.
+    # (docs/soak.md). An operator's value wins.
     variables = {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": environ.get("ARROW_DEFAULT_MEMORY_POOL", "system"),
                  "PYTHONMALLOC": environ.get("PYTHONMALLOC", "malloc")}
     return variables, f"jemalloc ({library}; Python's objects too: PYTHONMALLOC={variables['PYTHONMALLOC']})"
