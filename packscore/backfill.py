@@ -370,15 +370,18 @@ def _absolute(spec: str) -> str:
 def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll: float = 1.0,
                            format: str | None = None, columns: dict | None = None,
                            label_token_ids: list[int] | None = None, output_format: str = "parquet",
-                           overwrite: bool = False, stderr: IO[str] = sys.stderr) -> dict:
+                           overwrite: bool = False, apply_softmax: bool = False, item_first: bool = False,
+                           stderr: IO[str] = sys.stderr) -> dict:
     """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
     service finds the batch already sent with this input and output (its key's, running or ended): the same
     call re-attaches, or reports it done; `overwrite` runs a completed one again. Interrupted
-    (KeyboardInterrupt), the batch goes on."""
+    (KeyboardInterrupt), the batch goes on. `apply_softmax`, `item_first`: a pair table's, as the API takes them."""
     try:
+        # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
                                               columns=columns, label_token_ids=label_token_ids,
-                                              output_format=output_format, overwrite=overwrite or None)
+                                              output_format=output_format, overwrite=overwrite or None,
+                                              apply_softmax=apply_softmax or None, item_first=item_first or None)
     except PackscoreError as exc:
         if exc.code in ("local_paths_disabled", "path_outside_root"):
             # The message says which of input and output, and where local files may be.

@@ -1,5 +1,5 @@
-"""`packscore serve | worker | check | migrate | create-key | wait-ready | score | rerank | submit | wait-batch |
-backfill`."""
+"""`packscore serve | worker | check | migrate | create-key | wait-ready | score | rerank | submit | cancel |
+wait-batch | backfill`."""
 
 import argparse
 import ctypes.util
@@ -7,16 +7,16 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 # Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
-# .packscore in the folder it was started from. It records that folder (EMBEDDED_POINTER) so that the client
-# commands find its key from any folder.
+# .packscore in the folder it was started from. It records that folder per address it serves
+# (packscore.client.service_record), so that the client commands send each service its own key from any folder.
 EMBEDDED_DIR = Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
-EMBEDDED_POINTER = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "packscore" / "embedded_home"
 # How long a client command keeps retrying a service it cannot reach (or that answers 429/503).
 DEFAULT_RETRY_SECONDS = 30.0
 # Seconds `serve` gives the connections still open once asked to stop (README: it stops within 10 s).
@@ -81,12 +81,43 @@ def _embedded_key() -> None:
         key, secret = _new_key("embedded")
         path.touch(mode=0o600)
         path.write_text(f"{key}\n{secret}\n")
-    try:
-        EMBEDDED_POINTER.parent.mkdir(parents=True, exist_ok=True)
-        EMBEDDED_POINTER.write_text(f"{EMBEDDED_DIR.resolve()}\n")
-    except OSError as exc:  # a read-only home: the commands still find the key from this folder
-        print(f"packscore: could not record {EMBEDDED_DIR.resolve()} in {EMBEDDED_POINTER}: {exc}", flush=True)
     print(f"packscore: API key in {path.resolve()} (first line; the second is its webhook secret)", flush=True)
+
+
+def _claim_address(host: str, port: int) -> Path | None:
+    """Refuses an address another process serves (before anything is recorded for it), then records this
+    folder's service there: the client commands find its key by the URL they are given. Returns the record."""
+    from packscore.client import recorded_home, service_record
+
+    url = f"http://{host}:{port}"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            other = recorded_home(url)
+            by = f" by the embedded service started from {other.parent}" if other is not None else ""
+            raise CommandError(f"{host}:{port} is in use{by} ({exc.strerror}): serve on another port, `make run "
+                               f"PORT=8100` (`packscore serve --embedded --port 8100`)") from None
+    if port == 0:
+        return None
+    record = service_record(url)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"home": str(EMBEDDED_DIR.resolve()), "pid": os.getpid()}) + "\n")
+    except OSError as exc:  # a read-only home: the commands still find the key from this folder
+        print(f"packscore: could not record {EMBEDDED_DIR.resolve()} in {record}: {exc}", flush=True)
+        return None
+    return record
+
+
+def _release_address(record: Path | None) -> None:
+    """Removes this process's record of its address (a later service there writes its own)."""
+    try:
+        if record is not None and json.loads(record.read_text()).get("pid") == os.getpid():
+            record.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def worker_allocator_environment(environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str]:
@@ -104,7 +135,7 @@ def worker_allocator_environment(environ: Mapping[str, str] = os.environ) -> tup
         return {}, "the system's (WORKER_ALLOCATOR=jemalloc, but no libjemalloc here: Debian's libjemalloc2 has it)"
     # Arrow's tables (the lake's chunks) through the same allocator, not through Arrow's own bundled one; and
     # Python's small objects too, not through Python's own arenas, which a big batch's rows fragment for good
-    # (docs/soak.md: a third of the step, no cost benchmarks.capacity could see). An operator's value wins.
+    # (docs/soak.md). An operator's value wins.
     variables = {"LD_PRELOAD": library, "ARROW_DEFAULT_MEMORY_POOL": environ.get("ARROW_DEFAULT_MEMORY_POOL", "system"),
                  "PYTHONMALLOC": environ.get("PYTHONMALLOC", "malloc")}
     return variables, f"jemalloc ({library}; Python's objects too: PYTHONMALLOC={variables['PYTHONMALLOC']})"
@@ -216,12 +247,12 @@ def _check_job(report, args: argparse.Namespace, models: list[str]) -> None:  # 
         return
     key, where = api_key(args)
     if key is None:
-        report.add("service", "skip", f"no API key ({where}): no job sent to {args.url}")
+        report.add("service", "skip", f"{where}: no job sent to {args.url}")
         return
     items = [[11, 12, 13], [14, 15], [16]]
     for model in models:
         try:
-            with Client(args.url, key, max_retries=3, retry_seconds=30) as client:
+            with Client(args.url, key, max_retries=3, retry_seconds=30, key_source=where) as client:
                 start = time.monotonic()
                 job = client.submit_job({"model": model, "query": list(range(20, 40)), "items": items,
                                          "label_token_ids": [5, 6]})
@@ -246,11 +277,12 @@ def serve(args: argparse.Namespace) -> None:
     # default waits for them, a minute or more.
     server = uvicorn.Server(uvicorn.Config("api.main:create_app", factory=True, host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=API_STOP_SECONDS))
-    child = None
+    child, record = None, None
     try:
         if args.embedded:
             from packscore.supervisor import DeviceGroup, WorkerSupervisor
 
+            record = _claim_address(args.host, args.port)
             _embedded_environment()
             migrate()
             _embedded_key()
@@ -264,36 +296,24 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         if child is not None:
             child.stop()
-
-
-def _key_files() -> list[Path]:
-    """Where the embedded service's key may be: PACKSCORE_HOME's, the one the last `serve --embedded` recorded,
-    the current folder's."""
-    folders = [EMBEDDED_DIR]
-    if "PACKSCORE_HOME" not in os.environ and EMBEDDED_POINTER.is_file():
-        folders.insert(0, Path(EMBEDDED_POINTER.read_text().strip()))
-    return list(dict.fromkeys(folder.resolve() / "api_key" for folder in folders))
+        _release_address(record)
 
 
 def api_key(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The key from --api-key, else $PACKSCORE_API_KEY, else the embedded service's key file; and where it came
-    from (or, with no key, every place tried), for a 401's message."""
+    """The key from --api-key, else the key of the service at --url (packscore.client.find_api_key); and where it
+    came from (or, with no key, every place tried), for a 401's message."""
+    from packscore.client import find_api_key
+
     if args.api_key:
         return args.api_key, "--api-key"
-    if os.environ.get("PACKSCORE_API_KEY"):
-        return os.environ["PACKSCORE_API_KEY"], "$PACKSCORE_API_KEY"
-    files = _key_files()
-    for path in files:
-        if path.is_file():
-            return path.read_text().split()[0], str(path)
-    return None, "--api-key, $PACKSCORE_API_KEY, " + ", ".join(map(str, files))
+    return find_api_key(args.url, EMBEDDED_DIR)
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from packscore.client import Client
 
-    key, args.key_source = api_key(args)
-    return Client(args.url, key, max_retries=args.max_retries, retry_seconds=args.retry_seconds,
+    key, source = api_key(args)
+    return Client(args.url, key, max_retries=args.max_retries, retry_seconds=args.retry_seconds, key_source=source,
                   on_retry=lambda message: print(f"\npackscore: {args.url}: {message}", file=sys.stderr))
 
 
@@ -366,25 +386,48 @@ def _request_body(args: argparse.Namespace) -> dict:
             "label_token_ids": args.labels, "apply_softmax": args.softmax, "item_first": args.item_first}
 
 
-def _waiting_for(response) -> str:  # type: ignore[no-untyped-def]
-    """What a /readyz answer of 503 says the service waits for, as one line: the workers' warm-ups (programs
-    compiled or loaded, of how many), or the check that fails."""
+def _waiting_for(response) -> str | None:  # type: ignore[no-untyped-def]
+    """What a /readyz answer says the service still waits for, as one line, or None once it serves every model:
+    the workers' warm-ups (programs compiled or loaded, of how many), a model with no worker yet, or the check
+    that fails."""
     try:
         body = response.json()
     except ValueError:
-        return f"/readyz answered {response.status_code}"
+        return None if response.status_code == 200 else f"/readyz answered {response.status_code}"
     warming = [g for g in body.get("device_groups", []) if g.get("state") == "warming"]
+    models = body.get("models", {})
+    unready = [name for name, model in models.items() if not model.get("workers")]
+    if response.status_code == 200 and not unready:
+        return None
+    said = []
     if warming:
-        return "warming: " + ", ".join(
+        said.append("warming: " + ", ".join(
             f"{g['model']} {g['programs']['done']}/{g['programs']['total']} programs" if "programs" in g
-            else f"{g['model']} loading" for g in warming)
+            else f"{g['model']} loading" for g in warming if g["model"] in unready or not models))
+    if without := [name for name in unready if not models[name].get("warming")]:
+        said.append(f"no worker yet for {', '.join(without)}")
     checks = body.get("checks", {})
-    down = [name for name in ("database", "broker") if checks.get(name) is False]
-    return f"waiting for {' and '.join(down) if down else 'a worker'}"
+    if down := [name for name in ("database", "broker") if checks.get(name) is False]:
+        said.append(f"waiting for {' and '.join(down)}")
+    return "; ".join(said) or "waiting for a worker"
+
+
+def _not_this_folders(url: str) -> str | None:
+    """Why the service at `url` is not the embedded service of this folder, or None (it is, or none is recorded
+    there: then nothing tells)."""
+    from packscore.client import recorded_home
+
+    home = recorded_home(url)
+    if home is None or home.resolve() == EMBEDDED_DIR.resolve():
+        return None
+    return (f"{url} is the embedded service started from {home.parent}, not this folder's ({EMBEDDED_DIR.resolve()}): "
+            "serve this folder's on another port and wait for it there (`make run PORT=8100` and `make wait-ready "
+            "PORT=8100`, or `--url`)")
 
 
 def wait_ready(args: argparse.Namespace) -> None:
-    """Polls /readyz until the service answers 200 (database, broker and a warm worker), or gives up."""
+    """Polls /readyz until the service answers 200 and each of its models has a ready worker, or gives up. With
+    --embedded, a service another folder started at that address is refused at once, not waited for."""
     import httpx
 
     deadline = time.monotonic() + args.timeout
@@ -392,11 +435,14 @@ def wait_ready(args: argparse.Namespace) -> None:
     while time.monotonic() < deadline:
         try:
             response = httpx.get(f"{args.url.rstrip('/')}/readyz", timeout=5)
-            if response.status_code == 200:
+            if getattr(args, "embedded", False) and (other := _not_this_folders(args.url)):
+                raise CommandError(other)
+            waiting = _waiting_for(response)
+            if waiting is None:
                 print(f"{args.url} is ready")
                 return
             last = f"/readyz answered {response.status_code}: {response.text[:200]}"
-            if (waiting := _waiting_for(response)) != shown:  # on stderr: stdout keeps the one answer
+            if waiting != shown:  # on stderr: stdout keeps the one answer
                 print(waiting, file=sys.stderr, flush=True)
                 shown = waiting
         except httpx.TransportError as exc:
@@ -445,6 +491,25 @@ def submit(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+def cancel(args: argparse.Namespace) -> None:
+    """Cancels a job or a batch, by its id's kind; prints it as JSON. Exit 1 if it had already ended."""
+    from packscore.client import PackscoreError
+
+    kind = args.id.split("_", 1)[0]
+    if kind not in ("job", "batch"):
+        raise CommandError(f"{args.id!r} is neither a job's id (job_...) nor a batch's (batch_...)")
+    with _client(args) as client:
+        try:
+            found = client.cancel_job(args.id) if kind == "job" else client.cancel_batch(args.id)
+        except PackscoreError as exc:
+            if exc.code not in ("job_finished", "batch_finished"):
+                raise
+            found = client.get_job(args.id) if kind == "job" else client.get_batch(args.id)
+            print(json.dumps(found, indent=2))
+            raise CommandError(f"{kind} {args.id} had already ended {found['status']}") from None
+    print(json.dumps(found, indent=2))
+
+
 def wait_batch(args: argparse.Namespace) -> None:
     with _client(args) as client:
         batch = client.wait_batch(args.batch_id, poll=args.poll)
@@ -472,6 +537,12 @@ def backfill(args: argparse.Namespace) -> None:
     try:
         reference = args.input_format is not None or args.query_column is not None or \
             input_kind(args.input) == "reference"
+        table_options = [flag for flag, given in (("--labels", args.labels), ("--label-column", args.label_column),
+                                                  ("--softmax", args.softmax), ("--item-first", args.item_first))
+                         if given]
+        if table_options and not reference:
+            raise CommandError(f"{', '.join(table_options)}: a pair table's options; the lines of {args.input} are "
+                               "requests, each with its own label_token_ids, apply_softmax and item_first")
         with _client(args) as client:
             if not reference:
                 try:
@@ -504,14 +575,16 @@ def backfill(args: argparse.Namespace) -> None:
             if args.query_column or args.item_column:
                 if not (args.query_column and args.item_column):
                     raise CommandError("a pair table needs both --query-column and --item-column")
-                columns = {"query": args.query_column, "item": args.item_column, "ids": args.id_column or []}
+                columns = {"query": args.query_column, "item": args.item_column, "ids": args.id_column or [],
+                           **({"label": args.label_column} if args.label_column else {})}
             elif not args.input.lower().split("?")[0].endswith((".jsonl", ".json", ".ndjson", ".gz", ".zst")) \
                     and args.input_format != "jsonl":
                 raise CommandError(f"{args.input} is not a JSONL file: give --query-column and --item-column for a "
                                    "pair table")
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
-                label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite)
+                label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite,
+                apply_softmax=args.softmax, item_first=args.item_first)
             if _reference_failed(batch):
                 sys.exit(1)
     except BackfillError as exc:
@@ -565,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chips", type=_positive_count, help="as worker --devices")
     p.add_argument("--url", default=os.environ.get("PACKSCORE_URL"),
                    help="a service to send one job through (default $PACKSCORE_URL; none: skipped)")
-    p.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the embedded service's key file")
+    p.add_argument("--api-key", help="as for the client commands: default the key of the service at --url")
     p.set_defaults(func=check, devices="all")
 
     p = commands.add_parser("migrate", help="apply database migrations")
@@ -582,8 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--url", default=os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000"),
                             help="the service (default $PACKSCORE_URL or http://127.0.0.1:8000)")
-    connection.add_argument("--api-key", help="default $PACKSCORE_API_KEY, else the key file of the service that "
-                                              "`packscore serve --embedded` last started ($PACKSCORE_HOME/api_key)")
+    connection.add_argument("--api-key", help="default: the key file of the embedded service serving --url, else "
+                                              "$PACKSCORE_API_KEY, else this folder's ($PACKSCORE_HOME/api_key)")
     connection.add_argument("--max-retries", type=_count, default=30,
                             help="retries on 429, 503 (not worker_lost) and connection errors, with backoff "
                                  "(Retry-After honoured)")
@@ -598,8 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
     request.add_argument("--item-first", action="store_true")
     request.add_argument("--ids", action="store_true", help="query and items are comma-separated token ids")
 
-    p = commands.add_parser("wait-ready", help="wait until the service is ready (/readyz answers 200)")
+    p = commands.add_parser("wait-ready", help="wait until the service is ready (/readyz answers 200) and each of "
+                            "its models (MODELS) has a ready worker")
     p.add_argument("--url", default=os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--embedded", action="store_true", help="the embedded service of this folder: another folder's "
+                   "at --url is an error, not waited for")
     p.add_argument("--timeout", type=_non_negative, default=300.0, help="seconds (default %(default)s)")
     p.set_defaults(func=wait_ready)
 
@@ -623,6 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idempotency-key")
     p.set_defaults(func=submit)
 
+    p = commands.add_parser("cancel", parents=[connection], help="cancel a job or a batch (a lake batch too): print "
+                            "it as JSON; exit 1 if it had already ended")
+    p.add_argument("id", metavar="JOB_OR_BATCH", help="a job's id (job_...) or a batch's (batch_...)")
+    p.set_defaults(func=cancel)
+
     p = commands.add_parser("wait-batch", parents=[connection], help="wait until a batch has ended; print it as JSON")
     p.add_argument("batch_id")
     p.add_argument("--poll", type=_positive, default=1.0, help="seconds between checks")
@@ -645,6 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--item-column", help="a pair table's item (document) column")
     p.add_argument("--id-column", action="append", help="a column passed through to the output (repeat)")
     p.add_argument("--labels", type=_token_ids, help="label token ids for a pair table, comma-separated")
+    p.add_argument("--label-column", help="a pair table's column of each row's label token ids (instead of --labels)")
+    p.add_argument("--softmax", action="store_true", help="a pair table's apply_softmax over the labels")
+    p.add_argument("--item-first", action="store_true", help="a pair table's item_first: the item before the query")
     p.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                    help="the result objects written under --out for data the service reads")
     p.add_argument("--overwrite", action="store_true",
@@ -669,8 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except PackscoreError as exc:
-        hint = f" (key from {args.key_source})" if exc.status == 401 and hasattr(args, "key_source") else ""
-        _fail(f"{name}: {exc.status} {exc.code}: {exc.message}{hint}")
+        _fail(f"{name}: {exc.status} {exc.code}: {exc.message}")
     except httpx.TransportError as exc:
         _fail(f"{name}: cannot reach {args.url} ({type(exc).__name__}: {exc}); gave up after "
               f"{args.retry_seconds:.0f} s of retries. Is the service running? (--url or $PACKSCORE_URL)")

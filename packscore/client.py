@@ -13,7 +13,9 @@ import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from email.utils import parsedate_to_datetime
+from pathlib import Path
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -68,13 +70,18 @@ def _no_answer(method: str, error: httpx.TransportError) -> None:
                              "the request may still have run (GET /jobs or /batches lists what it made)") from error
 
 
-def _raise_for_error(response: httpx.Response) -> None:
+def _raise_for_error(response: httpx.Response, key_source: str) -> None:
+    """`key_source`: where the key sent came from, named in a 401's message with how to send another."""
     if response.status_code < 400:
         return
     try:
         body = response.json()
         error = body["error"]
-        raise PackscoreError(response.status_code, error["code"], error["message"], body)
+        message = error["message"]
+        if response.status_code == 401:
+            said = key_source if key_source.startswith("no key") else f"key from {key_source}"
+            message += f" ({said}); {another_key(key_source)}"
+        raise PackscoreError(response.status_code, error["code"], message, body)
     except (ValueError, KeyError, TypeError):
         raise PackscoreError(response.status_code, "http_error", response.text[:500]) from None
 
@@ -217,20 +224,83 @@ def _base_url(base_url: str | None) -> str:
     return base_url or os.environ.get("PACKSCORE_URL", "http://127.0.0.1:8000")
 
 
+# ---- which key a service takes ---------------------------------------------------------------------------------
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "")
+
+
+def embedded_home() -> Path:
+    """Where `serve --embedded` started from this folder keeps its database and key file: $PACKSCORE_HOME, else
+    .packscore here."""
+    return Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
+
+
+def service_record(url: str) -> Path:
+    """The file in which `serve --embedded` records the home folder of the service it runs at this URL's host and
+    port: one per address, so two services on one account (two clones) each keep their own key."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = (parts.hostname or "").lower()
+    host = "local" if host in LOOPBACK_HOSTS or host.startswith("127.") else host
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return config / "packscore" / "services" / f"{host}-{port}.json"
+
+
+def recorded_home(url: str) -> Path | None:
+    """The home folder of the embedded service running at `url`, from its record; None without a record or when
+    the process that wrote it has ended (a service that crashed leaves its record behind)."""
+    try:
+        record = json.loads(service_record(url).read_text())
+        os.kill(int(record["pid"]), 0)
+    except PermissionError:  # alive, another user's
+        pass
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(record["home"])
+
+
+def find_api_key(url: str, home: Path | None = None) -> tuple[str | None, str]:
+    """The key for the service at `url` and where it came from: the key file of the embedded service recorded at
+    that address, else $PACKSCORE_API_KEY, else the key file in `home` (default `embedded_home()`). With no key,
+    "no key found" and every place looked in."""
+    recorded = recorded_home(url)
+    if recorded is not None and (recorded / "api_key").is_file():
+        path = recorded / "api_key"
+        return path.read_text().split()[0], f"{path}, the embedded service's recorded at {url}"
+    if os.environ.get("PACKSCORE_API_KEY"):
+        return os.environ["PACKSCORE_API_KEY"], "$PACKSCORE_API_KEY"
+    local = (home or embedded_home()).resolve() / "api_key"
+    if local.is_file():
+        return local.read_text().split()[0], f"{local}, this folder's embedded service's"
+    looked = [str(recorded / "api_key")] if recorded is not None else []
+    return None, f"no key found (looked in {', '.join([*looked, '$PACKSCORE_API_KEY', str(local)])})"
+
+
+def another_key(source: str) -> str:
+    """How to send another key than the one from `source`, for a 401's message."""
+    if source.startswith(("$", "no key")):
+        return "give the key this service issued with --api-key (api_key=), or set $PACKSCORE_API_KEY to it"
+    if source.startswith(("--", "the api_key")):
+        return "give the key this service issued"
+    # A key file: a recorded service's wins over $PACKSCORE_API_KEY, this folder's does not.
+    return "give the key this service issued with --api-key (api_key=)" + \
+        ("" if "recorded at" in source else ", or set $PACKSCORE_API_KEY")
+
+
 def _auth(api_key: str | None) -> dict[str, str]:
-    api_key = api_key or os.environ.get("PACKSCORE_API_KEY", "")
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class Client(_Calls[dict]):
-    """`Client(base_url, api_key)`; the key defaults to $PACKSCORE_API_KEY and the URL to $PACKSCORE_URL.
+    """`Client(base_url, api_key)`; the URL defaults to $PACKSCORE_URL, the key to `find_api_key`'s for that URL
+    (`key_source`: where a given key came from, for a 401's message).
     `timeout` (seconds) is each call's, except that score and rerank wait longer for the service's own answer
     (`score_timeout`, SCORE_READ_SECONDS by default; no answer in time raises PackscoreError 504 `no_answer`)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float = SCORE_READ_SECONDS) -> None:
+                 score_timeout: float = SCORE_READ_SECONDS, key_source: str = "the api_key argument") -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries
@@ -238,7 +308,11 @@ class Client(_Calls[dict]):
         self.retry_seconds = retry_seconds
         self._sleep = sleep
         self._on_retry = on_retry
-        self._http = httpx.Client(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
+        base_url = _base_url(base_url)
+        if api_key is None:
+            api_key, key_source = find_api_key(base_url)
+        self.key_source = key_source
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(api_key))
 
     def close(self) -> None:
         self._http.close()
@@ -269,7 +343,7 @@ class Client(_Calls[dict]):
                 response.close()
                 self._sleep(wait)
                 continue
-            _raise_for_error(response)
+            _raise_for_error(response, self.key_source)
             return response
         raise AssertionError("unreachable")
 
@@ -320,14 +394,18 @@ class AsyncClient(_Calls[Awaitable[dict]]):
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float = SCORE_READ_SECONDS) -> None:
+                 score_timeout: float = SCORE_READ_SECONDS, key_source: str = "the api_key argument") -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries
         self.max_backoff = max_backoff
         self.retry_seconds = retry_seconds
         self._on_retry = on_retry
-        self._http = httpx.AsyncClient(base_url=_base_url(base_url), timeout=timeout, headers=_auth(api_key))
+        base_url = _base_url(base_url)
+        if api_key is None:
+            api_key, key_source = find_api_key(base_url)
+        self.key_source = key_source
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(api_key))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -359,7 +437,7 @@ class AsyncClient(_Calls[Awaitable[dict]]):
                 await response.aclose()
                 await asyncio.sleep(wait)
                 continue
-            _raise_for_error(response)
+            _raise_for_error(response, self.key_source)
             return response
         raise AssertionError("unreachable")
 

@@ -226,8 +226,8 @@ class WorkerSupervisor:
             if self._stopping.is_set():
                 return False
             if self._asked_to_stop():
-                # Their warm shutdown starts now, beside the API's (`serve` signalled alone, as `pkill -f` does):
-                # one after the other they took longer than the 10 s README promises.
+                # Their warm shutdown starts now, beside the API's (`serve` signalled alone, as `pkill -f` does), so
+                # that both end within the 10 s README promises.
                 for child in self._children:
                     self._tell_to_stop(child)
             for child in self._children:
@@ -244,8 +244,8 @@ class WorkerSupervisor:
                     print(f"packscore: worker {child.group.name} stopped", file=sys.stderr, flush=True)
                     child.done = True
                     continue
-                # Exit 0 without this process stopping is a SIGTERM from outside (earlyoom, an operator's kill):
-                # left stopped, the API went on accepting jobs that nothing ran.
+                # Exit 0 without this process stopping is a SIGTERM from outside (earlyoom, an operator's kill): it
+                # starts again, or the API would accept jobs that nothing runs.
                 why = f"failed (exit code {code})" if code else "stopped without its supervisor stopping"
                 child.failures = child.failures + 1 if now - child.started < STABLE_SECONDS else 1
                 delay = min(BACKOFF_SECONDS[0] * 2 ** (child.failures - 1), BACKOFF_SECONDS[1])

@@ -140,8 +140,9 @@ class Ingest:
                 raise error
             row.update(self._validate(value))
         except LineError as exc:
-            # A repeated custom_id's error line has none: a join on custom_id then finds the first line's result only.
-            if exc.code == "duplicate_custom_id" or not (isinstance(custom_id, str) and custom_id):
+            # A repeated custom_id's error line keeps it, and its message the line numbers: the client can tell the
+            # line refused from the first line's result.
+            if not (isinstance(custom_id, str) and custom_id):
                 custom_id = None
             row.update(status="failed", error_code=exc.code, finished_at=now,
                        error_message=_storable(f"line {self.lines}: {exc.message}")[:2000],

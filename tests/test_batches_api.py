@@ -115,11 +115,11 @@ def test_upload_with_good_and_bad_lines(client, make_key, clean) -> None:  # typ
                             "empty_label_token_ids", "label_token_id_out_of_range", "mixed_input_types",
                             "unknown_model", "invalid_input", "duplicate_custom_id", "invalid_input"])
     assert all(line["scores"] is None for line in errors)
-    # Lines with no readable custom_id, and the repeated one (whose custom_id is the first line's).
-    assert sum(line["custom_id"] is None for line in errors) == 5
-    assert [e["custom_id"] for e in errors if e["error"]["code"] == "duplicate_custom_id"] == [None]
+    # Lines with no readable custom_id; the repeated one keeps its custom_id, and its message its line.
+    assert sum(line["custom_id"] is None for line in errors) == 4
+    assert [e["custom_id"] for e in errors if e["error"]["code"] == "duplicate_custom_id"] == ["req-0"]
     duplicate = next(e for e in errors if e["error"]["code"] == "duplicate_custom_id")
-    assert "'req-0' was already used on line 1" in duplicate["error"]["message"], duplicate
+    assert duplicate["error"]["message"] == "line 16: custom_id 'req-0' was already used on line 1", duplicate
     assert len({line["custom_id"] for line in lines if line["custom_id"] is not None}) == len(good) + len(bad) - 5
     assert all(e["error"]["message"].startswith("line ") for e in errors)
 

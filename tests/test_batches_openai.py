@@ -58,7 +58,7 @@ def test_openai_lines_in_both_output_formats(client, make_key, clean) -> None:  
 
     lines = result_lines(client, alice, batch["id"])
     assert len(lines) == len(GOOD) + len(BAD)
-    # The duplicate line has no custom_id (a join on custom_id finds the first line only).
+    # The duplicate line keeps the first line's custom_id (its error tells the two apart).
     native = {line["custom_id"]: line for line in lines if line.get("error", {}).get("code") != "duplicate_custom_id"}
     for custom_id in ("score-v1", "score", "native"):
         np.testing.assert_allclose(native[custom_id]["scores"], scores, rtol=SCORE_RTOL, atol=0)
@@ -87,11 +87,10 @@ def test_openai_lines_in_both_output_formats(client, make_key, clean) -> None:  
         assert body["object"] == "rerank" and set(body) == {"id", "object", "created", "model", "results", "usage"}
         check_results(body["results"], relevance, top_n, documents)
     failed = [line for line in lines if line["response"]["status_code"] != 200]
-    # (The repeated custom_id's line has none.)
+    # (The repeated custom_id's line keeps it.)
     got = sorted((line["custom_id"] or "", line["response"]["status_code"], line["response"]["body"]["error"]["code"])
                  for line in failed)
-    assert got == sorted(("" if code == "duplicate_custom_id" else line["custom_id"], status, code)
-                         for line, code, status in BAD)
+    assert got == sorted((line["custom_id"], status, code) for line, code, status in BAD)
     assert all(line["error"] is None for line in failed)  # the route answered them (with an error)
 
     # Another tenant sees neither the batch nor its results, in either format.

@@ -72,31 +72,39 @@ def test_docs_load_nothing_from_outside(client) -> None:  # type: ignore[no-unty
 
 def test_the_cli_finds_the_embedded_key_from_any_folder(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import argparse
+    import json
+    import os
 
     from packscore import cli
+    from packscore.client import service_record
 
     home = tmp_path / "service" / ".packscore"
     home.mkdir(parents=True)
     (home / "api_key").write_text("psk_embedded\nwhsec_x\n")
-    pointer = tmp_path / "config" / "packscore" / "embedded_home"
-    pointer.parent.mkdir(parents=True)
-    pointer.write_text(f"{home}\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    url = "http://127.0.0.1:8000"
+    record = service_record(url)
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"home": str(home), "pid": os.getpid()}))  # as `serve --embedded` records it
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    monkeypatch.setattr(cli, "EMBEDDED_POINTER", pointer)
     monkeypatch.setattr(cli, "EMBEDDED_DIR", cli.Path(".packscore"))
     monkeypatch.delenv("PACKSCORE_API_KEY", raising=False)
     monkeypatch.delenv("PACKSCORE_HOME", raising=False)
-    args = argparse.Namespace(api_key=None)
-    assert cli.api_key(args) == ("psk_embedded", str(home / "api_key"))
+    args = argparse.Namespace(api_key=None, url=url)
+    key, source = cli.api_key(args)
+    assert key == "psk_embedded" and source.startswith(str(home / "api_key")), source
+    # The service's own key file wins over the variable, which may name another service's key.
     monkeypatch.setenv("PACKSCORE_API_KEY", "psk_env")
-    assert cli.api_key(args) == ("psk_env", "$PACKSCORE_API_KEY")
-    assert cli.api_key(argparse.Namespace(api_key="psk_flag")) == ("psk_flag", "--api-key")
+    assert cli.api_key(args)[0] == "psk_embedded"
+    assert cli.api_key(argparse.Namespace(api_key=None, url="http://127.0.0.1:8001")) == ("psk_env",
+                                                                                         "$PACKSCORE_API_KEY")
+    assert cli.api_key(argparse.Namespace(api_key="psk_flag", url=url)) == ("psk_flag", "--api-key")
     monkeypatch.delenv("PACKSCORE_API_KEY")
-    pointer.unlink()
+    record.unlink()
     key, tried = cli.api_key(args)
-    assert key is None and "--api-key" in tried and "$PACKSCORE_API_KEY" in tried
+    assert key is None and "$PACKSCORE_API_KEY" in tried
     assert str(elsewhere / ".packscore" / "api_key") in tried
 
 

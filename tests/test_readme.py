@@ -1,8 +1,8 @@
-"""README's examples run as written (issue 22): its ```sh blocks in order, as one shell session, and each of
-its ```python blocks, against `packscore serve --embedded` with the bundled model, from the folder the service
-was started in (where `make run` leaves `.packscore/`). A block preceded by `<!-- not run by
-tests/test_readme.py: why -->` is left out; every other one must succeed. curl answers 4xx/5xx count as
-failures."""
+"""README's examples run as written: its ```sh blocks in order, as one shell session, and each of its ```python
+blocks, against `packscore serve --embedded` with the bundled model, from the folder the service was started in
+(where `make run` leaves `.packscore/`). A block preceded by `<!-- not run by tests/test_readme.py: why -->` is
+left out; every other one must succeed. curl answers 4xx/5xx count as failures. And README's error tables name
+every code the code answers with, and only those."""
 
 import os
 import re
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from core import ERROR_CODES
+from store import errors
 from tests.service_harness import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +101,54 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, i
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _errors_section() -> str:
+    return (REPO / "README.md").read_text().split("### Errors", 1)[1].split("\n### ", 1)[0]
+
+
+def documented_errors() -> set[tuple[int, str]]:
+    """(status, code) pairs of README's error table."""
+    section = _errors_section()
+    pairs = set()
+    for status, codes in re.findall(r"^\| (\d{3}) \| (.+?) \|", section, re.M):
+        pairs.update((int(status), code) for code in re.findall(r"`(\w+)`", codes))
+    return pairs
+
+
+def test_readme_documents_every_error_the_api_answers() -> None:
+    """Every (status, code) the API can answer is in README's table: the engine's codes, the job error mapping,
+    the generic HTTP codes and every ServiceError raised in api/."""
+    answered = {(400, code) for code in ERROR_CODES}
+    answered |= {(e.status, e.code) for e in (errors.job_error("j", c, "") for c in ("worker_lost", "internal_error"))}
+    answered |= {(status, code) for status, code in errors.HTTP_CODES.items()}
+    answered |= {(500, "internal_error"), (503, "unavailable")}
+    for folder in ("api", "store"):  # the data layer's refusals too (the lake's, batches')
+        for path in (REPO / folder).rglob("*.py"):
+            text = path.read_text()
+            answered |= {(int(s), c) for s, c in re.findall(r'ServiceError\(\s*(\d{3}),\s*"(\w+)"', text)}
+            answered |= {(int(s), c) for s, c in re.findall(r'error_response\(\s*(\d{3}),\s*"(\w+)"', text)}
+            answered |= {(int(s or 400), c) for c, s in
+                         re.findall(r'refusal\(\s*"(\w+)",(?:[^()]|\([^()]*\))*?(?:, (\d{3}))?\)', text)}
+    missing = answered - documented_errors()
+    assert not missing, f"README's error table lacks {sorted(missing)}"
+
+
+def test_readme_documents_every_code_a_batch_line_gets() -> None:
+    """A bad line's codes (uploads, reference batches, and the ones `packscore backfill` refuses itself) besides
+    the engine's, against README's table of line codes: each there, and none there that no line gets."""
+    patterns = (r'LineError\(\s*"(\w+)"', r'errors\[\w+\] = \(\s*"(\w+)"', r'\(\s*"(\w+)", f"line \{number\}',
+                r'\{"code": "(\w+)", "message"')
+    given = set()
+    for folder in ("store", "packscore"):
+        for path in (REPO / folder).rglob("*.py"):
+            text = path.read_text()
+            given |= {code for pattern in patterns for code in re.findall(pattern, text)}
+    table = _errors_section().split("| Line code |", 1)[1].split("\n\n", 1)[0]
+    documented = {code for row in re.findall(r"^\| (.+?) \|", table, re.M) for code in re.findall(r"`(\w+)`", row)}
+    assert {"duplicate_custom_id", "unknown_url", "invalid_json", "cancelled"} <= given  # the patterns still find
+    assert documented <= given, f"README's line codes that no line gets: {sorted(documented - given)}"
+    assert given - set(ERROR_CODES) <= documented, f"README lacks the line codes {sorted(given - documented)}"
 
 
 def as_run_here(text: str, port: int) -> str:

@@ -19,11 +19,12 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"description": "Not ready: the body says which check failed"}})
 def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
-    """Ready to serve: the database and the broker answer and at least one ready worker was seen recently.
-    "warming" (503) while the only live workers still compile their programs (WARMUP=ladder). `models`: each
-    configured model's ready and warming workers, and whether jobs of it wait; a model with no live worker
-    keeps its jobs queued until one starts. `device_groups`: each live worker's host, chips (`packscore worker
-    --devices`; null for a worker started alone), model and state."""
+    """Ready to serve: the database and the broker answer, a ready worker was seen recently, and no model's live
+    workers are all still warming. "warming" (503) while some model's only live workers still compile their
+    programs (WARMUP=ladder). `models`: each configured model's ready and warming workers, and whether jobs of it
+    wait; a model with no live worker keeps its jobs queued until one starts (`packscore wait-ready` waits for
+    it). `device_groups`: each live worker's host, chips (`packscore worker --devices`; null for a worker
+    started alone), model and state."""
     checks: dict[str, bool | int] = {}
     models = list(settings.served_models)
     try:
@@ -38,7 +39,9 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
     checks["broker"] = broker_reachable()
     checks["workers"] = sum(states.get("ready", 0) for states in workers.values())
     checks["warming"] = sum(states.get("warming", 0) for states in workers.values())
-    ready = bool(checks["database"] and checks["broker"] and checks["workers"] > 0)
+    warming_only = [model for model in models if workers.get(model, {}).get("warming", 0)
+                    and not workers.get(model, {}).get("ready", 0)]
+    ready = bool(checks["database"] and checks["broker"] and checks["workers"] > 0 and not warming_only)
     status = "ready" if ready else "warming" if checks["warming"] and checks["database"] and checks["broker"] \
         else "not_ready"
     per_model = {model: {"workers": workers.get(model, {}).get("ready", 0),
