@@ -162,7 +162,11 @@ def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: igno
         screenshot(page, "batches")
 
         # A batch: cancelled from its page after a confirmation, then settled.
-        page.click(f'a[href="#/batches/{batch}"]')
+        # By keyboard: the link keeps its focus through the list's next poll, and Enter opens the batch.
+        page.focus(f'a[href="#/batches/{batch}"]')
+        time.sleep(2.5)
+        assert page.evaluate("document.activeElement.getAttribute('href')") == f"#/batches/{batch}"
+        page.keyboard.press("Enter")
         accept_next_dialog(page)
         page.get_by_role("button", name="Cancel batch").click()
         page.locator("#batch .status", has_text="cancelled").first.wait_for(timeout=SECONDS * 1000)

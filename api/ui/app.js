@@ -67,8 +67,8 @@ function bar(done, total, label) {
 // Items (or rows) per second since the work started, while it runs.
 function rate(done, started, status) {
   const elapsed = since(started);
-  return status === "running" || status === "in_progress" ? (elapsed > 0 ? `${(done / elapsed).toFixed(1)}/s` : "–")
-    : "–";
+  const running = status === "running" || status === "in_progress";
+  return running && elapsed > 0 ? `${(done / elapsed).toFixed(1)}/s` : "–";
 }
 
 function table(caption, headings, rows, empty) {
@@ -77,8 +77,8 @@ function table(caption, headings, rows, empty) {
     [...row.children].forEach((cell, i) => cell.setAttribute("data-label", headings[i]));
   }
   return h("div", { class: "scroll", tabindex: "0", role: "region", "aria-label": caption },
-    h("table", {}, h("caption", {}, caption), h("thead", {}, h("tr", {}, headings.map((t) => h("th", { scope: "col" }, t)))),
-      h("tbody", {}, rows)));
+    h("table", {}, h("caption", {}, caption),
+      h("thead", {}, h("tr", {}, headings.map((t) => h("th", { scope: "col" }, t)))), h("tbody", {}, rows)));
 }
 
 function fields(pairs) {
@@ -95,6 +95,16 @@ let generation = 0;
 function show(title, ...content) {
   const main = document.getElementById("main");
   main.replaceChildren(h("h1", { tabindex: "-1" }, title), ...content);
+}
+
+// Replaces a view's polled content, keeping keyboard focus on the same link or button across polls.
+function refresh(container, ...children) {
+  const focused = container.contains(document.activeElement) ? document.activeElement : null;
+  const href = focused && focused.getAttribute("href");
+  const selector = focused && focused.id ? `#${CSS.escape(focused.id)}` : href ? `[href="${CSS.escape(href)}"]` : null;
+  container.replaceChildren(...children);
+  const again = selector && container.querySelector(selector);
+  if (again) again.focus();
 }
 
 function alertBox() {
@@ -163,8 +173,8 @@ function listView() {
     h("option", { value: "" }, "all"), JOB_STATUSES.map((s) => h("option", { value: s }, s)));
   const batchFilter = h("select", { id: "batch-status", "aria-label": "Batches' status" },
     h("option", { value: "" }, "all"), BATCH_STATUSES.map((s) => h("option", { value: s }, s.replace("_", " "))));
-  const jobs = h("section", { id: "jobs", "aria-live": "polite" });
-  const batches = h("section", { id: "batches", "aria-live": "polite" });
+  const jobs = h("section", { id: "jobs" });
+  const batches = h("section", { id: "batches" });
   show("Jobs and batches", alertBox(),
     h("h2", {}, "Batches"), h("label", { class: "filter" }, "Status ", batchFilter), batches,
     h("h2", {}, "Jobs"), h("label", { class: "filter" }, "Status ", jobFilter), jobs);
@@ -172,10 +182,10 @@ function listView() {
     const status = jobFilter.value ? `&status=${jobFilter.value}` : "";
     const [jobList, batchList] = await Promise.all([api(`/jobs?limit=50${status}`), api("/batches?limit=50")]);
     if (!current()) return;
-    batches.replaceChildren(table("Batches, newest first", ["Batch", "Model", "Status", "Progress", "Rate", "ETA",
+    refresh(batches, table("Batches, newest first", ["Batch", "Model", "Status", "Progress", "Rate", "ETA",
       "Age", "Errors"], batchList.data.filter((b) => !batchFilter.value || b.status === batchFilter.value)
       .map(batchRow), "No batches."));
-    jobs.replaceChildren(table("Jobs, newest first", ["Job", "Kind", "Model", "Status", "Progress", "Rate", "ETA",
+    refresh(jobs, table("Jobs, newest first", ["Job", "Kind", "Model", "Status", "Progress", "Rate", "ETA",
       "Age", "Error"], jobList.data.map(jobRow), "No jobs."));
   };
   jobFilter.addEventListener("change", () => poll(update));
@@ -217,18 +227,19 @@ function jobView(id) {
   poll(async (current) => {
     const job = await api(`/jobs/${encodeURIComponent(id)}`);
     if (!current()) return;
-    const cancel = ENDED.has(job.status) ? null : h("button", { type: "button", onclick: async () => {
+    const cancel = ENDED.has(job.status) ? null : h("button", { type: "button", id: "cancel", onclick: async () => {
       if (!confirm(`Cancel job ${job.id}?`)) return;
       try { await api(`/jobs/${encodeURIComponent(id)}/cancel`, { method: "POST" }); } catch (e) { showError(e); }
     } }, "Cancel job");
-    body.replaceChildren(fields([["Status", badge(job.status)], ["Kind", job.kind], ["Model", job.model],
+    refresh(body, fields([["Status", badge(job.status)], ["Kind", job.kind], ["Model", job.model],
       ["Progress", bar(job.progress.items_done, job.progress.items_total, "items")],
       ["Rate", rate(job.progress.items_done, job.started_at, job.status)], ["ETA", seconds(job.eta_seconds)],
       ["Created", job.created_at], ["Started", job.started_at], ["Finished", job.finished_at],
       ["Attempts", job.attempts], ["Prompt tokens", job.usage.prompt_tokens],
       ["Error", job.error ? `${job.error.code}: ${job.error.message}` : null],
       ["Metadata", job.metadata ? JSON.stringify(job.metadata) : null]]), cancel,
-    h("h2", {}, "Results"), results(job), h("h2", {}, "Webhook deliveries"), webhookFields(job.webhook, job.webhook_url));
+    h("h2", {}, "Results"), results(job),
+    h("h2", {}, "Webhook deliveries"), webhookFields(job.webhook, job.webhook_url));
     return !ENDED.has(job.status) || (job.webhook && job.webhook.status === "pending");
   });
 }
@@ -265,7 +276,7 @@ function batchView(id) {
         poll(update);  // at once, not at the next tick
       } catch (e) { showError(e); }
     } }, "Cancel batch");
-    const download = h("button", { type: "button", onclick: async () => {
+    const download = h("button", { type: "button", id: "download", onclick: async () => {
       try {
         const blob = await api(`${path}/results`, { as: "blob" });
         const link = h("a", { href: URL.createObjectURL(blob), download: `${batch.id}.jsonl` });
@@ -276,7 +287,7 @@ function batchView(id) {
     const done = batch.rows ? batch.rows.done : batch.progress.items_done;
     const total = batch.rows ? batch.rows.total : batch.progress.items_total;
     const c = batch.chunks;
-    body.replaceChildren(fields([["Status", badge(batch.status)], ["Model", batch.model],
+    refresh(body, fields([["Status", badge(batch.status)], ["Model", batch.model],
       ["Progress", bar(done, total, batch.rows ? "rows" : "items")],
       ["Rate", rate(done, batch.in_progress_at, batch.status)], ["ETA", seconds(batch.eta_seconds)],
       ["Requests", `${batch.counts.succeeded} succeeded, ${batch.counts.failed} failed, ` +
@@ -354,8 +365,8 @@ function workersView() {
       api("/metrics", { as: "text" })]);
     if (!current()) return;
     const m = metrics(text);
-    const reading = { t: Date.now(), items: total(m, "packscore_pass_items_sum"), passes: total(m, "packscore_passes_total"),
-      device: total(m, "packscore_pass_device_seconds_sum") };
+    const reading = { t: Date.now(), items: total(m, "packscore_pass_items_sum"),
+      passes: total(m, "packscore_passes_total"), device: total(m, "packscore_pass_device_seconds_sum") };
     const kept = JSON.parse(sessionStorage.getItem(SAMPLES) || "[]").filter((s) => reading.t - s.t < HOUR_MS);
     const last = kept[kept.length - 1];
     kept.push(reading);
@@ -366,7 +377,7 @@ function workersView() {
     const busy = per("device") === null || !live ? null : Math.min(1, per("device") / live);
     const paths = m.filter((s) => s.name === "packscore_worker_attention" && s.value > 0)
       .map((s) => `${s.labels.path} × ${s.value}`).join(", ");
-    body.replaceChildren(
+    refresh(body,
       fields([["Status", badge(ready.status)], ["Passes/s", per("passes") === null ? "–" : per("passes").toFixed(2)],
         ["Items/s", per("items") === null ? "–" : per("items").toFixed(1)],
         ["Device busy", busy === null ? "–" : `${Math.round(100 * busy)}% (device seconds per second, per worker)`],
