@@ -10,9 +10,10 @@ import shutil
 import socket
 import subprocess
 import time
+import tomllib
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import pytest
@@ -118,6 +119,18 @@ def created(response) -> str:  # type: ignore[no-untyped-def]
 
 def accept_next_dialog(page) -> None:  # type: ignore[no-untyped-def]
     page.once("dialog", lambda dialog: dialog.accept())
+
+
+def test_the_page_ships_in_the_package() -> None:
+    """A non-editable install (the Docker image's) carries every file of api/ui/: pyproject's package data names
+    them (setuptools ships no other file than Python modules)."""
+    from api.main import UI_DIR
+
+    pyproject = tomllib.loads((UI_DIR.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["api"]
+    files = [PurePosixPath(p.relative_to(UI_DIR.parent).as_posix()) for p in UI_DIR.rglob("*") if p.is_file()]
+    assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= {str(f) for f in files}
+    assert all(any(f.match(pattern) for pattern in patterns) for f in files), (files, patterns)
 
 
 def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # type: ignore[no-untyped-def]
