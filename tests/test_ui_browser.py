@@ -195,6 +195,7 @@ def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: igno
         page.get_by_role("button", name="Cancel job").click()
         wait_until(lambda: http.get(f"/jobs/{job}").json()["status"] == "cancelled", SECONDS, "the job's cancel")
         page.locator("#job .status", has_text="cancelled").first.wait_for(timeout=SECONDS * 1000)
+        assert "null" not in page.locator("#job").inner_text().split()  # no missing part shown as a word
         screenshot(page, "job")
 
         # A finished job's page shows its scores.

@@ -102,7 +102,7 @@ function refresh(container, ...children) {
   const focused = container.contains(document.activeElement) ? document.activeElement : null;
   const href = focused && focused.getAttribute("href");
   const selector = focused && focused.id ? `#${CSS.escape(focused.id)}` : href ? `[href="${CSS.escape(href)}"]` : null;
-  container.replaceChildren(...children);
+  container.replaceChildren(...children.filter((child) => child !== null && child !== undefined));
   const again = selector && container.querySelector(selector);
   if (again) again.focus();
 }
