@@ -4,9 +4,11 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio.to_thread
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
@@ -23,6 +25,7 @@ from store.settings import get_settings
 # Polled every second by `packscore wait-ready`, load balancers and orchestrators: a line per poll buried the
 # lines about the requests a user sends.
 HEALTH_PATHS = ("/healthz", "/readyz")
+UI_DIR = Path(__file__).parent / "ui"
 
 
 class HealthPollFilter(logging.Filter):
@@ -67,5 +70,7 @@ def create_app() -> FastAPI:
     for router in (jobs.router, batches.router, score.router, models.router):
         app.include_router(router, responses=ERROR_RESPONSES)
     app.include_router(health.router)
+    # The page to watch the service: static files whose requests are the public routes above, with the user's key.
+    app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
     return app
 

@@ -1,0 +1,274 @@
+"""The page at /ui in a real headless Chromium (Debian's `chromium`, driven by Playwright's Python client): sign in,
+a running job's progress bar moving, a batch cancelled and settling, a worker with its model and device, a wrong
+key's 401 message, a second key seeing none of the first key's work, and every request the page made being a
+public API route. The service runs on PostgreSQL with two models (MODELS) and one worker. A screenshot of each
+page is saved under the test results (ui-screenshots/); docs/ui-batches.png is the batch list's."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+import pytest
+from starlette.routing import Mount, compile_path
+
+from tests.service_harness import Service, running_service, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+# What Debian's chromium needs to run headless as root in a container, and nothing reaching outside the machine.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SCREENSHOTS = Path(os.environ["PACKSCORE_TEST_CACHE"]).parent / "ui-screenshots"
+SECONDS = 60  # for anything the page shows after a few of its polls (every 2 s)
+JSONL = {"Content-Type": "application/jsonl"}
+
+
+def _unavailable(reason: str) -> None:
+    """Under CI a browser that cannot be had is a failure; on a developer's machine the test skips."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def install_chromium() -> Path:
+    """Debian's chromium, installed with apt-get on first use (as tests/object_stores.py installs Azurite)."""
+    if not CHROMIUM.exists() and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+        # An old package list may no longer name the current build: read it again once.
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True)
+    if not CHROMIUM.exists():
+        _unavailable(f"{CHROMIUM} is missing and `apt-get install chromium` did not install it")
+    return CHROMIUM
+
+
+class Requests:
+    """Every request the page sends, as (method, URL)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def watch(self, page) -> None:  # type: ignore[no-untyped-def]
+        page.on("request", lambda request: self.seen.append((request.method, request.url)))
+
+
+@pytest.fixture(scope="module")
+def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-untyped-def]
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    name = f"packscore_ui_{run_id}_{uuid.uuid4().hex[:6]}"
+    with database_factory(name) as url:
+        # Two models, a worker for the first: the page lists both. Room for a job that runs long enough to watch.
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:",
+               "MODELS": "small=tiny-random,other=tiny-random", "MODEL": "small", "MAX_TOKENS": "400000"}
+        with running_service(env, tmp_path_factory.mktemp("ui-logs"), workers=1) as running:
+            yield running
+
+
+@pytest.fixture(scope="module")
+def requests() -> Requests:
+    return Requests()
+
+
+@pytest.fixture(scope="module")
+def browser():  # type: ignore[no-untyped-def]
+    executable = install_chromium()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("Playwright's Python client is not installed (the `dev` extra has it)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser, requests: Requests):  # type: ignore[no-untyped-def]
+    """A tab of its own (its own session storage), at a laptop's width."""
+    context = browser.new_context(viewport={"width": 1100, "height": 760})
+    opened = context.new_page()
+    requests.watch(opened)
+    yield opened
+    context.close()
+
+
+def screenshot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def sign_in(page, service: Service, key: str) -> None:  # type: ignore[no-untyped-def]
+    page.goto(f"{service.base_url}/ui/")
+    page.fill("#key", key)
+    page.keyboard.press("Enter")  # the keyboard alone signs in
+
+
+def created(response) -> str:  # type: ignore[no-untyped-def]
+    assert response.status_code in (201, 202), response.text
+    return response.json()["id"]
+
+
+def accept_next_dialog(page) -> None:  # type: ignore[no-untyped-def]
+    page.once("dialog", lambda dialog: dialog.accept())
+
+
+def test_the_page_ships_in_the_package() -> None:
+    """A non-editable install (the Docker image's) carries every file of api/ui/: pyproject's package data names
+    them (setuptools ships no other file than Python modules)."""
+    from api.main import UI_DIR
+
+    pyproject = tomllib.loads((UI_DIR.parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["api"]
+    files = [PurePosixPath(p.relative_to(UI_DIR.parent).as_posix()) for p in UI_DIR.rglob("*") if p.is_file()]
+    assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= {str(f) for f in files}
+    assert all(any(f.match(pattern) for pattern in patterns) for f in files), (files, patterns)
+
+
+def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+    with service.http("psk_not-a-key") as http:
+        answer = http.get("/v1/models")
+    assert answer.status_code == 401
+    sign_in(page, service, "psk_not-a-key")
+    error = page.locator("#error")
+    error.wait_for(state="visible", timeout=SECONDS * 1000)
+    assert error.inner_text() == answer.json()["error"]["message"]
+    assert page.locator("h1").inner_text() == "Sign in"
+    screenshot(page, "sign-in-wrong-key")
+
+
+def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+    sign_in(page, service, service.key)
+    page.get_by_role("heading", name="Jobs and batches").wait_for(timeout=SECONDS * 1000)
+    with service.http() as http:
+        small = "".join(json.dumps({"custom_id": f"done-{i}", "query": "Is the sky blue?", "items": ["yes", "no"],
+                                    "label_token_ids": [1, 2]}) + "\n" for i in range(3))
+        finished = created(http.post("/batches", content=small, headers=JSONL))
+        wait_until(lambda: http.get(f"/batches/{finished}").json()["status"] == "completed", SECONDS, "a batch")
+        # About 300 passes of PASS_TOKENS=512: seconds of progress to watch, then cancelled.
+        job = created(http.post("/jobs", json={"query": "Which is best?", "label_token_ids": [1, 2],
+                                               "items": [f"candidate {i} " * 8 for i in range(3000)]}))
+        lines = "".join(json.dumps({"custom_id": f"line-{i}", "query": "Is the sky blue?",
+                                    "items": [f"answer {i} " * 8] * 50, "label_token_ids": [1, 2]}) + "\n"
+                        for i in range(40))
+        batch = created(http.post("/batches", content=lines, headers=JSONL))
+
+        # The running job's bar moves: two readings between none and all of its items, the second further on.
+        bar = page.locator(f'tr[data-id="{job}"] progress')
+        seen: list[int] = []
+        deadline = time.monotonic() + SECONDS
+        while len(seen) < 2 and time.monotonic() < deadline:
+            value = int(bar.get_attribute("value", timeout=SECONDS * 1000) or 0)
+            if 0 < value < 3000 and (not seen or value != seen[-1]):
+                seen.append(value)
+            time.sleep(0.2)
+        assert len(seen) == 2 and seen[0] < seen[1], seen
+        assert page.locator(f'tr[data-id="{finished}"] .status').inner_text() == "completed"
+        screenshot(page, "batches")
+
+        # A batch: cancelled from its page after a confirmation, then settled.
+        # By keyboard: the link keeps its focus through the list's next poll, and Enter opens the batch.
+        page.focus(f'a[href="#/batches/{batch}"]')
+        time.sleep(2.5)
+        assert page.evaluate("document.activeElement.getAttribute('href')") == f"#/batches/{batch}"
+        page.keyboard.press("Enter")
+        accept_next_dialog(page)
+        page.get_by_role("button", name="Cancel batch").click()
+        page.locator("#batch .status", has_text="cancelled").first.wait_for(timeout=SECONDS * 1000)
+        assert http.get(f"/batches/{batch}").json()["status"] == "cancelled"
+        assert not page.get_by_role("button", name="Cancel batch").count()
+        screenshot(page, "batch")
+
+        # The job: its page, its bar, cancelled there too (it need not run to its end).
+        page.goto(f"{service.base_url}/ui/#/jobs/{job}")
+        page.locator("#job progress").wait_for(timeout=SECONDS * 1000)
+        assert page.locator("h1").inner_text() == f"Job {job}"
+        accept_next_dialog(page)
+        page.get_by_role("button", name="Cancel job").click()
+        wait_until(lambda: http.get(f"/jobs/{job}").json()["status"] == "cancelled", SECONDS, "the job's cancel")
+        page.locator("#job .status", has_text="cancelled").first.wait_for(timeout=SECONDS * 1000)
+        assert "null" not in page.locator("#job").inner_text().split()  # no missing part shown as a word
+        screenshot(page, "job")
+
+        # A finished job's page shows its scores.
+        done = http.post("/jobs", json={"query": "Is the sky blue?", "items": ["yes", "no"],
+                                        "label_token_ids": [1, 2], "model": "small"}).json()["id"]
+        page.goto(f"{service.base_url}/ui/#/jobs/{done}")
+        page.locator("#job .status", has_text="succeeded").wait_for(timeout=SECONDS * 1000)
+        scores = http.get(f"/jobs/{done}").json()["scores"]
+        assert page.locator("#job tbody tr").nth(1).inner_text().split() == ["1", *(f"{s:.4f}" for s in scores[1])]
+
+    # The workers: the one worker with its model, host and device; both models, the second with no worker.
+    page.click('nav a[href="#/workers"]')
+    worker = page.locator("#workers tbody tr", has_text=socket.gethostname()).first
+    worker.wait_for(timeout=SECONDS * 1000)
+    assert worker.locator("td").all_inner_texts()[:5] == ["small", socket.gethostname(), "the host's own", "–",
+                                                          "ready"]
+    models = page.get_by_role("region", name="Models").locator("tbody tr")
+    assert [row.locator("td").all_inner_texts()[:2] for row in models.all()] == [["small", "1"], ["other", "0"]]
+    page.get_by_text("Attention paths").wait_for()
+    assert "xla" in page.locator("dd", has_text="×").inner_text()
+    # The chart, from the third reading of /metrics on (a flat line while nothing runs: attached, not visible).
+    page.locator(".chart svg polyline").wait_for(state="attached", timeout=SECONDS * 1000)
+    screenshot(page, "workers")
+
+    # A phone's width: the list still fits, each row's fields stacked.
+    page.set_viewport_size({"width": 390, "height": 800})
+    page.goto(f"{service.base_url}/ui/#/")
+    status = page.locator(f'tr[data-id="{batch}"] .status')
+    status.wait_for(timeout=SECONDS * 1000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    box = status.bounding_box()
+    assert box is not None and box["x"] + box["width"] <= 390  # each row's fields in view, not scrolled off
+    screenshot(page, "batches-phone")
+    page.emulate_media(color_scheme="dark")  # the system's dark mode
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(21, 24, 28)"
+    screenshot(page, "batches-phone-dark")
+
+
+def test_a_second_key_sees_none_of_the_first_keys_work(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+    with service.http() as http:
+        job = http.post("/jobs", json={"query": "mine", "items": ["a"], "label_token_ids": [1]}).json()["id"]
+    other, _ = service.create_key("second")
+    sign_in(page, service, other)
+    page.get_by_text("No jobs.").wait_for(timeout=SECONDS * 1000)
+    assert page.get_by_text("No batches.").is_visible()
+    assert page.locator("tr[data-id]").count() == 0
+    page.goto(f"{service.base_url}/ui/#/jobs/{job}")
+    with service.http(other) as http:
+        message = http.get(f"/jobs/{job}").json()["error"]["message"]
+    page.locator("#error", has_text=message).wait_for(timeout=SECONDS * 1000)
+    screenshot(page, "second-key")
+
+
+def test_the_page_calls_only_public_api_routes(requests: Requests, service: Service) -> None:
+    """Run last in this file: the requests of every page above. Each is a file of the app's /ui mount or a route
+    of its public API (the operations of its OpenAPI schema, what /docs lists for any client), on the service's
+    own origin: nothing from elsewhere."""
+    from api.main import create_app
+
+    app = create_app()
+    assert [route.path for route in app.routes if isinstance(route, Mount) and route.name == "ui"] == ["/ui"]
+    operations = [(method.upper(), path, compile_path(path)[0]) for path, methods in app.openapi()["paths"].items()
+                  for method in methods]
+    assert requests.seen, "no page ran before this test"
+    origin = urlsplit(service.base_url)
+    called = set()
+    for method, url in requests.seen:
+        parts = urlsplit(url)
+        assert (parts.scheme, parts.netloc) == (origin.scheme, origin.netloc), url
+        if method == "GET" and parts.path.startswith("/ui/"):
+            continue
+        matched = [(verb, path) for verb, path, pattern in operations if verb == method and pattern.match(parts.path)]
+        assert matched, f"{method} {url} is not a route of the API"
+        called.update(matched)
+    assert {("GET", "/jobs"), ("GET", "/batches"), ("GET", "/v1/models"), ("POST", "/batches/{batch_id}/cancel"),
+            ("POST", "/jobs/{job_id}/cancel"), ("GET", "/readyz"), ("GET", "/metrics")} <= called, called
