@@ -1,8 +1,8 @@
 """The stores a reference batch's data may be in, behind one interface (interface.Store): one module per store,
 each listed once in STORES. A new store is a module with its Store subclass and a line here.
 
-Questions about a failure go to every store, not only to the one it was raised for: a store's library is known
-by its exception types, which say which library raised it whichever store was being reached."""
+A failure is read by every store, not only by the one being reached: an exception's type says which library
+raised it, and the store that knows that library reads it."""
 
 from collections.abc import Iterable
 
@@ -20,18 +20,27 @@ STORES: list[Store] = [LOCAL, S3(), GCS(), Azure()]
 
 
 def by_protocol(protocol: str) -> Store:
-    """The store of an fsspec protocol a Location holds (one this registry gave it)."""
-    return next(store for store in STORES if store.protocol == protocol)
+    """The store of an fsspec protocol a Location holds; KeyError for one no store has."""
+    for store in STORES:
+        if store.protocol == protocol:
+            return store
+    raise KeyError(f"no store has the protocol {protocol!r}")
 
 
-def by_scheme(scheme: str) -> Store | None:
-    """The store that serves a URI scheme (lower case), or None."""
-    return next((store for store in STORES if scheme in store.schemes), None)
+def by_scheme(scheme: str) -> Store:
+    """The store that serves a URI scheme (lower case); KeyError for one no store serves."""
+    for store in STORES:
+        if scheme in store.schemes:
+            return store
+    raise KeyError(f"no store serves {scheme}://")
 
 
 def remote(scheme: str) -> Store | None:
     """The store of a remote URI scheme (lower case): None for a local path's and for a scheme not served."""
-    store = by_scheme(scheme)
+    try:
+        store = by_scheme(scheme)
+    except KeyError:
+        return None
     return None if store is LOCAL else store
 
 
