@@ -52,8 +52,9 @@ class Store:
 
     def version(self, info: dict[str, Any]) -> str | None:
         """The object's version in an `info()` (or listing) entry: the first of `version_fields` present and
-        not empty, quotes stripped (an ETag is quoted in some answers and not in others); None if there is
-        none. Two entries of one object have the same version until it is written again."""
+        not empty (s3fs answers an empty ETag for a store that gives none), quotes stripped (an ETag is quoted
+        in some answers and not in others); None if there is none. Two entries of one object have the same
+        version until it is written again."""
         found = (str(info[name]).strip('"') for name in self.version_fields if info.get(name) is not None)
         return next((version for version in found if version), None)
 
