@@ -1,7 +1,7 @@
 """A storage location (`Location`): one object or prefix of a reference batch's data, local or in an object
 store, with the filesystem that reaches it; and `LocationColumn`, the column type that stores one as its URI, so
-that a row read back carries a Location, not a string to parse. Which locations a key may use is
-store/lake/access.py's.
+that a row read back carries a Location, not a string to parse. What each store is lives in store/storage/;
+which locations a key may use is store/lake/access.py's.
 """
 
 import logging
@@ -11,23 +11,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import fsspec
 from fsspec import AbstractFileSystem
 from sqlalchemy import Text
 from sqlalchemy.types import TypeDecorator
 
+from store import storage
 from store.errors import ServiceError
-
-# URI scheme -> fsspec protocol. gcsfs and adlfs are optional installs (`pip install packscore[gcs]` /
-# `[azure]`): fsspec knows their protocols and says which package to install when one is missing.
-REMOTE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "az", "abfs": "az", "abfss": "az"}
+from store.storage import Store
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Location:
-    """One object or prefix: `protocol` ("file" or a remote protocol) and the path fsspec takes for it
+    """One object or prefix: `protocol` (its store's fsspec protocol) and the path fsspec takes for it
     (`/abs/path` or `bucket/key`)."""
 
     protocol: str
@@ -36,18 +33,22 @@ class Location:
     @classmethod
     def parse(cls, uri: str) -> "Location":
         """A URI this module made (`uri`), already vetted: stored in a chunk row, say."""
-        if uri.startswith("file://"):
-            return cls("file", uri[len("file://"):])
-        scheme, path = uri.split("://", 1)
-        return cls(REMOTE_PROTOCOLS[scheme], path)
+        scheme, rest = uri.split("://", 1)
+        store = storage.by_scheme(scheme)
+        bucket = rest.split("/", 1)[0]
+        return cls(store.protocol, store.path(bucket, rest[len(bucket):]))
+
+    @property
+    def store(self) -> Store:
+        return storage.by_protocol(self.protocol)
 
     @property
     def uri(self) -> str:
-        return f"file://{self.path}" if self.protocol == "file" else f"{self.scheme}://{self.path}"
+        return self.store.uri(self.path)
 
     @property
     def scheme(self) -> str:
-        return {"gcs": "gs"}.get(self.protocol, self.protocol)
+        return self.store.schemes[0]
 
     @property
     def fs(self) -> AbstractFileSystem:
@@ -64,30 +65,33 @@ class Location:
 @lru_cache
 def filesystem(protocol: str) -> AbstractFileSystem:
     """One filesystem per protocol and process, with the host's credentials (fsspec caches its instances too)."""
-    if protocol == "file":
-        return fsspec.filesystem("file", auto_mkdir=True)
+    store = storage.by_protocol(protocol)
     try:
-        return fsspec.filesystem(protocol)
+        return store.filesystem()
     except ImportError as exc:
+        extra = f"; `pip install packscore[{store.extra}]` installs it" if store.extra else ""
         raise ServiceError(400, "storage_unavailable",
-                           f"{protocol}:// is not installed on this server ({exc})") from None
+                           f"{protocol}:// is not installed on this server ({exc}{extra})") from None
     except Exception as exc:  # noqa: BLE001  (adlfs without an account or connection string, say)
         raise ServiceError(400, "storage_unavailable", f"{protocol}:// is not configured on this server "
                                                        f"({type(exc).__name__}: {exc})") from None
 
 
 def load_filesystems(prefixes: Iterable[str]) -> list[str]:
-    """Loads the filesystem of each remote prefix's protocol, and s3's client (no request: botocore's service
-    model), so that a worker pays for them when it starts, not during its first batch there (issue 47's soak:
-    s3fs, aiobotocore and the model were 260 modules and 30 MB of a worker's memory, taken mid-run). Returns the
-    protocols loaded; one that cannot be is logged, and reported by the first batch that needs it."""
+    """Loads the filesystem of each remote prefix's store and what its first request needs (Store.load), so that
+    a worker pays for them when it starts, not during its first batch there (s3fs, aiobotocore and botocore's
+    service model are some 30 MB of a worker's memory). Returns the protocols loaded; one that cannot be is
+    logged, and reported by the first batch that needs it."""
     loaded = []
-    for protocol in sorted({REMOTE_PROTOCOLS.get(p.split("://", 1)[0]) for p in prefixes if "://" in p} - {None}):
+    stores: dict[str, Store] = {}
+    for prefix in prefixes:
+        store = storage.remote(prefix.split("://", 1)[0]) if "://" in prefix else None
+        if store is not None:
+            stores[store.protocol] = store
+    for protocol, store in sorted(stores.items()):
         try:
-            fs = filesystem(protocol)
-            if protocol == "s3":  # gcsfs's and adlfs's connects look for credentials, maybe over the network
-                fs.connect()
-        except Exception as exc:  # noqa: BLE001  (a ServiceError, or botocore's own configuration errors)
+            store.load(filesystem(protocol))
+        except Exception as exc:  # noqa: BLE001  (a ServiceError, or the library's own configuration errors)
             log.warning("%s:// could not be loaded at start (%s: %s)", protocol, type(exc).__name__, exc)
             continue
         loaded.append(protocol)

@@ -110,19 +110,19 @@ def test_an_output_that_refuses_writes_fails_its_batch_at_once(client, make_key,
 def test_only_a_full_disk_or_a_denied_write_is_refused_for_good() -> None:
     from store.lake.access import Location
 
-    class NoCredentialsError(Exception):  # botocore's, when the instance's credential endpoint blips
-        pass
+    from azure.core.exceptions import HttpResponseError
+    from botocore.exceptions import NoCredentialsError  # when the instance's credential endpoint blips
 
-    class HttpResponseError(Exception):  # azure-core's, with the answer's status
-        def __init__(self, status_code: int) -> None:
-            super().__init__(f"status {status_code}")
-            self.status_code = status_code
+    def http_error(status_code: int) -> HttpResponseError:  # azure-core's, with the answer's status
+        exc = HttpResponseError(f"status {status_code}")
+        exc.status_code = status_code
+        return exc
 
     where = Location.parse("s3://bucket/out/part-000000-attempt-1.parquet")
     codes = {name: (chunks_module.write_refused(where, exc) or ("retried",))[0] for name, exc in {
         "full": OSError(errno.ENOSPC, "No space left on device"), "quota": OSError(errno.EDQUOT, "Quota"),
-        "permission": PermissionError(13, "Access Denied"), "403": HttpResponseError(403),
-        "503": HttpResponseError(503), "credentials": NoCredentialsError(), "down": ConnectionError("refused"),
+        "permission": PermissionError(13, "Access Denied"), "403": http_error(403),
+        "503": http_error(503), "credentials": NoCredentialsError(), "down": ConnectionError("refused"),
         "missing bucket": FileNotFoundError("NoSuchBucket")}.items()}
     assert codes == {"full": "output_full", "quota": "output_full", "permission": "output_denied",
                      "403": "output_denied", "503": "retried", "credentials": "retried", "down": "retried",

@@ -1,13 +1,13 @@
 """Where a reference batch's data may be: which URIs a key may read or write, as Locations (store.location).
 
 Local paths are served only under BATCH_LOCAL_ROOT (none by default; `serve --embedded` sets its own folder):
-the path is resolved with its symlinks and `..` first, so neither leads out of the root. Remote URIs (`s3://`,
-`gs://`, `az://`) are served only under a prefix allowed for the API key: BATCH_STORAGE_PREFIXES (every key)
-or the key's own `storage_prefixes` column; none by default. Output prefixes follow the same rules.
+the path is resolved with its symlinks and `..` first, so neither leads out of the root. Remote URIs (those of
+the stores in store/storage/: `s3://`, `gs://`, `az://`) are served only under a prefix allowed for the API key:
+BATCH_STORAGE_PREFIXES (every key) or the key's own `storage_prefixes` column; none by default. Output prefixes
+follow the same rules.
 
 Credentials are never in a URI, the database, a response or a log: each filesystem takes them from its
-store's standard chain on the host (for S3 the AWS environment variables, profiles and instance roles, and
-AWS_ENDPOINT_URL for an S3-compatible store; for GCS and Azure their own libraries' chains).
+store's standard chain on the host (each store's module says which).
 """
 
 import logging
@@ -17,10 +17,11 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-
+from store import storage
 from store.errors import ServiceError
-from store.location import REMOTE_PROTOCOLS, Location
+from store.location import Location
 from store.settings import Settings
+from store.storage import Failure
 
 log = logging.getLogger(__name__)
 GLOB_CHARACTERS = "*?["
@@ -33,18 +34,16 @@ def refusal(code: str, message: str, status: int = 400) -> ServiceError:
 def store_error(location: Location, exc: BaseException) -> ServiceError:
     """A failure of the store while an object or listing is looked at, as a refusal naming it: missing (404),
     refused to this server's credentials (403), the store unreachable (503, try again), anything else the
-    store's library raised (400, with its kind; logged whole). The libraries of the three clouds raise their
-    own exception classes (botocore's, google-auth's, azure-core's), hence the names looked at."""
-    kinds = " ".join(c.__name__ for c in type(exc).__mro__).lower()
+    store's library raised (400, with its kind; logged whole). What a failure says is each store's
+    (storage.failure)."""
     what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}".rstrip(": ")
-    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in kinds or "notfound" in kinds:
+    failure = storage.failure(exc)
+    if failure is Failure.NOT_FOUND:
         return refusal("input_not_found", f"no input object at {location.uri}", 404)
-    if isinstance(exc, PermissionError) or any(k in kinds for k in ("credential", "authentication", "forbidden",
-                                                                   "accessdenied")):
+    if failure is Failure.DENIED:
         return refusal("storage_access_denied", f"{location.uri}: this server's credentials for "
                                                 f"{location.scheme}:// were refused or are missing ({what})", 403)
-    if isinstance(exc, (OSError, TimeoutError)) or any(k in kinds for k in (
-            "connection", "timeout", "endpoint", "serviceunavailable", "servicerequest", "serviceresponse")):
+    if failure is Failure.UNREACHABLE:
         return refusal("storage_unreachable", f"{location.uri} could not be read now ({what}); try again", 503)
     log.warning("reading %s failed", location.uri, exc_info=exc)
     return refusal("input_unreadable", f"{location.uri} could not be read ({what})")
@@ -69,8 +68,9 @@ class Access:
             raise refusal("invalid_uri", f"{what} is not a valid URI or path ({exc})") from None
         if scheme in ("", "file"):
             return self._local(uri, what)
-        if scheme not in REMOTE_PROTOCOLS:
-            raise refusal("unsupported_uri", f"{what}: {scheme}:// is not served (s3://, gs://, az:// or a local path)")
+        if storage.remote(scheme) is None:
+            raise refusal("unsupported_uri", f"{what}: {scheme}:// is not served "
+                                             f"({storage.remote_schemes()} or a local path)")
         location = _remote(uri)
         if not any(_under(location, prefix) for prefix in self.prefixes):
             raise refusal("storage_prefix_not_allowed",
@@ -117,7 +117,7 @@ class Access:
         objects: list[Location] = []
         seen: set[str] = set()
         listed_afresh: set[int] = set()
-        # Each URI once: a list of 10,000 copies of one glob listed its folder 10,000 times in an API thread.
+        # Each URI once: a listing costs a request to the store, and a request may repeat a URI many times.
         for uri in dict.fromkeys([uris] if isinstance(uris, str) else uris):
             location = self.location(uri)
             fs = location.fs
@@ -164,12 +164,12 @@ class Access:
 
 def storage_prefix(uri: str) -> str:
     """A prefix an operator allows (BATCH_STORAGE_PREFIXES, `create-key --storage-prefix`), checked as the URIs
-    it is compared with are; raises ValueError saying what is wrong. Stored unchecked, a bad prefix made every
-    batch request of its key a 400 `invalid_uri`, as if the request's own URI were at fault."""
+    it is compared with are; raises ValueError saying what is wrong. Checked when stored: a bad prefix would
+    make every batch request of its key a 400 `invalid_uri`, as if the request's own URI were at fault."""
     scheme = urlsplit(uri).scheme.lower() if "://" in uri else ""
-    if scheme not in REMOTE_PROTOCOLS:
-        raise ValueError(f"{uri!r} is not a storage prefix: an s3://, gs:// or az:// URI with a bucket "
-                         "(local paths are served under BATCH_LOCAL_ROOT)")
+    if storage.remote(scheme) is None:
+        raise ValueError(f"{uri!r} is not a storage prefix: a URI with a bucket ({storage.remote_schemes()}; "
+                         "local paths are served under BATCH_LOCAL_ROOT)")
     if any(c in uri for c in GLOB_CHARACTERS):
         raise ValueError(f"{uri!r}: a storage prefix has no wildcard (every object under it is allowed)")
     try:
@@ -191,15 +191,15 @@ def check_storage_prefixes(settings: Settings) -> None:
 
 def _remote(uri: str, check: bool = True) -> Location:
     parts = urlsplit(uri)
-    protocol = REMOTE_PROTOCOLS.get(parts.scheme.lower())
-    if protocol is None or not parts.netloc:
+    store = storage.remote(parts.scheme.lower())
+    if store is None or not parts.netloc:
         raise refusal("invalid_uri", f"{uri!r} is not a storage URI with a bucket")
     if parts.query or parts.fragment or "@" in parts.netloc:
         raise refusal("invalid_uri", "a storage URI has no credentials, query or fragment")
     key = parts.path
     if check and any(segment in (".", "..") for segment in key.split("/")):
         raise refusal("path_outside_root", "'.' and '..' are not allowed in a storage URI")
-    return Location(protocol, parts.netloc + key)
+    return Location(store.protocol, store.path(parts.netloc, key))
 
 
 def _under(location: Location, prefix: Location) -> bool:
@@ -216,8 +216,7 @@ def _within(path: Path, root: Path) -> bool:
 
 def _served(path: Path, root: Path) -> bool:
     """Under the root, through no hidden file or folder there: `serve --embedded` keeps its API key and its
-    database in .packscore/ under the folder it serves, and a batch naming the key file as its input read the
-    key back in its error (the CSV header it did not find its columns in)."""
+    database in .packscore/ under the folder it serves, and an input's errors quote its contents."""
     return _within(path, root) and not any(part.startswith(".") for part in path.relative_to(root).parts)
 
 

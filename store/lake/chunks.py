@@ -21,7 +21,6 @@ Turns: reference batches take turns a chunk at a time, the batch whose chunk sta
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
 """
 
-import errno
 import hashlib
 import json
 import logging
@@ -35,6 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core import RequestTokenizer, ScoringError
+from store import storage
 from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
@@ -46,6 +46,7 @@ from store.models import ApiKey, Batch, Chunk, utcnow
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
 from store.schemas import BatchCounts, BatchOut, BatchSource, ChunkCounts, Progress, RowCounts, batch_out, eta_seconds
 from store.settings import Settings
+from store.storage import Failure
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ INSERT_PAGE = 1000
 # (settle): a full disk is not freed by waiting, nor are denied writes, as an unreachable store may come back.
 OUTPUT_FULL = "output_full"
 OUTPUT_DENIED = "output_denied"
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 _CHUNKS = Chunk.__table__.c
 
@@ -427,12 +427,12 @@ def settle(batch_id: str) -> bool:
 
 def write_refused(location: Location, exc: BaseException) -> tuple[str, str] | None:
     """Why the output refuses writing `location` for good, as (code, message): its disk or quota full, or the
-    write denied (a local folder's permissions; an object store's 403, which s3fs raises as PermissionError and
-    azure-core with its status code). None where trying again may work: the store unreachable, a bucket not
-    found (a store coming back up may not list it yet), credentials not fetched (a metadata endpoint's blip)."""
-    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+    write denied (what each store's refusals look like is its own: storage.refused_write). None where trying
+    again may work."""
+    refused = storage.refused_write(exc)
+    if refused is Failure.FULL:
         return OUTPUT_FULL, f"the output's disk is full: {location.uri} could not be written ({exc})"
-    if isinstance(exc, PermissionError) or getattr(exc, "status_code", None) == 403:
+    if refused is Failure.DENIED:
         return OUTPUT_DENIED, f"the output refused {location.uri} ({type(exc).__name__}: {exc})"
     return None
 

@@ -153,18 +153,11 @@ class PlannedChunk:
     version: str | None = None  # the object's, when planned (object_version)
 
 
-# Where each store's listing keeps what changes when an object is written again: S3's and Azure's ETag, GCS's
-# generation, a local file's mtime. The first one present is taken, beside the size.
-VERSION_FIELDS = ("generation", "ETag", "etag", "mtime", "LastModified", "last_modified")
-
-
-def object_version(info: dict) -> str:
-    """The size and version of an object, from the store's `info()`: what a worker compares with the planned
-    one, since a chunk is a range of rows or bytes of the object as it was when planned."""
-    # Quotes stripped: an ETag is quoted in some answers and not in others; an empty one (s3fs's HEAD of a store
-    # that gives none, where its listing gave none either) is passed over.
-    versions = (str(info[name]).strip('"') for name in VERSION_FIELDS if info.get(name) is not None)
-    return f"{info.get('size')}:{next((v for v in versions if v), None)}"[:300]
+def object_version(location: Location, info: dict) -> str:
+    """The size and version of an object (its store's Store.version), from the store's `info()`: what a worker
+    compares with the planned one, since a chunk is a range of rows or bytes of the object as it was when
+    planned."""
+    return f"{info.get('size')}:{location.store.version(info)}"[:300]
 
 
 def plan(objects: list[Location], options: Options, settings: Settings) -> Iterator[PlannedChunk]:
@@ -189,7 +182,7 @@ def _plan_object(location: Location, fmt: str, compression: str | None, options:
                  settings: Settings) -> Iterator[PlannedChunk]:
     fs = location.fs
     info = fs.info(location.path)
-    version = object_version(info)
+    version = object_version(location, info)
     if fmt == "parquet":
         with fs.open(location.path, "rb") as f:
             meta = pq.ParquetFile(f).metadata
@@ -344,7 +337,7 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
 def _version_now(location: Location) -> str | None:
     location.fs.invalidate_cache(location.path)  # a listing this process made earlier may be out of date
     try:
-        return object_version(location.fs.info(location.path))
+        return object_version(location, location.fs.info(location.path))
     except FileNotFoundError:
         return None
 
