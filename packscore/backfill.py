@@ -37,13 +37,13 @@ from typing import IO
 import httpx
 
 from packscore.client import TERMINAL_BATCH, Client, PackscoreError
+from store import storage
 
 UPLOAD_CHUNK_BYTES = 256 * 1024
 # The service's default upload limits (BATCH_MAX_REQUESTS, BATCH_MAX_BYTES): a file over them is a reference
 # batch, or refused here, before it is sent.
 UPLOAD_MAX_REQUESTS = 100_000
 UPLOAD_MAX_BYTES = 200 * 1024 * 1024
-REMOTE_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
 # Without a terminal the bar is a line of its own at most this often (a log is not a screen).
 LOG_EVERY_SECONDS = 10.0
 # The service answers an upload only once it has ingested all of it (100,000 lines: a minute or more), so its
@@ -340,10 +340,11 @@ def input_kind(spec: str) -> str:
     "upload" for a JSONL file to send (one over the upload limits goes as a reference batch from `run_backfill`'s
     UploadTooLarge, its result lines written to --out all the same). A missing local file is an error here, not
     a traceback."""
-    if spec.startswith(REMOTE_SCHEMES):
+    scheme = spec.split("://", 1)[0].lower() if "://" in spec else ""
+    if storage.remote(scheme):
         return "reference"
-    if "://" in spec and not spec.startswith("file://"):
-        raise BackfillError(f"{spec}: only s3://, gs://, az:// URIs and local files are served")
+    if scheme and scheme != "file":
+        raise BackfillError(f"{spec}: only {storage.remote_schemes()} URIs and local files are served")
     path = Path(spec[len("file://"):] if spec.startswith("file://") else spec)
     if any(c in str(path) for c in "*?["):
         return "reference"
@@ -362,7 +363,7 @@ def input_kind(spec: str) -> str:
 
 def _absolute(spec: str) -> str:
     """A local path as the service should see it (absolute: it may run from another folder)."""
-    if spec.startswith(REMOTE_SCHEMES) or spec.startswith("file://"):
+    if "://" in spec:
         return spec
     return str(Path(spec).absolute())
 
