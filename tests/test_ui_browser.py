@@ -79,8 +79,16 @@ def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-un
         env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:",
                "MODELS": "small=tiny-random,other=tiny-random", "MODEL": "small", "MAX_TOKENS": "400000",
                "BATCH_LOCAL_ROOT": str(lake)}
-        with running_service(env, tmp_path_factory.mktemp("ui-logs"), workers=1) as running:
+        with running_service(env, tmp_path_factory.mktemp("ui-logs")) as running:
+            # Not waited for here: the worker starts while the browser launches and the tests that need no worker run.
+            running.start_worker()
             yield running
+
+
+@pytest.fixture(scope="module")
+def worker(service: Service) -> None:
+    """The service's worker, ready."""
+    service.wait_for_workers(1)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +161,8 @@ def test_the_page_ships_in_the_package() -> None:
     assert all(any(f.match(pattern) for pattern in patterns) for f in files), (files, patterns)
 
 
-def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+# The service before the page: the browser launches while the worker starts.
+def test_a_wrong_key_shows_the_401_message(service: Service, page) -> None:  # type: ignore[no-untyped-def]
     with service.http("psk_not-a-key") as http:
         answer = http.get("/v1/models")
     assert answer.status_code == 401
@@ -165,7 +174,7 @@ def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # t
     screenshot(page, "sign-in-wrong-key")
 
 
-def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+def test_jobs_batches_and_workers(page, service: Service, worker: None) -> None:  # type: ignore[no-untyped-def]
     sign_in(page, service, service.key)
     page.get_by_role("heading", name="Jobs and batches").wait_for(timeout=SECONDS * 1000)
     with service.http() as http:
@@ -269,7 +278,8 @@ def test_a_reference_batchs_page_shows_its_input(page, service: Service,  # type
     screenshot(page, "reference-batch")
 
 
-def test_workers_route_lists_the_worker_with_its_passes(service: Service, reference_batch: str) -> None:
+def test_workers_route_lists_the_worker_with_its_passes(service: Service, worker: None,
+                                                        reference_batch: str) -> None:
     """GET /workers (no browser): the live worker with the last minute's passes of a job it just ran, the hour's
     items/s per minute, nothing of a job, batch or key; and a reference batch's input as the user gave it."""
     with service.http("psk_not-a-key") as http:
