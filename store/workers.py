@@ -1,5 +1,5 @@
 """The workers' registry: heartbeats (which also extend the leases of the jobs a worker holds), and which
-workers and queued models /readyz and /v1/models see."""
+workers and queued models /readyz, /v1/models and /workers see."""
 
 import socket
 from datetime import datetime, timedelta
@@ -95,6 +95,7 @@ def worker_list(session: Session, settings: Settings) -> WorkerList:
 def _items_per_minute(session: Session, now: datetime, history: float) -> list[ThroughputPoint]:
     """Items/s of each minute of the last `history` seconds, oldest first (the current minute's over its seconds
     so far); a minute without passes is a 0."""
+    # SQLite (the embedded deployment) has no date_trunc; both give the minute as a naive UTC time.
     if session.get_bind().dialect.name == "postgresql":
         bucket = func.date_trunc("minute", Pass.created_at)
     else:
