@@ -16,7 +16,7 @@ from api.deps import get_models
 from api.errors import ERROR_RESPONSES, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
 from api.metrics import Metrics, MetricsMiddleware
-from api.routes import batches, health, jobs, models, score
+from api.routes import batches, health, jobs, models, score, workers
 from api.waiter import JobWaiter
 from store.lake.access import check_storage_prefixes
 from store.settings import get_settings
@@ -67,7 +67,7 @@ def create_app() -> FastAPI:
     app.state.job_waiter = JobWaiter(settings.database_url, settings.score_poll_seconds)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, exempt_paths=("/batches",))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for router in (jobs.router, batches.router, score.router, models.router):
+    for router in (jobs.router, batches.router, score.router, models.router, workers.router):
         app.include_router(router, responses=ERROR_RESPONSES)
     app.include_router(health.router)
     # The page to watch the service: static files whose requests are the public routes above, with the user's key.

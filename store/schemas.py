@@ -450,6 +450,7 @@ class BatchOut(BaseModel):
     # the batch's objects, and an estimate of the seconds left.
     chunks: ChunkCounts | None = None
     rows: RowCounts | None = None
+    input: str | list[str] | None = None  # as the user gave it: a URI, a list of URIs or a glob
     output: str | None = None
     manifest: str | None = None  # once the batch has ended: `_manifest.json` under `output`
     eta_seconds: float | None = None
@@ -458,11 +459,55 @@ class BatchOut(BaseModel):
 def batch_out(batch: Batch, counts: BatchCounts, progress: Progress, delivery: WebhookDelivery | None,
               **reference: Any) -> BatchOut:
     """The public view of a batch, with the counts and progress of its requests (an uploaded batch) or its
-    chunks (a reference batch; `reference`: its chunks, rows, output, manifest and eta_seconds)."""
+    chunks (a reference batch; `reference`: its chunks, rows, input, output, manifest and eta_seconds)."""
     return BatchOut(id=batch.id, status=batch.status, model=batch.model, counts=counts, progress=progress,
                     created_at=_utc(batch.created_at), in_progress_at=_utc(batch.in_progress_at),
                     finished_at=_utc(batch.finished_at), error=_error(batch), webhook_url=batch.webhook_url,
                     webhook=_webhook(delivery), metadata=batch.metadata_, **reference)
+
+
+# Stored naive in UTC; shown with an explicit offset.
+UtcDatetime = Annotated[datetime, AfterValidator(lambda value: value.replace(tzinfo=value.tzinfo or UTC))]
+
+
+class WarmupPrograms(BaseModel):
+    done: int
+    total: int
+
+
+class WorkerOut(BaseModel):
+    """A live worker, with its passes over the last minute (`passes_per_second`, `items_per_second`, `busy`: the
+    share of the minute its passes ran)."""
+
+    id: str
+    model: str
+    host: str | None
+    device_group: str | None  # its chips as `packscore worker --devices` gave them ("tpu:0,1"); None: the host's own
+    device_kind: str | None  # tpu, gpu or cpu as its device group or attention path tells; None where neither does
+    attention: str | None
+    dtype: str
+    state: str  # "warming" or "ready"
+    programs: WarmupPrograms | None  # while it warms
+    started_at: UtcDatetime
+    last_seen_at: UtcDatetime
+    passes_per_second: float
+    items_per_second: float
+    busy: float
+
+
+class ThroughputPoint(BaseModel):
+    minute: UtcDatetime
+    items_per_second: float
+
+
+class WorkerList(BaseModel):
+    """GET /workers: the live workers and the deployment's items/s per minute over the last hour (at most 60
+    points, oldest first; `history_seconds`: how far back the passes kept reach, at most an hour)."""
+
+    object: Literal["list"] = "list"
+    data: list[WorkerOut]
+    throughput: list[ThroughputPoint]
+    history_seconds: float
 
 
 def _field_names(schema: object) -> set[str]:

@@ -1,16 +1,19 @@
 """The workers' registry: heartbeats (which also extend the leases of the jobs a worker holds), and which
-workers and queued models /readyz and /v1/models see."""
+workers and queued models /readyz, /v1/models and /workers see."""
 
 import socket
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from store.db import among, session_scope
-from store.models import Job, Worker, utcnow
+from store.models import Job, Pass, Worker, utcnow
+from store.schemas import ThroughputPoint, WarmupPrograms, WorkerList, WorkerOut
 from store.settings import Settings
+
+HOUR_SECONDS = 3600.0
 
 _JOBS = Job.__table__.c
 
@@ -61,6 +64,56 @@ def live_device_groups(session: Session, settings: Settings) -> list[dict[str, A
              **({"programs": {"done": done, "total": total}} if state == "warming" and total else {})}
             for host, group, model, state, done, total in sorted(rows, key=lambda row: (row[0] or "", row[1] or "",
                                                                                         row[2]))]
+
+
+def worker_list(session: Session, settings: Settings) -> WorkerList:
+    """GET /workers: each live worker with its passes of the last minute, and the deployment's items/s per minute
+    over the last hour. Both read the passes table by its created_at index (a pass of reference-batch chunks
+    only leaves no row there, so neither counts it). dtype is the deployment's DTYPE: workers do not report it."""
+    now = utcnow()
+    minute = now - timedelta(seconds=60)
+    recent = (select(Pass.worker, func.count().label("passes"), func.sum(Pass.n_items).label("n_items"),
+                     func.sum(Pass.seconds).label("seconds"))
+              .where(Pass.created_at >= minute).group_by(Pass.worker).subquery())
+    rows = session.execute(select(Worker, recent.c.passes, recent.c.n_items, recent.c.seconds)
+                           .outerjoin(recent, recent.c.worker == Worker.id)
+                           .where(Worker.last_seen_at >= now - timedelta(seconds=settings.worker_stale_seconds))
+                           .order_by(Worker.host, Worker.device_group, Worker.model, Worker.id)).all()
+    workers = [WorkerOut(id=w.id, model=w.model, host=w.host, device_group=w.device_group,
+                         device_kind=_device_kind(w.device_group, w.attention), attention=w.attention,
+                         dtype=settings.dtype, state=w.state, started_at=w.started_at,
+                         last_seen_at=w.last_seen_at,
+                         programs=WarmupPrograms(done=w.warmup_done or 0, total=w.warmup_total)
+                         if w.state == "warming" and w.warmup_total else None,
+                         passes_per_second=(passes or 0) / 60, items_per_second=float(items or 0) / 60,
+                         busy=min(1.0, float(seconds or 0) / 60))
+               for w, passes, items, seconds in rows]
+    history = min(HOUR_SECONDS, settings.pass_history_days * 86400)
+    return WorkerList(data=workers, throughput=_items_per_minute(session, now, history), history_seconds=history)
+
+
+def _items_per_minute(session: Session, now: datetime, history: float) -> list[ThroughputPoint]:
+    """Items/s of each minute of the last `history` seconds, oldest first (the current minute's over its seconds
+    so far); a minute without passes is a 0."""
+    # SQLite (the embedded deployment) has no date_trunc; both give the minute as a naive UTC time.
+    if session.get_bind().dialect.name == "postgresql":
+        bucket = func.date_trunc("minute", Pass.created_at)
+    else:
+        bucket = func.strftime("%Y-%m-%d %H:%M:00", Pass.created_at)
+    items = {(m if isinstance(m, datetime) else datetime.fromisoformat(m)): float(n) for m, n in session.execute(
+        select(bucket, func.sum(Pass.n_items)).where(Pass.created_at >= now - timedelta(seconds=history))
+        .group_by(bucket))}
+    current = now.replace(second=0, microsecond=0)
+    minutes = [current - timedelta(minutes=back) for back in reversed(range(max(1, int(history // 60))))]
+    return [ThroughputPoint(minute=m, items_per_second=items.get(m, 0.0) / (
+        max(1.0, (now - m).total_seconds()) if m == current else 60.0)) for m in minutes]
+
+
+def _device_kind(device_group: str | None, attention: str | None) -> str | None:
+    """"tpu" of a "tpu:0,1" group; else what a kernel's attention path names ("pallas-tpu", "pallas-mosaic-gpu")."""
+    if device_group:
+        return device_group.split(":")[0]
+    return next((kind for kind in ("tpu", "gpu") if attention and attention.endswith(f"-{kind}")), None)
 
 
 def waiting_models(session: Session, models: list[str]) -> set[str]:

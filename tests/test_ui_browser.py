@@ -1,8 +1,9 @@
 """The page at /ui in a real headless Chromium (Debian's `chromium`, driven by Playwright's Python client): sign in,
-a running job's progress bar moving, a batch cancelled and settling, a worker with its model and device, a wrong
-key's 401 message, a second key seeing none of the first key's work, and every request the page made being a
-public API route. The service runs on PostgreSQL with two models (MODELS) and one worker. A screenshot of each
-page is saved under the test results (ui-screenshots/); docs/ui-batches.png is the batch list's."""
+a running job's progress bar moving, a batch cancelled and settling, a reference batch's input, a worker with its
+model, attention path and passes, a wrong key's 401 message, a second key seeing none of the first key's work, and
+every request the page made being a public API route; and GET /workers itself. The service runs on PostgreSQL with
+two models (MODELS) and one worker. A screenshot of each page is saved under the test results (ui-screenshots/);
+docs/ui-batches.png is the batch list's."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from starlette.routing import Mount, compile_path
 
@@ -62,15 +65,40 @@ class Requests:
 
 
 @pytest.fixture(scope="module")
+def lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """BATCH_LOCAL_ROOT: where a reference batch's input is read and its output written."""
+    return tmp_path_factory.mktemp("ui-lake")
+
+
+@pytest.fixture(scope="module")
 def service(redis_url: str, run_id: str, database_factory,  # type: ignore[no-untyped-def]
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+            tmp_path_factory: pytest.TempPathFactory, lake: Path) -> Iterator[Service]:
     name = f"packscore_ui_{run_id}_{uuid.uuid4().hex[:6]}"
     with database_factory(name) as url:
         # Two models, a worker for the first: the page lists both. Room for a job that runs long enough to watch.
         env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:{name}:",
-               "MODELS": "small=tiny-random,other=tiny-random", "MODEL": "small", "MAX_TOKENS": "400000"}
-        with running_service(env, tmp_path_factory.mktemp("ui-logs"), workers=1) as running:
+               "MODELS": "small=tiny-random,other=tiny-random", "MODEL": "small", "MAX_TOKENS": "400000",
+               "BATCH_LOCAL_ROOT": str(lake)}
+        with running_service(env, tmp_path_factory.mktemp("ui-logs")) as running:
+            # Not waited for here: the worker starts while the browser launches and the tests that need no worker run.
+            running.start_worker()
             yield running
+
+
+@pytest.fixture(scope="module")
+def worker(service: Service) -> None:
+    """The service's worker, ready."""
+    service.wait_for_workers(1)
+
+
+@pytest.fixture(scope="module")
+def reference_batch(service: Service, lake: Path) -> str:
+    """A reference batch of a two-row pair table, named by its path under BATCH_LOCAL_ROOT."""
+    pq.write_table(pa.table({"q": ["Is the sky blue?"] * 2, "doc": ["yes", "no"]}), lake / "pairs.parquet")
+    with service.http() as http:
+        return created(http.post("/batches", json={"input": "pairs.parquet", "output": "out-pairs",
+                                                   "columns": {"query": "q", "item": "doc"},
+                                                   "label_token_ids": [1, 2]}))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +161,8 @@ def test_the_page_ships_in_the_package() -> None:
     assert all(any(f.match(pattern) for pattern in patterns) for f in files), (files, patterns)
 
 
-def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+# The service before the page: the browser launches while the worker starts.
+def test_a_wrong_key_shows_the_401_message(service: Service, page) -> None:  # type: ignore[no-untyped-def]
     with service.http("psk_not-a-key") as http:
         answer = http.get("/v1/models")
     assert answer.status_code == 401
@@ -145,7 +174,7 @@ def test_a_wrong_key_shows_the_401_message(page, service: Service) -> None:  # t
     screenshot(page, "sign-in-wrong-key")
 
 
-def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: ignore[no-untyped-def]
+def test_jobs_batches_and_workers(page, service: Service, worker: None) -> None:  # type: ignore[no-untyped-def]
     sign_in(page, service, service.key)
     page.get_by_role("heading", name="Jobs and batches").wait_for(timeout=SECONDS * 1000)
     with service.http() as http:
@@ -206,18 +235,22 @@ def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: igno
         scores = http.get(f"/jobs/{done}").json()["scores"]
         assert page.locator("#job tbody tr").nth(1).inner_text().split() == ["1", *(f"{s:.4f}" for s in scores[1])]
 
-    # The workers: the one worker with its model, host and device; both models, the second with no worker.
+    # The workers: the one worker with its model, host, device (none known: a CPU worker started alone on XLA),
+    # chips, attention path, dtype, state and the last minute's passes (the job above's); both models, the second
+    # with no worker.
     page.click('nav a[href="#/workers"]')
     worker = page.locator("#workers tbody tr", has_text=socket.gethostname()).first
     worker.wait_for(timeout=SECONDS * 1000)
-    assert worker.locator("td").all_inner_texts()[:5] == ["small", socket.gethostname(), "the host's own", "–",
-                                                          "ready"]
+    cells = worker.locator("td").all_inner_texts()
+    assert cells[:7] == ["small", socket.gethostname(), "–", "the host's own", "xla", "float32", "ready"], cells
+    assert float(cells[7]) > 0 and float(cells[8]) > 0 and cells[9].endswith("%"), cells  # passes/s, items/s, busy
     models = page.get_by_role("region", name="Models").locator("tbody tr")
     assert [row.locator("td").all_inner_texts()[:2] for row in models.all()] == [["small", "1"], ["other", "0"]]
     page.get_by_text("Attention paths").wait_for()
-    assert "xla" in page.locator("dd", has_text="×").inner_text()
-    # The chart, from the third reading of /metrics on (a flat line while nothing runs: attached, not visible).
+    assert "xla × 1" in page.locator("dd", has_text="×").inner_text()
+    # The chart: the hour's items/s per minute from GET /workers, shown at once (not after some readings).
     page.locator(".chart svg polyline").wait_for(state="attached", timeout=SECONDS * 1000)
+    assert "last 1 h 0 min" in page.locator(".chart figcaption").inner_text()
     screenshot(page, "workers")
 
     # A phone's width: the list still fits, each row's fields stacked.
@@ -232,6 +265,44 @@ def test_jobs_batches_and_workers(page, service: Service) -> None:  # type: igno
     page.emulate_media(color_scheme="dark")  # the system's dark mode
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(21, 24, 28)"
     screenshot(page, "batches-phone-dark")
+
+
+def test_a_reference_batchs_page_shows_its_input(page, service: Service,  # type: ignore[no-untyped-def]
+                                               reference_batch: str) -> None:
+    sign_in(page, service, service.key)
+    page.get_by_role("heading", name="Jobs and batches").wait_for(timeout=SECONDS * 1000)
+    page.goto(f"{service.base_url}/ui/#/batches/{reference_batch}")
+    page.locator("#batch dt", has_text="Input").wait_for(timeout=SECONDS * 1000)
+    fields = dict(zip(page.locator("#batch dt").all_inner_texts(), page.locator("#batch dd").all_inner_texts()))
+    assert fields["Input"] == "pairs.parquet" and "out-pairs" in fields["Output"], fields
+    screenshot(page, "reference-batch")
+
+
+def test_workers_route_lists_the_worker_with_its_passes(service: Service, worker: None,
+                                                        reference_batch: str) -> None:
+    """GET /workers (no browser): the live worker with the last minute's passes of a job it just ran, the hour's
+    items/s per minute, nothing of a job, batch or key; and a reference batch's input as the user gave it."""
+    with service.http("psk_not-a-key") as http:
+        assert http.get("/workers").status_code == 401
+    with service.http() as http:
+        job = created(http.post("/jobs", json={"query": "Is the sky blue?", "items": ["yes", "no", "maybe"],
+                                               "label_token_ids": [1, 2]}))
+        wait_until(lambda: http.get(f"/jobs/{job}").json()["status"] == "succeeded", SECONDS, "the job")
+        answer = http.get("/workers")
+        assert http.get(f"/batches/{reference_batch}").json()["input"] == "pairs.parquet"
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert job not in answer.text and reference_batch not in answer.text and service.key not in answer.text
+    [worker] = body["data"]
+    assert {k: worker[k] for k in ("model", "host", "device_group", "device_kind", "attention", "dtype", "state",
+                                   "programs")} == {"model": "small", "host": socket.gethostname(),
+                                                    "device_group": None, "device_kind": None, "attention": "xla",
+                                                    "dtype": "float32", "state": "ready", "programs": None}
+    assert worker["passes_per_second"] > 0 and worker["items_per_second"] >= 3 / 60 and 0 < worker["busy"] <= 1
+    assert body["history_seconds"] == 3600 and len(body["throughput"]) == 60
+    assert sum(point["items_per_second"] for point in body["throughput"][-2:]) > 0  # the job's minute (or two)
+    minutes = [point["minute"] for point in body["throughput"]]
+    assert minutes == sorted(minutes) and minutes[-1].endswith("Z")
 
 
 def test_a_second_key_sees_none_of_the_first_keys_work(page, service: Service) -> None:  # type: ignore[no-untyped-def]
@@ -271,4 +342,5 @@ def test_the_page_calls_only_public_api_routes(requests: Requests, service: Serv
         assert matched, f"{method} {url} is not a route of the API"
         called.update(matched)
     assert {("GET", "/jobs"), ("GET", "/batches"), ("GET", "/v1/models"), ("POST", "/batches/{batch_id}/cancel"),
-            ("POST", "/jobs/{job_id}/cancel"), ("GET", "/readyz"), ("GET", "/metrics")} <= called, called
+            ("POST", "/jobs/{job_id}/cancel"), ("GET", "/readyz"), ("GET", "/metrics"),
+            ("GET", "/workers")} <= called, called

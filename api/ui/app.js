@@ -3,9 +3,7 @@
 "use strict";
 
 const KEY = "packscore.key";
-const SAMPLES = "packscore.samples";  // the counters read on the workers page, for its items/s chart
 const POLL_MS = 2000;
-const HOUR_MS = 3600 * 1000;
 // The API's root: the page is served at <root>/ui/, behind a proxy's path prefix too.
 const ROOT = location.pathname.replace(/\/ui(\/.*)?$/, "");
 const JOB_STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
@@ -292,7 +290,7 @@ function batchView(id) {
       ["Rate", rate(done, batch.in_progress_at, batch.status)], ["ETA", seconds(batch.eta_seconds)],
       ["Requests", `${batch.counts.succeeded} succeeded, ${batch.counts.failed} failed, ` +
         `${batch.counts.cancelled} cancelled of ${batch.counts.total}`],
-      ["Input", batch.output ? "in storage, as sent" : "uploaded"], ["Output", batch.output],
+      ["Input", batch.input ? [batch.input].flat().join(", ") : "uploaded"], ["Output", batch.output],
       ["Manifest", batch.manifest], ["Created", batch.created_at], ["Started", batch.in_progress_at],
       ["Finished", batch.finished_at], ["Error", batch.error ? `${batch.error.code}: ${batch.error.message}` : null],
       ["Metadata", batch.metadata ? JSON.stringify(batch.metadata) : null]]),
@@ -307,9 +305,10 @@ function batchView(id) {
   poll(update);
 }
 
-// --- workers: /readyz lists each live worker, /v1/models each model's, /metrics the passes' running totals
+// --- workers: /workers lists each live worker with its last minute's passes and the hour's items/s per minute;
+// /readyz the deployment's state, /v1/models each model's workers, /metrics the queue
 
-// Prometheus' text format: "name{label="value",...} number" lines, summed by name and the labels asked for.
+// Prometheus' text format: "name{label="value",...} number" lines.
 function metrics(text) {
   const found = [];
   for (const line of text.split("\n")) {
@@ -323,71 +322,58 @@ function metrics(text) {
 }
 
 const total = (samples, name) => samples.filter((s) => s.name === name).reduce((sum, s) => sum + s.value, 0);
+const sum = (rows, key) => rows.reduce((s, row) => s + row[key], 0);
 
-function device(group) {  // "tpu:0,1" as `packscore worker --devices` names a group; none: the process's own
-  if (!group) return ["the host's own", "–"];
-  const [kind, chips] = group.includes(":") ? group.split(":", 2) : [group, "–"];
-  return [kind, chips];
+function chips(group) {  // "tpu:0,1" as `packscore worker --devices` names a group; none: the process's own
+  if (!group) return "the host's own";
+  return group.includes(":") ? group.split(":", 2)[1] : "–";
 }
 
-// Items/s between samples of the counters, over the last hour this tab watched.
-function chart(samples) {
-  const points = [];
-  for (let i = 1; i < samples.length; i++) {
-    const dt = (samples[i].t - samples[i - 1].t) / 1000;
-    if (dt > 0) points.push([samples[i].t, Math.max(0, (samples[i].items - samples[i - 1].items) / dt)]);
-  }
-  if (points.length < 2) return h("p", { class: "empty" }, "Collecting: the chart starts after two readings.");
-  const width = 600, height = 120, now = Date.now(), top = Math.max(1, ...points.map((p) => p[1]));
-  // The time this tab has watched, up to the hour (at least a minute): a new tab's line is not a sliver.
-  const span = Math.min(HOUR_MS, Math.max(60 * 1000, now - samples[0].t));
-  const xy = points.map(([t, v]) => `${(width * (1 - (now - t) / span)).toFixed(1)},` +
-    `${(height - 3 - (height - 8) * v / top).toFixed(1)}`).join(" ");
+// Items/s per minute over the last hour, from the service's own record of its passes (GET /workers).
+function chart(points, history) {
+  if (!points.length) return h("p", { class: "empty" }, "No passes recorded yet.");
+  const width = 600, height = 120, top = Math.max(1, ...points.map((p) => p.items_per_second));
+  const step = points.length > 1 ? width / (points.length - 1) : width;
+  const xy = points.map((p, i) => `${(points.length > 1 ? i * step : width).toFixed(1)},` +
+    `${(height - 3 - (height - 8) * p.items_per_second / top).toFixed(1)}`).join(" ");
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.setAttribute("role", "img");
-  svg.setAttribute("aria-label", `Items per second over the last hour, at most ${top.toFixed(1)}; now ` +
-    `${points[points.length - 1][1].toFixed(1)}`);
+  const now = points[points.length - 1].items_per_second;
+  svg.setAttribute("aria-label", `Items per second per minute, at most ${top.toFixed(1)}; now ${now.toFixed(1)}`);
   const line = document.createElementNS(ns, "polyline");
   line.setAttribute("points", xy);
   svg.append(line);
   return h("figure", { class: "chart" }, svg,
-    h("figcaption", {}, `Items/s over the last ${seconds(span / 1000)} (this tab's readings of /metrics, up to an ` +
-      `hour); peak ${top.toFixed(1)}.`));
+    h("figcaption", {}, `Items/s per minute over the last ${seconds(history)} (the service's record of the passes ` +
+      `that ran jobs); peak ${top.toFixed(1)}.`));
 }
 
 function workersView() {
   const body = h("div", { id: "workers" });
   show("Workers", alertBox(), body);
   poll(async (current) => {
-    const [ready, models, text] = await Promise.all([api("/readyz", { accept: [503] }), api("/v1/models"),
-      api("/metrics", { as: "text" })]);
+    const [ready, models, workers, text] = await Promise.all([api("/readyz", { accept: [503] }), api("/v1/models"),
+      api("/workers"), api("/metrics", { as: "text" })]);
     if (!current()) return;
-    const m = metrics(text);
-    const reading = { t: Date.now(), items: total(m, "packscore_pass_items_sum"),
-      passes: total(m, "packscore_passes_total"), device: total(m, "packscore_pass_device_seconds_sum") };
-    const kept = JSON.parse(sessionStorage.getItem(SAMPLES) || "[]").filter((s) => reading.t - s.t < HOUR_MS);
-    const last = kept[kept.length - 1];
-    kept.push(reading);
-    sessionStorage.setItem(SAMPLES, JSON.stringify(kept));
-    const dt = last ? (reading.t - last.t) / 1000 : 0;
-    const live = ready.device_groups.length;
-    const per = (key) => (dt > 0 ? Math.max(0, reading[key] - last[key]) / dt : null);
-    const busy = per("device") === null || !live ? null : Math.min(1, per("device") / live);
-    const paths = m.filter((s) => s.name === "packscore_worker_attention" && s.value > 0)
-      .map((s) => `${s.labels.path} × ${s.value}`).join(", ");
+    const live = workers.data;
+    const byPath = {};
+    for (const w of live) byPath[w.attention || "–"] = (byPath[w.attention || "–"] || 0) + 1;
+    const paths = Object.entries(byPath).map(([path, n]) => `${path} × ${n}`).join(", ");
+    const busy = live.length ? sum(live, "busy") / live.length : null;
     refresh(body,
-      fields([["Status", badge(ready.status)], ["Passes/s", per("passes") === null ? "–" : per("passes").toFixed(2)],
-        ["Items/s", per("items") === null ? "–" : per("items").toFixed(1)],
-        ["Device busy", busy === null ? "–" : `${Math.round(100 * busy)}% (device seconds per second, per worker)`],
-        ["Attention paths", paths || "–"], ["Queued jobs", total(m, "packscore_queue_depth")]]),
+      fields([["Status", badge(ready.status)], ["Passes/s", sum(live, "passes_per_second").toFixed(2)],
+        ["Items/s", sum(live, "items_per_second").toFixed(1)],
+        ["Device busy", busy === null ? "–" : `${Math.round(100 * busy)}% (mean of the workers, last minute)`],
+        ["Attention paths", paths || "–"], ["Queued jobs", total(metrics(text), "packscore_queue_depth")]]),
       h("h2", {}, "Live workers"),
-      table("Live workers", ["Model", "Host", "Device", "Chips", "State"], ready.device_groups.map((w) => {
-        const [kind, chips] = device(w.device_group);
+      table("Live workers", ["Model", "Host", "Device", "Chips", "Attention", "Dtype", "State", "Passes/s", "Items/s",
+        "Busy"], live.map((w) => {
         const state = w.programs ? `warming: ${w.programs.done}/${w.programs.total} programs` : w.state;
-        return h("tr", {}, h("td", {}, w.model), h("td", {}, w.host || "–"), h("td", {}, kind), h("td", {}, chips),
-          h("td", {}, state));
+        return h("tr", {}, [w.model, w.host || "–", w.device_kind || "–", chips(w.device_group), w.attention || "–",
+          w.dtype, state, w.passes_per_second.toFixed(2), w.items_per_second.toFixed(1),
+          `${Math.round(100 * w.busy)}%`].map((cell) => h("td", {}, cell)));
       }), "No live worker: jobs wait in the queue until one starts."),
       h("h2", {}, "Models"),
       table("Models", ["Model", "Ready workers", "Warming", "Jobs waiting", "Default"], models.data.map((model) => {
@@ -395,7 +381,7 @@ function workersView() {
         return h("tr", {}, h("td", {}, model.id), h("td", {}, model.workers.ready), h("td", {}, model.workers.warming),
           h("td", {}, waiting ? "yes" : "no"), h("td", {}, model.default ? "yes" : ""));
       }), "No models."),
-      h("h2", {}, "Throughput"), chart(kept));
+      h("h2", {}, "Throughput"), chart(workers.throughput, workers.history_seconds));
   });
 }
 

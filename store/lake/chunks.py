@@ -550,6 +550,7 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
     return batch_out(batch, counts, Progress(items_done=items_done, items_total=items_total),
                      latest_delivery(session, batch.id), chunks=chunks, output=output.uri, eta_seconds=eta,
                      manifest=None if live else output.child("_manifest.json").uri,
+                     input=batch.source["input"],
                      rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
 
 
