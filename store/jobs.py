@@ -18,9 +18,10 @@ from store.schemas import JobOut, ScoreInput, job_out
 from store.settings import Settings
 
 
-def _request_hash(body: ScoreInput, rerank: dict | None) -> str:
-    # Without `kind`: a body's hash is the same as before JobCreate had one.
-    fields = body.model_dump(mode="json", exclude={"kind"})
+def _request_hash(body: ScoreInput, rerank: dict | None, model: str) -> str:
+    # Without `kind`: a body's hash is the same as before JobCreate had one. With the model that scores it, not
+    # the name the body gives: the default model named, or left out, is the same request.
+    fields = {**body.model_dump(mode="json", exclude={"kind"}), "model": model}
     canonical = json.dumps({**fields, "rerank": rerank} if rerank else fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -53,7 +54,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
     the caller: store.catalog); returns (job, created). An Idempotency-Key replay returns the
     earlier job with created=False. `rerank` (store/rerank.py) makes it a rerank job: kept with the request,
     it says how to present the scores. A created job is not in the session (read it with session.get)."""
-    request_hash = _request_hash(body, rerank)
+    request_hash = _request_hash(body, rerank, request_tokenizer.model_name)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= 255:
             raise ServiceError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
