@@ -9,6 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core import RequestTokenizer
+from store.batch_counts import add_ended
 from store.counters import count
 from store.db import newest_first
 from store.errors import ServiceError
@@ -148,6 +149,7 @@ def cancel_job(session: Session, job: Job) -> Job:
     if done:
         count(session, "jobs_finished", label="cancelled")
         session.refresh(job)
+        add_ended(session, [(job.batch_id, "cancelled", job.items_done)])
         enqueue_job_webhook(session, job)
     session.commit()
     session.refresh(job)
