@@ -135,8 +135,8 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     cancelled = [job_id for job_id, ours_and_cancelled in odd.items() if ours_and_cancelled]
     for job_id in lost & open_ids:
         log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
-    # Their batches' counts in one go, each batch's row once and in one order: two statements' worth, each in
-    # its own order, could deadlock two workers ending jobs of the same two batches.
+    # Their batches' counts in one go: each batch's row is updated once, in one order (add_ended), so two workers
+    # ending jobs of the same batches never wait on each other's rows in a cycle.
     ended = [(row.batch_id, "cancelled", row.items_done) for row in _end(session, owner, cancelled, "cancelled")]
     succeeded = _end_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
     add_ended(session, ended + [(row.batch_id, "succeeded", row.items_done) for row in succeeded])
