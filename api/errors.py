@@ -27,8 +27,8 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         (415, "`unsupported_media_type`: a JSON body sent without `content-type: application/json`"),
         (422, "`invalid_input`: malformed JSON, wrong types, unknown fields"),
         (500, "`internal_error`: a bug (the engine failed on the job at every attempt); the body names the job"),
-        (503, "`unavailable`: the database is down or busy, or `worker_lost`: workers kept dying on the job; "
-              "retry after `Retry-After` seconds"),
+        (503, "`unavailable`: the database is down or busy, `worker_lost`: workers kept dying on the job, or "
+              "`stopping`: the API stopped while /v1/score waited (poll `job_id`); retry after `Retry-After` seconds"),
     )
 }
 

@@ -1,10 +1,14 @@
 """The FastAPI app: `uvicorn --factory api.main:create_app` (what `packscore serve` runs)."""
 
+import functools
 import logging
 import os
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import FrameType
 
 import anyio.to_thread
 from fastapi import FastAPI
@@ -46,8 +50,27 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     # Load the models' tokenizers before taking traffic, so the first request is not slow; and their rerank
     # templates, so a RERANK_TEMPLATE that does not fit a model stops the start instead of failing requests.
     await run_in_threadpool(get_models)
+    _answer_waiting_calls_on_stop(app.state.job_waiter)
     yield
     await app.state.job_waiter.stop()
+
+
+def _answer_waiting_calls_on_stop(waiter: JobWaiter) -> None:
+    """On SIGINT or SIGTERM, /v1/score calls still waiting answer 503 `stopping` with their job id at once, then
+    the server's own handler stops it: it cuts the connections left after its graceful timeout, a 500 each.
+    Only where the server runs in the main thread (uvicorn, `packscore serve`), whose handlers are chained."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        server_handler = signal.getsignal(signum)
+        if callable(server_handler):
+            signal.signal(signum, functools.partial(_stop_waiting_then, waiter, server_handler))
+
+
+def _stop_waiting_then(waiter: JobWaiter, server_handler: Callable[[int, FrameType | None], object], signum: int,
+                       frame: FrameType | None) -> None:
+    waiter.stop_waiting()
+    server_handler(signum, frame)
 
 
 def create_app() -> FastAPI:

@@ -44,9 +44,15 @@ class JobWaiter:
         self._poll_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set once the process is stopping: every waiting call returns, so that it answers before the server
+        # cuts its connection.
+        self.stopping = False
 
     async def wait(self, job_id: str, timeout: float) -> bool:
-        """True once job `job_id` is terminal, False after `timeout` seconds."""
+        """True once job `job_id` is terminal; False after `timeout` seconds, or once the process is stopping
+        (`stopping`)."""
+        if self.stopping:
+            return False
         self._start()
         event = asyncio.Event()
         self._waiting.setdefault(job_id, set()).add(event)
@@ -54,7 +60,7 @@ class JobWaiter:
         self._poll_now.set()
         try:
             await asyncio.wait_for(event.wait(), timeout)
-            return True
+            return not self.stopping
         except TimeoutError:
             return False
         finally:
@@ -72,6 +78,18 @@ class JobWaiter:
         self._tasks = [loop.create_task(self._poll(), name="job-waiter-poll")]
         if self._listens:
             self._tasks.append(loop.create_task(self._listen(), name="job-waiter-listen"))
+
+    def stop_waiting(self) -> None:
+        """Returns every waiting call now (and any later one at once), with `stopping` set. Safe from a signal
+        handler: the wake-up runs on the event loop."""
+        self.stopping = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        for events in self._waiting.values():
+            for event in events:
+                event.set()
 
     async def stop(self) -> None:
         for task in self._tasks:

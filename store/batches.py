@@ -21,6 +21,7 @@ from sqlalchemy import Row, case, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from core import ScoringError
+from store.batch_counts import add_ended
 from store.catalog import ModelCatalog, ServedModel
 from store.counters import count
 from store.db import newest_first, session_factory
@@ -87,6 +88,8 @@ class Ingest:
         self.total = 0  # requests: non-blank lines
         self.objects = 0  # lines that are JSON objects
         self.queued = 0
+        self.failed = 0  # lines that failed at upload
+        self.items_total = 0  # the items of its requests
         # 16-byte digests, not the ids: duplicate detection in bounded memory (about 10 MB per 100k lines), with
         # the line each id was first used on.
         self._seen: dict[bytes, int] = {}
@@ -196,6 +199,8 @@ class Ingest:
             self.session.execute(insert(Job), self._rows)
             failed = sum(row["status"] == "failed" for row in self._rows)
             count(self.session, "jobs_finished", failed, label="failed")
+            self.failed += failed
+            self.items_total += sum(row["items_total"] for row in self._rows)
             self._rows = []
 
     def finish(self) -> Batch:
@@ -209,7 +214,8 @@ class Ingest:
         model = self.model.name if self.model else self.batch.model
         if not self.session.execute(update(Batch).where(Batch.id == self.batch.id, Batch.status == "validating")
                                     .values(status="in_progress", total=self.total, in_progress_at=now,
-                                            model=model)).rowcount:
+                                            model=model, failed=self.failed,
+                                            items_total=self.items_total)).rowcount:
             raise upload_timeout()  # the sweeper gave up on this upload already
         if model != self.batch.model:  # lines that failed before the first request set the batch's model
             self.session.execute(update(Job).where(Job.batch_id == self.batch.id, Job.model != model)
@@ -328,9 +334,11 @@ def unsettled_batches(session: Session) -> set[str]:
     cancel (its worker stopped) went back to the queue, which no claim reads for that batch."""
     cancelling = select(Batch.id).where(Batch.status == "cancelling", Batch.source.is_(None))
     stranded = session.execute(update(Job).where(Job.batch_id.in_(cancelling), Job.status == "queued")
-                               .values(status="cancelled", finished_at=utcnow())).rowcount
+                               .values(status="cancelled", finished_at=utcnow())
+                               .returning(Job.batch_id, Job.items_done)).all()
     if stranded:
-        count(session, "jobs_finished", stranded, label="cancelled")
+        count(session, "jobs_finished", len(stranded), label="cancelled")
+        add_ended(session, [(batch_id, "cancelled", done) for batch_id, done in stranded])
     live = exists().where(Job.batch_id == Batch.id, Job.status.in_(("queued", "running")))
     return set(session.scalars(select(Batch.id).where(Batch.status.in_(("in_progress", "cancelling")),
                                                       Batch.source.is_(None), ~live)))
@@ -378,6 +386,20 @@ def read_batch(session: Session, batch: Batch) -> BatchOut:
                      Progress(items_done=items_done, items_total=items_total), latest_delivery(session, batch.id))
 
 
+def read_uploaded(session: Session, batches: list[Batch]) -> dict[str, BatchOut]:
+    """Uploaded batches as read_batch shows them, by id, from the counts on their rows (store/batch_counts.py)
+    and their running requests' items done, in one query for them all: a listing reads no batch's requests
+    but those running. A queued request has done no items (a hand-back starts it again from 0)."""
+    running = dict(session.execute(
+        select(Job.batch_id, func.sum(Job.items_done)).where(Job.batch_id.in_([batch.id for batch in batches]),
+                                                             Job.status == "running").group_by(Job.batch_id)).all())
+    return {batch.id: batch_out(batch, BatchCounts(total=batch.total, succeeded=batch.succeeded, failed=batch.failed,
+                                                   cancelled=batch.cancelled),
+                                Progress(items_done=batch.items_ended + int(running.get(batch.id) or 0),
+                                         items_total=batch.items_total), latest_delivery(session, batch.id))
+            for batch in batches}
+
+
 def list_batches(session: Session, key: ApiKey, limit: int, cursor: str | None) -> tuple[list[Batch], str | None]:
     """A page of the key's batches, newest first (`newest_first`)."""
     return newest_first(session, select(Batch).where(Batch.api_key_id == key.id), Batch.id, limit, cursor)
@@ -393,8 +415,9 @@ def cancel_batch(session: Session, batch: Batch) -> Batch:
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
                     .values(status="cancelling"))
     cancelled = session.execute(update(Job).where(Job.batch_id == batch.id, Job.status == "queued")
-                                .values(status="cancelled", finished_at=now)).rowcount
-    count(session, "jobs_finished", cancelled, label="cancelled")
+                                .values(status="cancelled", finished_at=now).returning(Job.items_done)).scalars().all()
+    count(session, "jobs_finished", len(cancelled), label="cancelled")
+    add_ended(session, [(batch.id, "cancelled", done) for done in cancelled])
     settle_batch(session, batch.id)
     session.commit()
     session.refresh(batch)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import bindparam, insert, or_, select, update
+from sqlalchemy import Row, bindparam, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from store.batch_counts import add_ended
 from store.batches import settle_batch
 from store.counters import count, count_pass
 from store.db import among, session_scope
@@ -25,9 +26,18 @@ _JOBS = Job.__table__.c  # Core statements: the ORM's statement handling was mos
 
 
 def finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
-            results: dict[str, np.ndarray] | None = None, **values: Any) -> list[str]:
+           results: dict[str, np.ndarray] | None = None, **values: Any) -> list[str]:
     """Moves those of these jobs still running under our lease to `status`, in one statement, and queues the
     webhooks of those that have one; returns their ids."""
+    ended = _end(session, owner, job_ids, status, error, results, **values)
+    add_ended(session, [(row.batch_id, status, row.items_done) for row in ended])
+    return [row.id for row in ended]
+
+
+def _end(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,
+         results: dict[str, np.ndarray] | None = None, **values: Any) -> list[Row]:
+    """`finish` but for its batches' counts (the caller adds them): the rows ended, with batch_id and
+    items_done."""
     if not job_ids:
         return []
     values.update(status=status, finished_at=utcnow(), lease_owner=None, lease_expires_at=None)
@@ -36,22 +46,28 @@ def finish(session: Session, owner: str, job_ids: list[str], status: str, error:
     changed = session.execute(
         update(Job.__table__).where(among(session, _JOBS.id, job_ids), _JOBS.lease_owner == owner,
                                     _JOBS.status == "running")
-        .values(**values).returning(_JOBS.id, _JOBS.webhook_url)).all()
+        .values(**values).returning(_JOBS.id, _JOBS.webhook_url, _JOBS.batch_id, _JOBS.items_done)).all()
     if changed:
         count(session, "jobs_finished", len(changed), label=status)
         _enqueue_webhooks(session, [row.id for row in changed if row.webhook_url], results)
-    return [row.id for row in changed]
+    return changed
 
 
 def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[str]:
     """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
     them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
     another worker gets no second result). Returns their ids."""
-    done = finish(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
+    ended = _end_succeeded(session, owner, results)
+    add_ended(session, [(row.batch_id, "succeeded", row.items_done) for row in ended])
+    return [row.id for row in ended]
+
+
+def _end_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[Row]:
+    done = _end(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
     if done:
         session.execute(insert(JobResult.__table__), [
-            {"job_id": job_id, "n_labels": results[job_id].shape[1],
-             "logprobs": np.ascontiguousarray(results[job_id], np.float32).tobytes()} for job_id in done])
+            {"job_id": row.id, "n_labels": results[row.id].shape[1],
+             "logprobs": np.ascontiguousarray(results[row.id], np.float32).tobytes()} for row in done])
     return done
 
 
@@ -119,8 +135,11 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     cancelled = [job_id for job_id, ours_and_cancelled in odd.items() if ours_and_cancelled]
     for job_id in lost & open_ids:
         log.warning("job %s is no longer leased to %s; dropping it", job_id, owner)
-    finish(session, owner, cancelled, "cancelled")
-    finish_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
+    # Their batches' counts in one go: each batch's row is updated once, in one order (add_ended), so two workers
+    # ending jobs of the same batches never wait on each other's rows in a cycle.
+    ended = [(row.batch_id, "cancelled", row.items_done) for row in _end(session, owner, cancelled, "cancelled")]
+    succeeded = _end_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
+    add_ended(session, ended + [(row.batch_id, "succeeded", row.items_done) for row in succeeded])
     set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if job_id not in odd])
     return lost | set(cancelled) | finished.keys()
 
@@ -146,6 +165,7 @@ def end_attempt(session: Session, job: Job, settings: Settings, code: str, messa
         job.items_done = 0
         return
     count(session, "jobs_finished", label=job.status)
+    add_ended(session, [(job.batch_id, job.status, job.items_done)])
     session.flush()
     enqueue_job_webhook(session, job)
 

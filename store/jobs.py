@@ -9,6 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core import RequestTokenizer
+from store.batch_counts import add_ended
 from store.counters import count
 from store.db import newest_first
 from store.errors import ServiceError
@@ -18,9 +19,10 @@ from store.schemas import JobOut, ScoreInput, job_out
 from store.settings import Settings
 
 
-def _request_hash(body: ScoreInput, rerank: dict | None) -> str:
-    # Without `kind`: a body's hash is the same as before JobCreate had one.
-    fields = body.model_dump(mode="json", exclude={"kind"})
+def _request_hash(body: ScoreInput, rerank: dict | None, model: str) -> str:
+    # Without `kind`: a body's hash is the same as before JobCreate had one. With the model that scores it, not
+    # the name the body gives: the default model named, or left out, is the same request.
+    fields = {**body.model_dump(mode="json", exclude={"kind"}), "model": model}
     canonical = json.dumps({**fields, "rerank": rerank} if rerank else fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -53,7 +55,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
     the caller: store.catalog); returns (job, created). An Idempotency-Key replay returns the
     earlier job with created=False. `rerank` (store/rerank.py) makes it a rerank job: kept with the request,
     it says how to present the scores. A created job is not in the session (read it with session.get)."""
-    request_hash = _request_hash(body, rerank)
+    request_hash = _request_hash(body, rerank, request_tokenizer.model_name)
     if idempotency_key is not None:
         if not 1 <= len(idempotency_key) <= 255:
             raise ServiceError(400, "invalid_input", "Idempotency-Key must be 1 to 255 characters")
@@ -147,6 +149,7 @@ def cancel_job(session: Session, job: Job) -> Job:
     if done:
         count(session, "jobs_finished", label="cancelled")
         session.refresh(job)
+        add_ended(session, [(job.batch_id, "cancelled", job.items_done)])
         enqueue_job_webhook(session, job)
     session.commit()
     session.refresh(job)

@@ -181,8 +181,15 @@ class Batch(Base):
     model: Mapped[str] = mapped_column(String(100))
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # Set once validation ends; the counts by status are read from the jobs.
+    # Set once validation ends.
     total: Mapped[int] = mapped_column(Integer, default=0)
+    # An uploaded batch's requests ended by status, the items of its requests and the items scored of its ended
+    # requests, kept as they end (store/batch_counts.py): what GET /batches shows without reading the requests.
+    succeeded: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    cancelled: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    items_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    items_ended: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     # A reference batch (its data in storage, run as chunks): the options (store.lake.tables.Options), the

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from store.errors import ServiceError
 from store.models import Job, WebhookDelivery
 from store.schemas import job_out
+from store.settings import get_settings
 
 # Cloud metadata endpoints not already covered by the link-local/private checks.
 _METADATA_NETWORKS = (ipaddress.ip_network("100.100.100.200/32"), ipaddress.ip_network("fd00:ec2::254/128"))
@@ -197,12 +198,22 @@ def enqueue_job_webhook(session: Session, job: Job, logprobs: np.ndarray | None 
                     job_out(job, logprobs).model_dump(mode="json", exclude={"webhook"}), job_id=job.id)
 
 
+# The parts of a message's data that grow with its results: a message over WEBHOOK_MAX_PAYLOAD_BYTES goes
+# without them, with `results_url` (the GET that has them) instead.
+_RESULT_FIELDS = ("scores", "logprobs", "results")
+
+
 def enqueue_webhook(session: Session, api_key_id: str, url: str, event_type: str, data: dict, *,
                     job_id: str | None = None, batch_id: str | None = None) -> None:
     """Adds one webhook message (a job's or a batch's) to the outbox, in the caller's transaction."""
     body = {"type": event_type, "timestamp": datetime.now(UTC).isoformat(), "data": data}
+    payload = json.dumps(body)
+    if len(payload.encode()) > get_settings().webhook_max_payload_bytes:
+        results_url = f"/jobs/{job_id}" if job_id else f"/batches/{batch_id}/results"
+        body["data"] = {**{k: v for k, v in data.items() if k not in _RESULT_FIELDS}, "results_url": results_url}
+        payload = json.dumps(body)
     session.add(WebhookDelivery(api_key_id=api_key_id, job_id=job_id, batch_id=batch_id, url=url,
-                                payload=json.dumps(body)))
+                                payload=payload))
 
 
 def latest_delivery(session: Session, batch_id: str) -> WebhookDelivery | None:

@@ -426,7 +426,9 @@ class ChunkCounts(BaseModel):
 
 
 class BatchCounts(BaseModel):
-    total: int
+    # The batch's requests (an upload's lines, a reference batch's rows) as planned; null for a reference batch
+    # of CSV or JSONL until every chunk has been read (docs/batches.md).
+    total: int | None
     succeeded: int
     failed: int
     cancelled: int

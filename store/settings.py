@@ -158,6 +158,8 @@ class Settings(BaseSettings):
     webhook_per_key: int = Field(8, gt=0)
     # Hosts, IPs or CIDR networks that webhooks may reach even though they are private/loopback.
     webhook_allowlist: Annotated[list[str], NoDecode] = []
+    # A webhook message larger than this (bytes of JSON) carries a link to its results instead of the results.
+    webhook_max_payload_bytes: int = Field(1_000_000, gt=0)
 
     @field_validator("database_url")
     @classmethod

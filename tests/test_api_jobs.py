@@ -233,6 +233,15 @@ def test_idempotency_key(client, make_key) -> None:  # type: ignore[no-untyped-d
     assert again.headers["Idempotent-Replayed"] == "true"
     assert_error(client.post("/jobs", json={**QUERY, "items": ["other"]}, headers=headers), 409,
                  "idempotency_conflict")
+    # The default model named, after a first request that left it out, is the same request.
+    named = client.post("/jobs", json={**QUERY, "model": first.json()["model"]}, headers=headers)
+    assert named.status_code == 202 and named.json()["id"] == first.json()["id"], named.json()
+    assert named.headers["Idempotent-Replayed"] == "true"
+    # and the other way round
+    headers_named = {**auth(key), "Idempotency-Key": "order-43"}
+    first_named = client.post("/jobs", json={**QUERY, "model": first.json()["model"]}, headers=headers_named)
+    unnamed = client.post("/jobs", json=QUERY, headers=headers_named)
+    assert unnamed.status_code == 202 and unnamed.json()["id"] == first_named.json()["id"], unnamed.json()
     # Keys are per tenant: another tenant's same key is a different job.
     other, _ = make_key()
     third = client.post("/jobs", json=QUERY, headers={**auth(other), "Idempotency-Key": "order-42"})

@@ -400,3 +400,61 @@ def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, cle
     with session_scope() as session:
         statuses = session.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()
     assert len(statuses) == 150 and set(statuses) == {"succeeded"}
+
+
+def test_the_listing_shows_each_batch_as_its_own_get_from_counts_kept_on_the_batch(  # type: ignore[no-untyped-def]
+        client, make_key, clean) -> None:
+    """Batches ended every way a request ends (scored, failed at upload, cancelled with the batch or alone, handed
+    back then cancelled by the sweeper) and one running: GET /batches shows each exactly as GET /batches/{id},
+    with one query of the requests for the whole page (their running ones'), not one sum per batch."""
+    from sqlalchemy import event
+
+    from store import sweeper
+    from store.db import get_engine
+
+    key, _ = make_key()
+    settings = get_settings()
+    mixed = upload(client, key, [request_line(0), "{not json", request_line(1), request_line(1),
+                                 {"custom_id": "x", "query": "q", "items": ["a"], "label_token_ids": [10 ** 9]},
+                                 request_line(2)]).json()["id"]
+    drain()
+    alone = upload(client, key, [request_line(i) for i in range(3)]).json()["id"]
+    with session_scope() as session:
+        one = session.scalars(select(Job.id).where(Job.batch_id == alone).order_by(Job.id).limit(1)).one()
+    assert client.post(f"/jobs/{one}/cancel", headers=auth(key)).json()["status"] == "cancelled"
+    drain()
+    cancelled = upload(client, key, [request_line(i) for i in range(60)]).json()["id"]
+    one_round()
+    running = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    assert client.post(f"/batches/{cancelled}/cancel", headers=auth(key)).status_code == 202
+    drain_module.run_jobs(get_scorer(), "worker-a", running)
+    finishing.settle_batches({cancelled})
+    handed_back = upload(client, key, [request_line(i) for i in range(3)]).json()["id"]
+    claimed = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    client.post(f"/batches/{handed_back}/cancel", headers=auth(key))
+    finishing.release("worker-a", settings, [job.id for job in claimed], None)
+    sweeper.sweep(settings)
+    in_progress = upload(client, key, [request_line(i) for i in range(40)]).json()["id"]
+    one_round()
+    now_running = claims.claim_jobs("worker-b", settings, get_scorer().pass_tokens)
+    with session_scope() as session:
+        finishing.set_progress(session, "worker-b", [(job.id, 1) for job in now_running])
+
+    statements: list[str] = []
+    listen = lambda conn, cursor, statement, *args: statements.append(statement)  # noqa: E731
+    event.listen(get_engine(), "before_cursor_execute", listen)
+    try:
+        listed = {batch["id"]: batch for batch in client.get("/batches", headers=auth(key)).json()["data"]}
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", listen)
+    ids = [mixed, alone, cancelled, handed_back, in_progress]
+    assert set(listed) == set(ids)
+    for batch_id in ids:
+        own = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
+        assert (listed[batch_id]["counts"], listed[batch_id]["progress"]) == (own["counts"], own["progress"]), own
+    assert listed[mixed]["counts"] == {"total": 6, "succeeded": 3, "failed": 3, "cancelled": 0}
+    assert listed[alone]["counts"] == {"total": 3, "succeeded": 2, "failed": 0, "cancelled": 1}
+    assert listed[handed_back]["status"] == "cancelled" and listed[handed_back]["counts"]["cancelled"] == 3
+    assert listed[in_progress]["progress"]["items_done"] > listed[in_progress]["counts"]["succeeded"] > 0
+    assert len([s for s in statements if " jobs" in s]) == 1, statements
+    drain_module.run_jobs(get_scorer(), "worker-b", now_running)

@@ -158,3 +158,30 @@ def test_worker_killed_mid_job_completes_once(service: Service, reference: Score
                                   {"id": job_id})
         assert deliveries.scalar() == 1
     engine.dispose()
+
+
+def test_a_score_call_waiting_when_the_api_stops_answers_503_stopping(redis_url: str, run_id: str,  # type: ignore[no-untyped-def]
+                                                                     database_factory, tmp_path) -> None:
+    """No worker: the call waits; SIGTERM to `serve` answers it 503 `stopping` with its job id at once (not
+    the 500 of a connection cut after the server's graceful timeout), and the job is there to poll."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with database_factory(f"packscore_stop_api_{run_id}") as url:
+        env = {"DATABASE_URL": url, "BROKER_KEY_PREFIX": f"packscore_test_{run_id}:stop-api:"}
+        with running_service(env, tmp_path) as service, service.http() as client, ThreadPoolExecutor(1) as pool:
+            body = {"query": "Is this relevant?", "items": ["yes", "no"], "label_token_ids": [1, 2]}
+            call = pool.submit(client.post, "/v1/score", json=body)
+            deadline = time.monotonic() + 60
+            while not client.get("/jobs").json()["data"]:
+                assert time.monotonic() < deadline and not call.done(), "the call's job never appeared"
+                time.sleep(0.1)
+            stopped_at = time.monotonic()
+            service.api.send_signal(signal.SIGTERM)
+            answer = call.result(timeout=30)
+            assert time.monotonic() - stopped_at < 4, "answered at the cut, not at the stop"
+            assert answer.status_code == 503, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "stopping" and answer.headers["Retry-After"]
+            service.api.wait(timeout=30)
+            service.start_api()
+            assert client.get(f"/jobs/{error['job_id']}").json()["status"] == "queued"

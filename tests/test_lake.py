@@ -926,7 +926,7 @@ def test_a_chunk_with_nothing_to_score_is_committed(client, make_key, empty_queu
     assert created.status_code == 201, created.text
     assert created.json()["chunks"]["total"] > 4  # ranges inside the long line
     done = wait_batch(client, key, created.json()["id"], 60)
-    assert done["status"] == "completed" and done["rows"] == {"done": 5, "failed": 4, "total": None}, done
+    assert done["status"] == "completed" and done["rows"] == {"done": 5, "failed": 4, "total": 5}, done
     rows = results(client, key, done["id"])
     assert [r["pair_id"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[0]["scores"] is not None and all(r["error"]["code"] == "invalid_row" for r in rows[1:])
@@ -1100,7 +1100,9 @@ def test_jsonl_lines_in_both_formats_as_a_reference_batch(client, make_key, empt
                           headers=auth(key))
     assert created.status_code == 201, created.text
     done = wait_batch(client, key, created.json()["id"])
-    assert done["status"] == "completed" and done["rows"] == {"done": 61, "failed": 1, "total": None}
+    # Rows planned by size are known once read: counts.total and rows.total say the same, as an upload's total.
+    assert done["status"] == "completed" and done["rows"] == {"done": 61, "failed": 1, "total": 61}
+    assert done["counts"] == {"total": 61, "succeeded": 60, "failed": 1, "cancelled": 0}
     rows = results(client, key, done["id"])
     assert len(rows) == 61 and rows[7]["error"]["code"] == "invalid_json"
     by_id = {r["custom_id"]: r for r in rows if r["custom_id"]}
@@ -1236,8 +1238,11 @@ def test_progress_totals_are_stable_and_say_so(client, make_key, empty_queue, la
     # Known rows are items to score (a pair table's row is one item); the chunks may still be cut into pieces.
     assert created["progress"] == {"items_done": 0, "items_total": 40} and created["rows"]["total"] == 40
     assert created["chunks"]["total_final"] is False and created["manifest"] is None
+    assert created["counts"]["total"] == 40
     done = wait_batch(client, key, created["id"])
     assert done["progress"] == {"items_done": 40, "items_total": 40} and done["chunks"]["total_final"] is True
+    assert done["counts"] == {"total": 40, "succeeded": 40, "failed": 0, "cancelled": 0} == \
+        client.get("/batches", headers=auth(key)).json()["data"][0]["counts"]
     assert done["eta_seconds"] is None
     # Rows planned by size (JSONL): the ETA is by the input's bytes, so cutting a chunk into pieces leaves it.
     lines = "".join(json.dumps({"custom_id": f"r{i}", "query": f"question {i}?", "items": ["a", "b"],
@@ -1246,6 +1251,7 @@ def test_progress_totals_are_stable_and_say_so(client, make_key, empty_queue, la
     created = client.post("/batches", json={"input": "lines.jsonl", "output": "out-lines"}, headers=auth(key)).json()
     planned = -(-len(lines) // lake_settings.batch_chunk_bytes)
     assert created["chunks"]["total"] == planned >= 3 and created["progress"]["items_total"] == 0  # unknown yet
+    assert created["counts"]["total"] is None and created["rows"]["total"] is None
     first = lake.claim_chunk("by-hand", lake_settings)
     assert first is not None and first.batch_id == created["id"] and lake.commit_chunk("by-hand", first, 20, 0, 40)
     with session_scope() as session:  # as if the batch had started 10 s ago

@@ -580,3 +580,41 @@ def test_a_key_at_its_limit_with_a_deep_backlog_does_not_hide_other_keys(empty_q
     settings = get_settings()
     claimed = webhooks._claim_due(settings, 4, Counter({("key", keys[0]): settings.webhook_per_key}), set())
     assert [c.key_id for c in claimed] == [keys[1]]
+
+
+@pytest.mark.parametrize(("answers", "status", "attempts"), [
+    ([413], "failed", 1), ([404], "failed", 1), ([400], "failed", 1),  # refused for good: not sent again
+    ([429, 408], "delivered", 3),  # "later": retried
+])
+def test_a_4xx_is_not_retried_except_408_and_429(empty_queue, make_key, webhook_receiver,  # type: ignore[no-untyped-def]
+                                                 answers, status, attempts) -> None:
+    delivery_id, _ = _delivery(make_key, webhook_receiver.url)
+    webhook_receiver.responses = list(answers)
+    row = _deliver_until_settled(delivery_id)
+    assert (row.status, row.attempts, len(webhook_receiver.requests)) == (status, attempts, attempts)
+    assert row.last_status_code == (answers[0] if status == "failed" else 200)
+
+
+def test_a_message_over_the_size_cap_links_to_its_results(empty_queue, make_key) -> None:  # type: ignore[no-untyped-def]
+    from store.models import ApiKey, Job
+    from store.outbox import enqueue_webhook
+
+    _, secret = make_key()
+    cap = get_settings().webhook_max_payload_bytes
+    large = [[0.123456789] * 4] * (cap // 40)  # about 2 x the cap as JSON
+    with session_scope() as session:
+        key_id = session.scalars(select(ApiKey.id).where(ApiKey.webhook_secret == secret)).one()
+        small_job, large_job = (Job(api_key_id=key_id, model="m", request={}, request_hash="-", items_total=1,
+                                    prompt_tokens=1) for _ in range(2))
+        session.add_all([small_job, large_job])
+        session.flush()
+        for job, scores in ((small_job, [[0.5, 0.25]]), (large_job, large)):
+            enqueue_webhook(session, key_id, "http://127.0.0.1:9/hook", "job.succeeded",
+                            {"id": job.id, "status": "succeeded", "scores": scores, "logprobs": scores},
+                            job_id=job.id)
+        small_id, large_id = small_job.id, large_job.id
+    with session_scope() as session:
+        sent = {row.job_id: json.loads(row.payload)["data"] for row in session.scalars(select(WebhookDelivery))}
+    assert sent[small_id] == {"id": small_id, "status": "succeeded", "scores": [[0.5, 0.25]],
+                              "logprobs": [[0.5, 0.25]]}
+    assert sent[large_id] == {"id": large_id, "status": "succeeded", "results_url": f"/jobs/{large_id}"}

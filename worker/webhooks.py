@@ -178,7 +178,11 @@ def _attempt(settings: Settings, msg_id: str, url: str, payload: str,
         # TLS stream raises as it is (a receiver asking for a client certificate); otherwise the attempt went
         # unrecorded and was claimed again after each lease, never reaching its retry schedule's end.
         return None, f"{type(exc).__name__}: {exc} (at {tried[-1] if tried else '?'})", False
-    return status_code, None if 200 <= status_code < 300 else f"HTTP {status_code}", False
+    if 200 <= status_code < 300:
+        return status_code, None, False
+    # A 4xx says the message itself is refused (too large, malformed, gone): sending it again gets the same
+    # answer. 408 (timeout) and 429 (too many requests) say "later".
+    return status_code, f"HTTP {status_code}", 400 <= status_code < 500 and status_code not in (408, 429)
 
 
 async def _post(target: Target, headers: dict[str, str], body: bytes, timeout: float, tried: list[str]) -> int:

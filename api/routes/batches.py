@@ -199,7 +199,9 @@ def list_batches(key: CurrentKey, session: SessionDep, limit: Annotated[int, Que
                  cursor: str | None = None) -> BatchList:
     """This key's batches, newest first. Pass `next_cursor` back as `cursor`."""
     rows, next_cursor = batches.list_batches(session, key, limit, cursor)
-    return BatchList(data=[read(session, batch) for batch in rows], next_cursor=next_cursor)
+    uploaded = batches.read_uploaded(session, [batch for batch in rows if batch.source is None])
+    return BatchList(data=[uploaded.get(batch.id) or chunks.read_reference(session, batch) for batch in rows],
+                     next_cursor=next_cursor)
 
 
 @router.get("/{batch_id}", response_model=BatchOut)

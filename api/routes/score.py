@@ -8,7 +8,7 @@ from api.waiter import JobProgress, JobWaiter
 from core import RequestTokenizer
 from store import jobs as job_store
 from store.broker import kick_drain
-from store.errors import ServiceError, job_error
+from store.errors import ServiceError, job_error, retry_after
 from store.models import PRIORITY_SYNC, ApiKey, Job
 from store.schemas import (RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse, eta_seconds,
                            route_body)
@@ -17,7 +17,10 @@ from store.settings import Settings
 router = APIRouter(tags=["score"])
 
 _TIMEOUT = {504: {"model": ErrorBody, "description": "`timeout`: still running; poll GET /jobs/{job_id} (the error has "
-                                                     "`job_id`, `items_done`, `items_total`, `eta_seconds`)"}}
+                                                     "`job_id`, `items_done`, `items_total`, `eta_seconds`)"},
+            503: {"model": ErrorBody, "description": "`stopping`: the API process is stopping while the job runs; "
+                                                     "poll GET /jobs/{job_id} (the error has `job_id`), or "
+                                                     "`unavailable`, `worker_lost`"}}
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=_TIMEOUT)
@@ -48,6 +51,9 @@ async def _run(body: ScoreInput, rerank: dict | None, key: ApiKey, session: Sess
                waiter: JobWaiter) -> ScoreResponse | RerankResponse:
     job = await run_in_threadpool(_submit, body, rerank, key, session, request_tokenizer, settings)
     if not await waiter.wait(job.id, settings.score_timeout_seconds):
+        if waiter.stopping:
+            raise ServiceError(503, "stopping", f"this API process is stopping; job {job.id} goes on: poll GET "
+                               f"/jobs/{job.id} for its result", retry_after(), job_id=job.id)
         raise _timed_out(job, waiter.progress(job.id), settings.score_timeout_seconds)
     return await run_in_threadpool(_response, session, job)
 

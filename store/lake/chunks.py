@@ -523,6 +523,7 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
                func.coalesce(func.sum(Chunk.rows_failed), 0).label("failed"),
                func.coalesce(func.sum(Chunk.items_done), 0).label("items"),
                func.coalesce(func.sum(Chunk.rows_total), 0).label("rows_total"),
+               func.count(Chunk.rows_total).label("read"),
                func.coalesce(func.sum(Chunk.stop - Chunk.start), 0).label("span"))
         .where(Chunk.batch_id == batch.id).group_by(Chunk.status))}
 
@@ -545,13 +546,22 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
     eta = _eta(session, batch, rows_done, cancelled_rows, summed("span", "succeeded", "failed"),
                summed("span") - summed("span", "cancelled")) if live else None
     output = batch.output
-    counts = BatchCounts(total=batch.total, succeeded=rows_done - rows_failed, failed=rows_failed,
+    # The input's rows: known from planning (Parquet's metadata), else once every chunk has been read (a
+    # committed chunk's rows are its rows done, errors included; another's, its rows_total once read).
+    others = [row for status, row in by_status.items() if status != "succeeded"]
+    if batch.total:
+        rows_total: int | None = batch.total
+    elif all(row.read == row.n for row in others):
+        rows_total = summed("rows", "succeeded") + sum(int(row.rows_total) for row in others)
+    else:
+        rows_total = None
+    counts = BatchCounts(total=rows_total, succeeded=rows_done - rows_failed, failed=rows_failed,
                          cancelled=cancelled_rows)
     return batch_out(batch, counts, Progress(items_done=items_done, items_total=items_total),
                      latest_delivery(session, batch.id), chunks=chunks, output=output.uri, eta_seconds=eta,
                      manifest=None if live else output.child("_manifest.json").uri,
                      input=batch.source["input"],
-                     rows=RowCounts(done=rows_done, failed=rows_failed, total=batch.total or None))
+                     rows=RowCounts(done=rows_done, failed=rows_failed, total=rows_total))
 
 
 def _eta(session: Session, batch: Batch, rows_done: int, cancelled_rows: int, span_done: int,
