@@ -1,5 +1,6 @@
-"""The pass loop's scheduler (worker/scheduler.py) under the policy (worker/policy.py) on its own: no thread, database or device. A fake
-engine stands in for the Scorer: its pass shapes, its prefix cache, and a planner that takes every item given."""
+"""The pass loop's scheduler (worker/scheduler.py) under its policy (worker/policy.py), on its own: no thread,
+database or device. A fake engine stands in for the Scorer: its pass shapes, its prefix cache, and a planner that
+takes every item given."""
 
 import time
 from dataclasses import dataclass

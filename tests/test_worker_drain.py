@@ -266,7 +266,7 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at < utcnow() + timedelta(seconds=1)
-    held = drain_module.ActiveJobs()
+    held = jobs_module.ActiveJobs()
     held.add([job_id])
     monkeypatch.setattr(drain_module, "active_jobs", held)
     drain_module.heartbeat("worker-a", "tiny-random", settings)
