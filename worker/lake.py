@@ -31,7 +31,7 @@ import numpy as np
 from core import Scorer, TokenizedRequest
 from store.broker import kick_drain
 from store.lake import chunks
-from store.lake.tables import (ChunkRows, InputError, chunk_requests, format_of, read_input, result_table,
+from store.lake.tables import (ChunkRows, InputError, chunk_requests, cut_positions, read_input, result_table,
                                write_table)
 from store.priorities import PRIORITY_BATCH
 from store.settings import Settings
@@ -299,11 +299,8 @@ class ChunkFeed:
             cut_rows.pop()
         if not cut_rows:
             return chunk, rows
-        if chunk.part >= 0:  # Parquet: rows of a row group
-            positions = [chunk.start + row for row in cut_rows]
-        elif isinstance(data, list) and not format_of(chunk.input, chunk.options.format)[1]:
-            positions = self._line_offsets(chunk, data, cut_rows)
-        else:
+        positions = cut_positions(chunk.input, chunk.part, chunk.start, chunk.options, data, cut_rows)
+        if positions is None:
             return chunk, rows
         bounds = [*cut_rows, rows.n_rows]
         piece = chunks.split_chunk(self.owner, chunk, [(at, bounds[k + 1] - bounds[k]) for k, at in
@@ -315,26 +312,7 @@ class ChunkFeed:
                  len(cut_rows) + 1, budget)
         with self._changed:
             self._held[piece.key] = piece
-        return piece, _first_rows(rows, cut_rows[0])
-
-    @staticmethod
-    def _line_offsets(chunk: chunks.ClaimedChunk, lines: list[bytes], cut_rows: list[int]) -> list[int]:
-        """The byte offsets of these rows (non-blank lines) of a JSONL chunk read with their line ends."""
-        begin = 0
-        if chunk.start > 0:  # where the chunk's first line starts, as read_input found it
-            with chunk.input.fs.open(chunk.input.path, "rb") as f:
-                f.seek(chunk.start - 1)
-                f.readline()
-                begin = f.tell()
-        offsets, at, row = {}, begin, 0
-        wanted = set(cut_rows)
-        for line in lines:
-            if line.strip():
-                if row in wanted:
-                    offsets[row] = at
-                row += 1
-            at += len(line)
-        return [offsets[row] for row in cut_rows]
+        return piece, rows.first(cut_rows[0])
 
     # ---- committing -------------------------------------------------------------------------------------
 
@@ -508,10 +486,3 @@ def close_feeds() -> None:
     for feed in feeds:
         feed.close()
 
-
-def _first_rows(rows: ChunkRows, n: int) -> ChunkRows:
-    """The chunk's first n rows (a cut falls between requests)."""
-    return ChunkRows(rows.pair_table, n, {name: values[:n] for name, values in rows.passthrough.items()},
-                     rows.passthrough_types, [r for r in rows.requests if r[0][0] < n],
-                     {i: e for i, e in rows.errors.items() if i < n},
-                     {i: v for i, v in rows.return_logprobs.items() if i < n})

@@ -6,8 +6,8 @@ and the sources ask a `Policy` each such question and hold no rule of their own;
 batches take turns in its claim's SQL (store/claims.py, store/lake/chunks.py), ordered by what the policy hands
 down. Pure code, no thread, database or device (tests/test_policy.py).
 
-`policy_for` builds the order that `ORDER` names. A new scheduling order is a `SourceOrder` member, its `Policy`
-subclass (most override `claim` alone) and its line in `policy_for`: this file only.
+`policy_for` builds the order that `ORDER` names. A new scheduling order is a `Policy` subclass (most override
+`claim` alone), its `SourceOrder` member and its `ORDERS` entry: this file only.
 """
 
 import time
@@ -293,11 +293,12 @@ class TurnTaking(Policy):
 
 
 class SourceOrder(Enum):
-    """The scheduling orders there are (`policy_for`)."""
+    """The scheduling orders there are, each a `Policy` class (`ORDERS`)."""
 
-    TURNS = "turns"  # TurnTaking
+    TURNS = "turns"
 
 
+ORDERS: dict[SourceOrder, type[Policy]] = {SourceOrder.TURNS: TurnTaking}
 # The order the workers run.
 ORDER = SourceOrder.TURNS
 
@@ -305,7 +306,4 @@ ORDER = SourceOrder.TURNS
 def policy_for(engine: PassShapes, settings: Settings, pace: Pace | None = None, chunks: ChunkClock | None = None,
                order: SourceOrder = ORDER) -> Policy:
     """A pass loop's policy (`pace`: the engine's, a new one by default; `chunks`: the chunk source, if any)."""
-    pace = pace or Pace()
-    if order is SourceOrder.TURNS:
-        return TurnTaking(engine, settings, pace, chunks)
-    raise ValueError(f"no scheduling order {order}")
+    return ORDERS[order](engine, settings, pace or Pace(), chunks)
