@@ -125,9 +125,9 @@ def chunk_piece_tokens(engine: PassShapes, settings: Settings, pace: Pace) -> tu
 
 
 class Policy(ABC):
-    """The scheduling policy's contract: one per pass loop, asked by the loop (claims), the scheduler (passes)
-    and never by the device's thread for anything slow. Each method is plain and cheap; only `claim` keeps state
-    (the sources' turns)."""
+    """The scheduling policy's contract: one per pass loop, asked by the loop (its claims, in the writer's thread)
+    and by the scheduler (its passes, in the loop's thread). Each answer is plain and cheap; only `claim` keeps
+    state (the sources' turns)."""
 
     def __init__(self, engine: PassShapes, settings: Settings, pace: Pace, chunks: ChunkClock | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
