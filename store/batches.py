@@ -27,9 +27,9 @@ from store.counters import count
 from store.db import newest_first, session_factory
 from store.errors import ServiceError, error_status
 from store.jobs import job_request
-from store.models import (BATCH_TERMINAL_STATUSES, PRIORITY_BATCH, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult,
-                          new_id, utcnow)
+from store.models import BATCH_TERMINAL_STATUSES, TERMINAL_STATUSES, ApiKey, Batch, Job, JobResult, new_id, utcnow
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
+from store.priorities import PRIORITY_BATCH
 from store.schemas import (BatchCounts, BatchCreate, BatchLine, BatchOut, BatchSource, OpenAIBatchLine, Progress,
                            RerankRequest, ScoreInput, ScoreRequest, batch_out, describe_errors, rerank_results,
                            route_body, score_lists)

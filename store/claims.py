@@ -1,8 +1,9 @@
 """Claims of the job queue: a worker leases ready jobs of its model under a lease.
 
 Each model of the deployment has a queue of its own: a worker serves one model (`Settings.worker_model`) and
-claims only that model's jobs and batches, interactive before batch and tenants taking turns within it. What a
-claimed job becomes is store/finishing.py's.
+claims only that model's jobs and batches. Which lane a claim is for, and how many tokens a round holds, are the
+worker's scheduling policy's (worker/policy.py), handed down as arguments; tenants take turns within the batch
+lane here, where the rows are locked. What a claimed job becomes is store/finishing.py's.
 """
 
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
 
 from store.db import among, session_scope
-from store.models import PRIORITY_BATCH, Batch, Job, utcnow
+from store.models import Batch, Job, utcnow
 from store.settings import Settings
 
 
@@ -31,28 +32,22 @@ class ClaimedJob:
     webhook_url: str | None
 
 
-# The hot statements below use the table's columns (SQLAlchemy Core): the ORM's statement handling was most of
+# The hot statements below use the table's columns (SQLAlchemy Core): the ORM's statement handling would be most of
 # a pass boundary's Python time.
 _JOBS = Job.__table__.c
 _CLAIMED = (_JOBS.id, _JOBS.priority, _JOBS.model, _JOBS.tokens, _JOBS.batch_id, _JOBS.webhook_url, _JOBS.query_key)
 
 
-def claim_jobs(owner: str, settings: Settings, batch_round_tokens: int | None = None) -> list[ClaimedJob]:
-    """Both lanes of the worker's model in turn: the ready interactive jobs if any, else one batch round (see
-    the two below)."""
-    return claim_interactive(owner, settings) or claim_batch_round(owner, settings, batch_round_tokens)
-
-
-def claim_interactive(owner: str, settings: Settings) -> list[ClaimedJob]:
-    """Leases the next ready interactive jobs of the worker's model (highest priority, oldest first) up to the
-    drain bounds."""
+def claim_interactive(owner: str, settings: Settings, above: int) -> list[ClaimedJob]:
+    """Leases the next ready interactive jobs of the worker's model, those of a priority over `above` (highest
+    priority, oldest first), up to the drain bounds."""
     with session_scope() as session:
         # SKIP LOCKED: concurrent workers claim disjoint jobs without waiting (Postgres; SQLite ignores it and
         # runs a single worker, and the status condition on the UPDATE keeps the claim atomic there too).
         # The priority bound keeps a backfill's queued requests out of this index scan.
         candidates = session.execute(
             select(Job.id, Job.items_total).where(Job.model == settings.worker_model, Job.status == "queued",
-                                                  Job.priority > PRIORITY_BATCH)
+                                                  Job.priority > above)
             .order_by(Job.priority.desc(), Job.id).limit(settings.drain_max_jobs)
             .with_for_update(skip_locked=True)).all()
         ids, items = [], 0
@@ -101,7 +96,7 @@ def _batch_rounds(session: Session, settings: Settings, tokens: int) -> Iterator
     tenant's batches run oldest first; within a batch, requests are taken grouped by query, up to `tokens`
     prompt tokens (at least one request)."""
     # Uploaded batches only: a reference batch has no requests here, and its turn (`last_claimed_at`) is its
-    # chunks' (store.lake.chunks); bumped here by every round, it lost its turn to older reference batches.
+    # chunks' (store.lake.chunks), which rounds leave alone.
     batches = session.execute(select(Batch.id, Batch.api_key_id, Batch.last_claimed_at)
                               .where(Batch.status == "in_progress", Batch.model == settings.worker_model,
                                      Batch.source.is_(None))

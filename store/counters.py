@@ -18,7 +18,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, SessionTransaction
 
 from store.db import session_factory
-from store.models import PRIORITY_BATCH, TERMINAL_STATUSES, CounterRow, Job, WebhookDelivery, Worker, utcnow
+from store.models import TERMINAL_STATUSES, CounterRow, Job, WebhookDelivery, Worker, utcnow
+from store.priorities import PRIORITY_BATCH
 from store.settings import get_settings
 
 ITEMS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

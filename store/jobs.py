@@ -13,8 +13,9 @@ from store.batch_counts import add_ended
 from store.counters import count
 from store.db import newest_first
 from store.errors import ServiceError
-from store.models import PRIORITY_JOB, ApiKey, Job, JobResult, WebhookDelivery, new_id, utcnow
+from store.models import ApiKey, Job, JobResult, WebhookDelivery, new_id, utcnow
 from store.outbox import enqueue_job_webhook, vet_webhook_url
+from store.priorities import PRIORITY_JOB
 from store.schemas import JobOut, ScoreInput, job_out
 from store.settings import Settings
 

@@ -115,7 +115,7 @@ class Job(Base, Leased):
     api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
     # queued, running, succeeded, failed, cancelled
     status: Mapped[str] = mapped_column(String(16), default="queued")
-    # Higher runs first (issue 4's batch lane uses a lower priority than interactive jobs).
+    # Higher runs first: the values are store/priorities.py's.
     priority: Mapped[int] = mapped_column(Integer, default=0)
     # The name of the model it runs on (a name of MODELS, or MODEL): only that model's workers claim it.
     model: Mapped[str] = mapped_column(String(100))
@@ -150,12 +150,6 @@ class Job(Base, Leased):
     custom_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # Hash of the query: requests sharing it are claimed together so the engine reuses the prefix.
     query_key: Mapped[str | None] = mapped_column(String(32), nullable=True)
-
-
-# Interactive requests run before jobs; the requests of batches (offline backfills) run after both.
-PRIORITY_SYNC = 10
-PRIORITY_JOB = 0
-PRIORITY_BATCH = -10
 
 
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")

@@ -12,9 +12,12 @@ from standardwebhooks import Webhook
 from store import claims, finishing
 from store.db import session_scope
 from store.models import Job
+from store.priorities import PRIORITY_BATCH
 from store.settings import get_settings
+from tests import claiming
 from tests.load_runner import SCORE_RTOL
 from worker import drain as drain_module
+from worker import policy as policy_module
 from worker.scorer import get_scorer
 from worker.webhooks import deliver_due
 
@@ -62,8 +65,8 @@ def drain() -> int:
 
 def one_round(owner: str = "worker-a") -> list:  # type: ignore[type-arg]
     """One claim and run of the worker, as the drain loop does it."""
-    jobs = claims.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
-    drain_module.run_jobs(get_scorer(), owner, jobs)
+    jobs = claiming.claim_jobs(owner, get_settings(), get_scorer().pass_tokens)
+    claiming.run_jobs(get_scorer(), owner, jobs)
     finishing.settle_batches({job.batch_id for job in jobs if job.batch_id})
     return jobs
 
@@ -240,7 +243,7 @@ def test_a_batch_is_settled_whatever_its_workers_left_undone(client, make_key, c
     key, _ = make_key()
     settings = get_settings()
     cancelled = upload(client, key, [request_line(i) for i in range(3)]).json()["id"]
-    claimed = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    claimed = claiming.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
     assert {job.batch_id for job in claimed} == {cancelled}
     assert client.post(f"/batches/{cancelled}/cancel", headers=auth(key)).json()["status"] == "cancelling"
     finishing.release("worker-a", settings, [job.id for job in claimed], None)  # the worker stops
@@ -297,10 +300,10 @@ def test_results_stream_while_running_then_cancel(client, make_key, clean) -> No
     assert batch["status"] == "in_progress" and batch["counts"]["succeeded"] == len(first)
 
     # Cancel while a round is claimed: queued requests are cancelled now, the running ones finish.
-    running = claims.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
+    running = claiming.claim_jobs("worker-a", get_settings(), get_scorer().pass_tokens)
     response = client.post(f"/batches/{batch_id}/cancel", headers=auth(key))
     assert response.status_code == 202 and response.json()["status"] == "cancelling"
-    drain_module.run_jobs(get_scorer(), "worker-a", running)
+    claiming.run_jobs(get_scorer(), "worker-a", running)
     finishing.settle_batches({batch_id})
     batch = client.get(f"/batches/{batch_id}", headers=auth(key)).json()
     done = len(first) + len(running)
@@ -357,12 +360,12 @@ def test_batch_lane_order(client, make_key, clean) -> None:  # type: ignore[no-u
     bob_batch = upload(client, bob, [request_line(i) for i in range(60)]).json()["id"]
     job = client.post("/jobs", json={"query": "hi", "items": ["x"], "label_token_ids": [1]}, headers=auth(bob))
     settings, tokens = get_settings(), 64
-    first = claims.claim_jobs("w", settings, tokens)
+    first = claiming.claim_jobs("w", settings, tokens)
     assert [j.id for j in first] == [job.json()["id"]]
     tenants, batches = [], []
     for _ in range(6):
         with session_scope() as session:  # the claim returns what the worker needs; the test reads the rows
-            claimed = [session.get(Job, j.id) for j in claims.claim_jobs("w", settings, tokens)]
+            claimed = [session.get(Job, j.id) for j in claiming.claim_jobs("w", settings, tokens)]
             session.expunge_all()
         assert claimed and len({j.batch_id for j in claimed}) == 1
         assert sum(j.prompt_tokens for j in claimed) <= tokens or len(claimed) == 1
@@ -384,7 +387,7 @@ def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, cle
     key, _ = make_key()
     batch_id = upload(client, key, [request_line(i) for i in range(150)]).json()["id"]
     scorer, settings = get_scorer(), get_settings()
-    monkeypatch.setattr(drain_module, "CLAIM_AHEAD_PASSES", 1)
+    monkeypatch.setattr(policy_module, "CLAIM_AHEAD_PASSES", 1)
     wake, calls = threading.Event(), []
 
     def claim(interactive_only: bool) -> list:  # type: ignore[type-arg]
@@ -392,10 +395,10 @@ def test_a_wake_up_during_a_backfill_does_not_end_the_loop(client, make_key, cle
         if len(calls) == 1:
             wake.set()  # a kick during the first round
         if interactive_only:
-            return drain_module.job_sinks(claims.claim_interactive("worker-a", settings))
-        return drain_module.job_sinks(claims.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens))
+            return claims.claim_interactive("worker-a", settings, PRIORITY_BATCH)
+        return claims.claim_batch_round("worker-a", settings, 2 * scorer.pass_tokens)
 
-    drain_module._run_loop(scorer, "worker-a", settings, claim, lambda: False, wake)
+    claiming.run_claims(scorer, "worker-a", settings, claim, wake)
     assert calls[:2] == [False, True]  # the path under test: a round, then an interactive-only claim
     with session_scope() as session:
         statuses = session.scalars(select(Job.status).where(Job.batch_id == batch_id)).all()

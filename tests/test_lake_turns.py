@@ -21,9 +21,11 @@ from store.db import session_scope
 from store.lake import chunks as lake
 from store.models import Batch, Chunk, utcnow
 from store.settings import get_settings
+from tests import claiming
 from worker import drain as drain_module
 from worker import lake as feed_module
 from worker.lake import ChunkFeed, ChunkRequest
+from worker.policy import Pace
 from worker.scorer import get_scorer
 
 LABELS = [5, 17, 300]
@@ -130,10 +132,10 @@ def test_uploaded_and_reference_batches_take_turns(client, make_key, lake_settin
     upload = upload_lines(client, key, 40)
     reference = submit(client, key, root, "behind-upload", pair_table(6, 10))
     feed = ChunkFeed(get_scorer(), "lanes-worker", lake_settings)
-    claimer = drain_module.Claimer("lanes-worker", lake_settings, 64, feed)
+    claimer = claiming.claimer("lanes-worker", lake_settings, 64, feed, get_scorer())
     # The uploads' turn lasts as long as the last chunk took (at most BATCH_CHUNK_SECONDS): none here, so each
     # claim is the other lane's.
-    monkeypatch.setattr(claimer, "_uploads_turn", lambda: 0.0)
+    monkeypatch.setattr(claimer.policy, "uploads_turn", lambda: 0.0)
     feed._want.set()  # the reader reads the first chunk ahead (a take asks it for the next one)
     try:
         kinds = []
@@ -166,7 +168,7 @@ def test_a_reference_batch_behind_a_running_upload_is_taken_at_once(client, make
     root = Path(lake_settings.batch_local_root)
     upload = upload_lines(client, key, 40)
     feed = ChunkFeed(get_scorer(), "behind-upload-worker", lake_settings)
-    claimer = drain_module.Claimer("behind-upload-worker", lake_settings, 64, feed)
+    claimer = claiming.claimer("behind-upload-worker", lake_settings, 64, feed, get_scorer())
     try:
         for _ in range(2):  # the upload alone: its rounds, no chunk
             claimed = claimer(False)
@@ -274,9 +276,9 @@ def test_a_cpu_worker_cuts_long_chunks_into_pieces(client, make_key, lake_settin
     monkeypatch.setattr(lake_settings, "batch_chunk_rows_target", 60)
     monkeypatch.setattr(lake_settings, "batch_chunk_bytes", 6000)
     # This worker's measured pace: 1,000 tokens/s; a piece is BATCH_CHUNK_SECONDS of it.
-    pace = feed_module.Pace()
-    pace.record(1000, 1.0)
-    monkeypatch.setattr(feed_module, "pace", pace)
+    pace = Pace()
+    pace.seconds_per_token = 1 / 1000
+    monkeypatch.setitem(drain_module._PACES, get_scorer(), pace)
     monkeypatch.setattr(lake_settings, "batch_chunk_seconds", 0.1)  # 100 tokens: a couple of queries
     table = pair_table(12, 5)
     if kind == "parquet":

@@ -20,6 +20,7 @@ from store import claims, finishing, sweeper
 from store.db import session_scope
 from store.models import Batch, Job, Pass, utcnow
 from store.settings import Settings, get_settings
+from tests import claiming
 from tests.load_runner import SCORE_RTOL
 from worker import drain as drain_module
 
@@ -222,7 +223,7 @@ def test_two_workers_each_claim_only_their_models_jobs_and_batches(two_models, m
     assert batch["model"] == "judge" and batch["counts"]["failed"] == 1
     # Interactive before batch holds within a model's queue: small's queued jobs do not hold judge's batch back.
     judge, judge_settings = two_models["judge"]
-    first = claims.claim_jobs("judge-worker", judge_settings)
+    first = claiming.claim_jobs("judge-worker", judge_settings)
     assert {job.model for job in first} == {"judge"} and {job.id for job in first} == set(ids["judge"])
     finishing.release("judge-worker", judge_settings, [job.id for job in first], None)
     assert {job.batch_id for job in claims.claim_batch_round("judge-worker", judge_settings, 10_000)} == \

@@ -1,5 +1,6 @@
-"""The pass loop's scheduling policy (worker/scheduler.py) on its own: no thread, database or device. A fake
-engine stands in for the Scorer: its pass shapes, its prefix cache, and a planner that takes every item given."""
+"""The pass loop's scheduler (worker/scheduler.py) under its policy (worker/policy.py), on its own: no thread,
+database or device. A fake engine stands in for the Scorer: its pass shapes, its prefix cache, and a planner that
+takes every item given."""
 
 import time
 from dataclasses import dataclass
@@ -8,9 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from core import TokenizedRequest
-from store.models import PRIORITY_BATCH, PRIORITY_JOB, PRIORITY_SYNC
+from store.priorities import PRIORITY_BATCH, PRIORITY_JOB, PRIORITY_SYNC
 from store.settings import get_settings
-from worker import scheduler as scheduler_module
+from worker import policy as policy_module
+from worker.policy import Pace, policy_for
 from worker.scheduler import Running, Scheduler
 
 LABELS = (5, 7)
@@ -44,6 +46,10 @@ class FakeEngine:
                                                           scored_at_prefix_end=[]) for r, req in enumerate(requests)])
 
 
+def make_scheduler(engine, settings, pace: Pace | None = None) -> Scheduler:  # type: ignore[no-untyped-def]
+    return Scheduler(engine, policy_for(engine, settings, pace))
+
+
 def request(query_tokens: int, items: int, item_tokens: int, first: int = 1000) -> TokenizedRequest:
     """Token ids from `first` on: requests given different `first`s have different queries."""
     query = tuple(range(first, first + query_tokens))
@@ -67,7 +73,7 @@ def settings(batch_round_tokens: int | None = None):  # type: ignore[no-untyped-
 
 
 def test_interactive_requests_go_before_batch_ones() -> None:
-    scheduler = Scheduler(FakeEngine(), settings())
+    scheduler = make_scheduler(FakeEngine(), settings())
     scheduler.add_request(Sink("batch", PRIORITY_BATCH), request(8, 4, 4, first=1000))
     scheduler.add_request(Sink("job", PRIORITY_JOB), request(8, 4, 4, first=2000))
     scheduler.add_request(Sink("call", PRIORITY_SYNC), request(8, 4, 4, first=3000))
@@ -86,7 +92,7 @@ def test_interactive_requests_go_before_batch_ones() -> None:
 
 def test_a_small_call_joins_the_next_pass_beside_a_long_job() -> None:
     """A job of many passes takes what the small call leaves; the pass is the shortest that holds the call."""
-    scheduler = Scheduler(FakeEngine(pass_tokens=256), settings())
+    scheduler = make_scheduler(FakeEngine(pass_tokens=256), settings())
     scheduler.add_request(Sink("long", PRIORITY_SYNC), request(10, 100, 10, first=1000))
     first = scheduler.schedule()  # the long job alone: a whole pass
     assert list(in_pass(first)) == ["long"] and len(in_pass(first)["long"]) == 24
@@ -108,7 +114,7 @@ def test_a_job_spanning_passes_starts_when_the_prefix_cache_keeps_its_query() ->
     (else it would compute its query again each pass); first in a pass, a job always starts."""
     for cache_bytes, both in ((6000, False), (20_000, True)):
         engine = FakeEngine(pass_tokens=256, prefix_cache_bytes=cache_bytes)  # a 50-token query: 5,000 bytes
-        scheduler = Scheduler(engine, settings())
+        scheduler = make_scheduler(engine, settings())
         scheduler.add_request(Sink("a", PRIORITY_SYNC), request(50, 40, 10, first=1000))
         scheduler.add_request(Sink("b", PRIORITY_SYNC), request(50, 40, 10, first=2000))
         scheduled = scheduler.schedule()
@@ -117,7 +123,7 @@ def test_a_job_spanning_passes_starts_when_the_prefix_cache_keeps_its_query() ->
         assert scheduled.needed == queries
     # Its query cached, the second job's share is all items: it starts whatever the cache holds.
     engine = FakeEngine(pass_tokens=256, prefix_cache_bytes=6000)
-    scheduler = Scheduler(engine, settings())
+    scheduler = make_scheduler(engine, settings())
     scheduler.add_request(Sink("a", PRIORITY_SYNC), request(50, 40, 10, first=1000))
     scheduler.add_request(Sink("b", PRIORITY_SYNC), request(50, 3, 10, first=2000))
     assert sorted(in_pass(scheduler.schedule())) == ["a", "b"]  # b is done in this pass: its query not kept
@@ -125,7 +131,7 @@ def test_a_job_spanning_passes_starts_when_the_prefix_cache_keeps_its_query() ->
 
 def test_a_fresh_interactive_job_gets_the_shortest_pass_that_holds_it() -> None:
     engine = FakeEngine(pass_tokens=4096)
-    scheduler = Scheduler(engine, settings())
+    scheduler = make_scheduler(engine, settings())
     small = Running(Sink("small", PRIORITY_SYNC), request(10, 3, 10), 0)  # 40 tokens
     middling = Running(Sink("m", PRIORITY_SYNC), request(10, 30, 10), 1)  # 310 tokens
     batch = Running(Sink("b", PRIORITY_BATCH), request(10, 3, 10), 2)
@@ -136,18 +142,18 @@ def test_a_fresh_interactive_job_gets_the_shortest_pass_that_holds_it() -> None:
 
 
 def test_pace_counts_passes_that_compiled_nothing() -> None:
-    scheduler = Scheduler(FakeEngine(launches_ahead=False), settings())
+    scheduler = make_scheduler(FakeEngine(launches_ahead=False), settings())
     scheduler.add_request(Sink("a", PRIORITY_SYNC), request(4, 1000, 4))
     for tokens, compiled, expected in ((512, True, None), (512, False, 1 / 512), (100, False, 1 / 512),
                                        (1024, True, 1 / 512), (256, False, 0.7 / 512 + 0.3 / 256)):
         scheduled = scheduler.schedule()
         scheduler.update_from_output(scheduled, scores_of(scheduled, tokens, ("x",), compiled))
         assert scheduler.pace.seconds_per_token == expected
-    assert Scheduler(FakeEngine(), settings(), scheduler.pace).pace is scheduler.pace
+    assert make_scheduler(FakeEngine(), settings(), scheduler.pace).pace is scheduler.pace
 
 
 def test_dropped_and_unscored_requests_leave_the_scheduler() -> None:
-    scheduler = Scheduler(FakeEngine(), settings())
+    scheduler = make_scheduler(FakeEngine(), settings())
     assert scheduler.add_request(Sink("empty", PRIORITY_SYNC), request(4, 0, 4)).finished  # nothing to score
     scheduler.add_request(Sink("a", PRIORITY_SYNC), request(4, 2, 4))
     scheduler.add_request(Sink("b", PRIORITY_SYNC), request(4, 2, 4, first=2000))
@@ -168,13 +174,13 @@ def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
     scorer = Scorer.from_pretrained("tiny-random", pass_tokens=4096)
     assert not scorer.launches_ahead
     settings = get_settings().model_copy(update={"batch_round_tokens": None})
-    scheduler = Scheduler(scorer, settings)
+    scheduler = make_scheduler(scorer, settings)
     request = scorer.tokenize("a query", [" one", " two"], [5])
     batch_job = Running(Sink("b", PRIORITY_BATCH), request, 0)
-    assert scheduler.pass_budget([batch_job]) == 2 * scheduler_module.CPU_BATCH_PASS_TOKENS == 1024
+    assert scheduler.pass_budget([batch_job]) == 2 * policy_module.CPU_BATCH_PASS_TOKENS == 1024
     scheduler.add_request(Sink("i", PRIORITY_SYNC), request)
-    assert scheduler.pass_budget([batch_job]) == scheduler_module.CPU_BATCH_PASS_TOKENS
-    scheduler.interactive_at -= scheduler_module.INTERACTIVE_RECENT_SECONDS
+    assert scheduler.pass_budget([batch_job]) == policy_module.CPU_BATCH_PASS_TOKENS
+    scheduler.interactive_at -= policy_module.INTERACTIVE_RECENT_SECONDS
     assert scheduler.pass_budget([batch_job]) == 1024
     # An interactive job of many passes runs in 1,024-token passes, its first included, so that a small call
     # coming meanwhile (or claimed with it) waits for a short pass; a small call's own pass is short.
@@ -195,13 +201,13 @@ def test_cpu_batch_passes_shorten_while_interactive_jobs_come() -> None:
     assert scheduler.pass_budget([big]) == 256
     scheduler.interactive_at = time.monotonic()
     assert scheduler.pass_budget([batch_job]) == 256
-    scheduler.interactive_at -= scheduler_module.INTERACTIVE_RECENT_SECONDS  # a backfill alone keeps its passes
+    scheduler.interactive_at -= policy_module.INTERACTIVE_RECENT_SECONDS  # a backfill alone keeps its passes
     assert scheduler.pass_budget([batch_job]) == 1024
     scheduler.pace.seconds_per_token = 0.7 / 1024
     assert scheduler.pass_budget([big]) == 1024
     # BATCH_ROUND_TOKENS wins; accelerators (passes launched ahead) keep whole passes.
-    assert scheduler_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}),
+    assert policy_module.batch_pass_tokens(scorer, settings.model_copy(update={"batch_round_tokens": 256}),
                                               True) == 256
     scorer.launches_ahead = True
-    assert scheduler_module.batch_pass_tokens(scorer, settings, True) == 4096
+    assert policy_module.batch_pass_tokens(scorer, settings, True) == 4096
     assert scheduler.pass_budget([big]) == 4096

@@ -15,9 +15,13 @@ from core import TokenizedRequest
 from store import claims, finishing, job_writer, sweeper
 from store.db import session_factory, session_scope
 from store.models import Job, JobResult, Pass, WebhookDelivery, utcnow
+from store.priorities import PRIORITY_BATCH
 from store.settings import get_settings
+from tests import claiming
 from tests.load_runner import SCORE_RTOL
 from worker import drain as drain_module
+from worker import jobs as jobs_module
+from worker.policy import policy_for
 from worker.scorer import get_scorer
 
 
@@ -93,7 +97,7 @@ def test_progress_is_written_per_pass(client, make_key, empty_queue, monkeypatch
 def test_cancel_at_pass_boundary(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     job_id = submit(client, key, {**many_items(300), "webhook_url": "http://127.0.0.1:9/hook"})
-    jobs = claims.claim_jobs("worker-a", get_settings())
+    jobs = claiming.claim_jobs("worker-a", get_settings())
     client.post(f"/jobs/{job_id}/cancel", headers=auth(key))
     # The boundary writes run beside the pass loop, which launches pass n+1 before it collects pass n. How many
     # passes a slow writer lets it launch before the cancel reaches it is timing (a loaded CI machine saw one
@@ -125,7 +129,7 @@ def test_cancel_at_pass_boundary(client, make_key, empty_queue, monkeypatch) -> 
     monkeypatch.setattr(finishing, "write_boundaries", writing)
     monkeypatch.setattr(job_writer.JobWriter, "_close", closing)
     monkeypatch.setattr(scorer, "launch", launching)
-    drain_module.run_jobs(scorer, "worker-a", jobs)
+    claiming.run_jobs(scorer, "worker-a", jobs)
     monkeypatch.undo()
     job = job_row(job_id)
     assert job.status == "cancelled" and job.lease_owner is None
@@ -150,7 +154,7 @@ def test_a_cancel_is_kept_when_the_worker_hands_the_job_back_during_it(client, m
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    assert [job.id for job in claims.claim_jobs("worker-a", settings)] == [job_id]
+    assert [job.id for job in claiming.claim_jobs("worker-a", settings)] == [job_id]
     handing_back = threading.Thread(target=finishing.release, args=("worker-a", settings, [job_id], None))
     with session_factory()() as session:  # as the API's (the cancel commits it)
         job = session.get(Job, job_id)
@@ -196,7 +200,7 @@ def test_a_wake_up_as_the_loop_hands_back_claims_nothing(client, make_key, empty
             super().__setattr__(name, value)
 
     wake = Listened()
-    write = drain_module.JobBook.write
+    write = jobs_module.JobBook.write
 
     def kicked_as_it_hands_back(book) -> None:  # type: ignore[no-untyped-def]
         # As the loop hands back, a job comes, and its kick calls the listener the racing thread had read.
@@ -205,10 +209,8 @@ def test_a_wake_up_as_the_loop_hands_back_claims_nothing(client, make_key, empty
             wake.listened[-1]()
         write(book)
 
-    monkeypatch.setattr(drain_module.JobBook, "write", kicked_as_it_hands_back)
-    drain_module._run_loop(get_scorer(), "worker-a", settings,
-                           lambda _: drain_module.job_sinks(claims.claim_jobs("worker-a", settings)),
-                           lambda: False, wake)
+    monkeypatch.setattr(jobs_module.JobBook, "write", kicked_as_it_hands_back)
+    claiming.run_claims(get_scorer(), "worker-a", settings, lambda _: claiming.claim_jobs("worker-a", settings), wake)
     job = job_row(submitted[0])
     assert (job.status, job.lease_owner) == ("queued", None)
 
@@ -221,7 +223,7 @@ def test_a_hand_back_does_not_undo_a_lease_taken_over_meanwhile(client, make_key
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    assert [job.id for job in claims.claim_jobs("worker-a", settings)] == [job_id]
+    assert [job.id for job in claiming.claim_jobs("worker-a", settings)] == [job_id]
     with session_scope() as session:  # the sweeper and worker-b, in one transaction held open
         session.execute(select(Job).where(Job.id == job_id).with_for_update())
         session.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b",
@@ -240,7 +242,7 @@ def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  
     body = many_items(40)
     job_id = submit(client, key, body)
     settings = get_settings()
-    stale = claims.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
+    stale = claiming.claim_jobs("worker-dead", settings)  # claimed, then "killed" before finishing
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
     assert sweeper.sweep(settings) is True
@@ -249,7 +251,7 @@ def test_lost_lease_writes_result_once(client, make_key, empty_queue) -> None:  
     first = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
     assert first["status"] == "succeeded" and first["attempts"] == 2
     # The first worker wakes up and finishes its copy: every write is refused.
-    drain_module.run_jobs(get_scorer(), "worker-dead", stale)
+    claiming.run_jobs(get_scorer(), "worker-dead", stale)
     assert count(JobResult) == 1
     assert client.get(f"/jobs/{job_id}", headers=auth(key)).json() == first
 
@@ -258,13 +260,13 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    claims.claim_jobs("worker-a", settings)
+    claiming.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(lease_expires_at=utcnow() + timedelta(seconds=0.5)))
     # Not being scored by this process (e.g. left over by a failed drain): the heartbeat lets the lease lapse.
     drain_module.heartbeat("worker-a", "tiny-random", settings)
     assert job_row(job_id).lease_expires_at < utcnow() + timedelta(seconds=1)
-    held = drain_module.ActiveJobs()
+    held = jobs_module.ActiveJobs()
     held.add([job_id])
     monkeypatch.setattr(drain_module, "active_jobs", held)
     drain_module.heartbeat("worker-a", "tiny-random", settings)
@@ -277,7 +279,7 @@ def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))
     settings = get_settings()
-    claims.claim_jobs("worker-a", settings)
+    claiming.claim_jobs("worker-a", settings)
     with session_scope() as session:
         session.execute(update(Job).values(attempts=settings.max_attempts,
                                            lease_expires_at=utcnow() - timedelta(seconds=1)))
@@ -344,7 +346,7 @@ def test_a_job_taken_back_after_an_engine_fault_runs_to_its_end(client, make_key
     drain_module.drain(scorer, "worker-a", get_settings())
     job = job_row(job_id)
     assert (job.status, job.attempts, job.items_done) == ("succeeded", 2, 300), (job.status, job.items_done)
-    assert job_id not in drain_module.active_jobs.snapshot()
+    assert job_id not in jobs_module.active_jobs.snapshot()
 
 
 def test_a_job_found_lost_and_claimed_again_is_kept(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -353,7 +355,7 @@ def test_a_job_found_lost_and_claimed_again_is_kept(monkeypatch) -> None:  # typ
     left its items unrun while the heartbeat kept the new lease (as after an engine fault's hand-back)."""
     writer = job_writer.JobWriter(lambda ids: None)
     try:
-        book = drain_module.JobBook(writer, "worker-a", get_settings())
+        book = jobs_module.JobBook(writer, "worker-a", get_settings())
         job = claims.ClaimedJob("job_x", 0, "m", None, None, None, None)
         book.hold(job)
         writer._close({"job_x"})  # the boundary: no longer ours
@@ -363,7 +365,7 @@ def test_a_job_found_lost_and_claimed_again_is_kept(monkeypatch) -> None:  # typ
         assert book.take_closed() == set() and "job_x" in book.held
     finally:
         writer.close()
-        drain_module.active_jobs.discard({"job_x"})
+        jobs_module.active_jobs.discard({"job_x"})
 
 
 def test_heartbeats_go_on_while_a_sweep_is_stuck(empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -410,7 +412,7 @@ def test_priority_order(client, make_key, empty_queue) -> None:  # type: ignore[
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == high).values(priority=10))
     settings = get_settings()
-    jobs = claims.claim_jobs("worker-a", settings)
+    jobs = claiming.claim_jobs("worker-a", settings)
     assert [j.id for j in jobs] == [high, low]
 
 
@@ -446,7 +448,7 @@ def test_a_failing_loop_releases_only_its_own_jobs(client, make_key, empty_queue
     key, _ = make_key()
     other = submit(client, key, many_items(2))
     settings = get_settings()
-    assert [j.id for j in claims.claim_interactive("worker-a", settings)] == [other]  # held elsewhere
+    assert [j.id for j in claims.claim_interactive("worker-a", settings, PRIORITY_BATCH)] == [other]  # held elsewhere
     failing = submit(client, key, many_items(2))
 
     def broken_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -501,15 +503,15 @@ def test_token_ids_stored_at_submission_score_as_the_text(client, make_key, empt
         assert TokenizedRequest.from_bytes(stored) == expected
         session.get(Job, ids[1]).tokens = None  # as queued before the upgrade
 
-    jobs = claims.claim_jobs("worker-a", get_settings())
+    jobs = claiming.claim_jobs("worker-a", get_settings())
     assert {job.id for job in jobs} == set(ids)
     with monkeypatch.context() as patch:
         def no_tokenizing(*args, **kwargs):  # type: ignore[no-untyped-def]
             raise AssertionError("the worker tokenized a request stored as token ids")
 
         patch.setattr(scorer.requests, "_encode", no_tokenizing)
-        drain_module.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is not None])
-    drain_module.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is None])
+        claiming.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is not None])
+    claiming.run_jobs(scorer, "worker-a", [job for job in jobs if job.tokens is None])
     reference = scorer.score(body["query"], body["items"], body["label_token_ids"], item_first=True)
     for job_id in ids:
         job = client.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}).json()
@@ -576,7 +578,7 @@ def test_a_lease_lost_while_results_wait_in_the_writer(client, make_key, empty_q
     assert (job.status, job.lease_owner) == ("running", "worker-b")
     assert count(JobResult) == 0 and count(WebhookDelivery) == 0
     monkeypatch.undo()
-    drain_module.run_jobs(get_scorer(), "worker-b", [claims.ClaimedJob(job_id, job.priority, job.model, job.tokens,
+    claiming.run_jobs(get_scorer(), "worker-b", [claims.ClaimedJob(job_id, job.priority, job.model, job.tokens,
                                                                           None, None, job.webhook_url)])
     assert job_row(job_id).status == "succeeded" and count(JobResult) == 1 and count(WebhookDelivery) == 1
 
@@ -608,7 +610,7 @@ def test_a_worker_killed_with_writes_queued_loses_nothing(client, make_key, empt
         drain_module.drain(get_scorer(), "worker-dead", settings)
     assert queued.is_set(), "the writer should have held queued boundaries"
     monkeypatch.undo()
-    assert drain_module.active_jobs.snapshot() == set()  # the heartbeat no longer extends their leases
+    assert jobs_module.active_jobs.snapshot() == set()  # the heartbeat no longer extends their leases
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.status == "running")) == len(ids)
         session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
@@ -706,7 +708,7 @@ def test_a_job_claimed_while_a_pass_runs_goes_into_the_next_pass(client, make_ke
 
 
 def test_the_engines_pace_outlives_a_pass_loop(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
-    """A loop that starts after an idle spell cuts its passes to the host's pace at once (worker/scheduler.py,
+    """A loop that starts after an idle spell cuts its passes to the host's pace at once (worker/policy.py,
     Pace): the pace earlier loops measured is kept per engine, not measured again from full passes."""
     key, _ = make_key()
     submit(client, key, many_items(2500))  # passes of one shape after the first: the pace is measured
@@ -716,7 +718,9 @@ def test_the_engines_pace_outlives_a_pass_loop(client, make_key, empty_queue) ->
     assert pace.seconds_per_token is not None
     writer = job_writer.JobWriter(lambda ids: None)
     try:
-        loop = drain_module.PassLoop(scorer, "worker-a", get_settings(), writer, lambda interactive_only: [])
+        policy = policy_for(scorer, get_settings(), drain_module.pace_for(scorer))
+        loop = drain_module.PassLoop(scorer, policy, writer, jobs_module.JobBook(writer, "worker-a", get_settings()),
+                                     lambda interactive_only: [])
         assert loop.scheduler.pace is pace and loop.scheduler.pace.seconds_per_token is not None
     finally:
         writer.close()

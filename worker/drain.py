@@ -3,16 +3,16 @@
 It works like the serving engines' overlap schedulers: pass n+1 is planned, packed and launched while pass n
 runs on the device, and only then does the loop wait for pass n's scores. Everything that touches the
 database runs in a writer thread behind it (`store.job_writer.JobWriter`): each pass boundary's writes (the Pass
-row, progress, finished results, cancellations, in a few statements) and the claims of the next jobs, which
-the loop asks for while it still has work (one round ahead). The device waits for neither.
+row, progress, finished results, cancellations, in a few statements) and the claims of the next requests, which
+the loop asks for while it still has work. The device waits for neither.
 
-The loop only moves data: claims, launches, collects, writes. Which items go into the next pass is the
-scheduler's (worker/scheduler.py: continuous batching, claimed requests joining the next pass); where a
-request's scores go is its sink's: a job's row (JobSink, its writes gathered per pass by JobBook) or a chunk's
-result object (worker/lake.py ChunkRequest).
+The loop only moves data: claims, launches, collects, writes. Which source a claim takes from, how much, and how
+long each pass is are the policy's (worker/policy.py); which items go into the next pass is the scheduler's
+(worker/scheduler.py); where a request's scores go is its sink's, bound at its claim: a job's row (worker/jobs.py
+JobSink, its writes gathered per pass by the loop's JobBook) or a chunk's result object (worker/lake.py).
 
-Exactly-once effects hold as before: every write keeps the lease condition, so a result written after the
-lease was lost (or by a worker killed with writes still queued, whose jobs run again) is not written.
+Exactly-once effects hold: every write keeps the lease condition, so a result written after the lease was lost
+(or by a worker killed with writes still queued, whose jobs run again) is not written.
 """
 
 import logging
@@ -23,55 +23,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
-
-from core import InFlightPass, PassResult, Scorer, ScoringError, TokenizedRequest
-from store import claims, workers
+from core import InFlightPass, Scorer, ScoringError, TokenizedRequest
+from store import workers
 from store.broker import clear_pending_kick
-from store.claims import ClaimedJob
-from store.finishing import Boundary
 from store.job_writer import JobWriter, WriterFailed
-from store.settings import Settings, get_settings
+from store.settings import Settings
 from worker import lake as chunk_feed
-from worker.scheduler import Pace, ScheduledPass, Scheduler, batch_pass_tokens
+from worker.jobs import JobBook, JobSource, active_jobs
+from worker.policy import Pace, Policy, Source, policy_for
+from worker.scheduler import ScheduledPass, Scheduler, Sink
 
 log = logging.getLogger(__name__)
 
-CLAIM_AHEAD_PASSES = 4
 # How long the loop waits, before it plans a pass, for a wake-up's claim still on its way (in the writer's
 # queue behind a boundary write, or reading the queue): far less than the pass its job would otherwise miss.
 URGENT_CLAIM_WAIT_SECONDS = 1.0
-
-
-class ActiveJobs:
-    """The jobs this process holds (claimed, not yet finished or handed back): the only leases its heartbeat
-    extends. A job left "running" by a failed loop (say the database went away) is dropped from here, so its
-    lease expires and another worker runs it."""
-
-    def __init__(self) -> None:
-        self._ids: set[str] = set()
-        self._lock = threading.Lock()
-
-    def add(self, ids) -> None:  # type: ignore[no-untyped-def]
-        with self._lock:
-            self._ids.update(ids)
-
-    def discard(self, ids) -> None:  # type: ignore[no-untyped-def]
-        with self._lock:
-            self._ids.difference_update(ids)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._ids.clear()
-
-    def snapshot(self) -> set[str]:
-        with self._lock:
-            return set(self._ids)
-
-
-active_jobs = ActiveJobs()
 
 
 class WakeUp(threading.Event):
@@ -87,149 +54,8 @@ class WakeUp(threading.Event):
             listener()
 
 
-class ResultSink(Protocol):
-    """Where a claimed request's scores go: a job's row (JobSink), or a chunk's result object
-    (worker/lake.py ChunkRequest). The pass loop hands each the outcomes of its passes."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def priority(self) -> int: ...
-
-    def request_for(self, scorer: Scorer) -> TokenizedRequest:
-        """The request in token space (in the writer's thread, off the pass loop's)."""
-
-    def hold(self, jobs: "JobBook") -> None:
-        """The loop holds the request from now on (`jobs`: where a job's writes go)."""
-
-    def advance(self, done: int) -> None:
-        """After a pass: `done` items scored so far."""
-
-    def finish(self, logprobs: np.ndarray) -> None:
-        """Every item scored."""
-
-    def fail(self, error: tuple[str, str]) -> None:
-        """The request cannot run (code, message)."""
-
-    def abandon(self, error: str | None) -> None:
-        """The loop gives the request back: after `error` the attempt counts; when the worker stops, it does not."""
-
-
-class JobBook:
-    """The jobs a pass loop holds, and their writes through the writer: a pass's progress and results go in one
-    boundary (a few statements whatever the number of jobs), the jobs handed back in one release."""
-
-    def __init__(self, writer: JobWriter, owner: str, settings: Settings) -> None:
-        self.writer, self.owner, self.settings = writer, owner, settings
-        self.held: dict[str, ClaimedJob] = {}  # their cancel flags and leases are checked at each boundary
-        self._progress: list[tuple[str, int]] = []
-        self._finished: list[tuple[ClaimedJob, np.ndarray]] = []
-        self._released: list[ClaimedJob] = []
-        self._release_error: str | None = None
-
-    def hold(self, job: ClaimedJob) -> None:
-        self.held[job.id] = job
-        self.writer.claimed_again(job.id)
-        active_jobs.add([job.id])
-
-    def advance(self, job: ClaimedJob, done: int) -> None:
-        self._progress.append((job.id, done))
-
-    def finish(self, job: ClaimedJob, logprobs: np.ndarray) -> None:
-        self.held.pop(job.id, None)
-        self._finished.append((job, logprobs))
-
-    def fail(self, job: ClaimedJob, error: tuple[str, str]) -> None:
-        self.held.pop(job.id, None)
-        self.writer.fail(self.owner, job, error)
-
-    def release(self, job: ClaimedJob, error: str | None) -> None:
-        self.held.pop(job.id, None)
-        self._released.append(job)
-        self._release_error = error
-
-    def take_closed(self) -> set[str]:
-        """The jobs the writer found cancelled or no longer ours: no longer held."""
-        closed = self.writer.take_closed()
-        for job_id in closed:
-            self.held.pop(job_id, None)
-        return closed
-
-    def write_pass(self, result: PassResult, device_idle_seconds: float) -> None:
-        """Queues a pass's boundary: written whether or not a job was in it (the pass's totals).
-        `device_idle_seconds`: how long the device waited for the host before the pass."""
-        finished, self._finished = self._finished, []
-        progress, self._progress = self._progress, []
-        jobs = [*(job for job, _ in finished), *self.held.values()]
-        self.writer.boundary(Boundary(
-            owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
-            padded_tokens=result.padded_tokens, seconds=result.seconds, host_seconds=result.host_seconds,
-            device_seconds=result.device_seconds, device_idle_seconds=device_idle_seconds, progress=progress,
-            finished=finished, open_ids=list(self.held)), {job.id: job.batch_id for job in jobs if job.batch_id})
-
-    def write(self) -> None:
-        """Queues the writes reported outside a pass: jobs with no item to score, jobs handed back."""
-        finished, self._finished = self._finished, []
-        for job, logprobs in finished:
-            self.writer.finish(self.owner, job, logprobs)
-        released, self._released = self._released, []
-        if released:
-            try:
-                self.writer.release(self.owner, self.settings, [job.id for job in released], self._release_error,
-                                    {job.batch_id for job in released if job.batch_id})
-            except WriterFailed:
-                pass  # their leases expire
-
-
-class JobSink:
-    """A claimed job as the pass loop holds it: its progress and results go to its row (through its JobBook)."""
-
-    _book: JobBook
-
-    def __init__(self, job: ClaimedJob) -> None:
-        self.job = job
-
-    @property
-    def id(self) -> str:
-        return self.job.id
-
-    @property
-    def priority(self) -> int:
-        return self.job.priority
-
-    @property
-    def batch_id(self) -> str | None:
-        return self.job.batch_id
-
-    def request_for(self, scorer: Scorer) -> TokenizedRequest:
-        """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
-        another model) is tokenized from its text here."""
-        job = self.job
-        if job.tokens is not None and job.model == scorer.model_name:
-            return scorer.requests.check_stored(job.tokens)  # this worker's limits may differ from the API's
-        r = job.request
-        return scorer.tokenize(r["query"], r["items"], r["label_token_ids"], r["item_first"])
-
-    def hold(self, jobs: JobBook) -> None:
-        self._book = jobs
-        jobs.hold(self.job)
-
-    def advance(self, done: int) -> None:
-        self._book.advance(self.job, done)
-
-    def finish(self, logprobs: np.ndarray) -> None:
-        self._book.finish(self.job, logprobs)
-
-    def fail(self, error: tuple[str, str]) -> None:
-        self._book.fail(self.job, error)
-
-    def abandon(self, error: str | None) -> None:
-        self._book.release(self.job, error)
-
-
-def job_sinks(jobs: list[ClaimedJob]) -> list[JobSink]:
-    return [JobSink(job) for job in jobs]
+# A claim: `claim(interactive_only)` leases the next requests (in the writer's thread).
+Claim = Callable[[bool], list[Sink]]
 
 
 @dataclass
@@ -247,23 +73,27 @@ class _Claim:
     all_lanes: bool  # whether it may take batch work too, else interactive jobs only
 
 
-# Each engine's pace (worker/scheduler.py, Pace), kept from one pass loop to the next.
+# Each engine's pace, kept from one pass loop to the next.
 _PACES: "weakref.WeakKeyDictionary[Scorer, Pace]" = weakref.WeakKeyDictionary()
+
+
+def pace_for(scorer: Scorer) -> Pace:
+    """The engine's pace, as this process's pass loops measured it."""
+    return _PACES.setdefault(scorer, Pace())
 
 
 class PassLoop:
     """Runs claimed requests in packed passes until none is left or it is told to stop (see the module's doc):
     it moves data between the claims, the scheduler (worker/scheduler.py), the engine and the sinks."""
 
-    def __init__(self, scorer: Scorer, owner: str, settings: Settings, writer: JobWriter,
-                 claim: Callable[[bool], list[ResultSink]], busy: Callable[[], bool] = lambda: False) -> None:
-        """`claim(interactive_only)` leases the next requests (called in the writer's thread); `busy()`: whether
-        a claim that found nothing may still find work soon (the chunk feed is reading a chunk)."""
-        self.scorer, self.owner, self.settings, self.writer = scorer, owner, settings, writer
+    def __init__(self, scorer: Scorer, policy: Policy, writer: JobWriter, jobs: JobBook, claim: Claim,
+                 busy: Callable[[], bool] = lambda: False) -> None:
+        """`jobs`: where the jobs claimed write; `busy()`: whether a claim that found nothing may still find
+        work soon (the chunk feed is reading a chunk)."""
+        self.scorer, self.policy, self.writer, self.jobs = scorer, policy, writer, jobs
         self._claim = claim
         self._busy = busy
-        self.scheduler = Scheduler(scorer, settings, _PACES.setdefault(scorer, Pace()))
-        self.jobs = JobBook(writer, owner, settings)
+        self.scheduler = Scheduler(scorer, policy)
         self.claimed_total = 0
         self._urgent: list[Future] = []  # claims made for wake-ups (see WakeUp)
         self._urgent_lock = threading.Lock()
@@ -287,7 +117,7 @@ class PassLoop:
             except WriterFailed:
                 pass
 
-    def _urgent_claim(self) -> list[tuple[ResultSink, TokenizedRequest | ScoringError]]:
+    def _urgent_claim(self) -> list[tuple[Sink, TokenizedRequest | ScoringError]]:
         claimed = []
         while True:
             try:
@@ -317,9 +147,9 @@ class PassLoop:
 
     # ---- claims -----------------------------------------------------------------------------------------
 
-    def _claim_requests(self, interactive_only: bool) -> list[tuple[ResultSink, TokenizedRequest | ScoringError]]:
+    def _claim_requests(self, interactive_only: bool) -> list[tuple[Sink, TokenizedRequest | ScoringError]]:
         """Claims (in the writer's thread) and decodes the requests there too, off the pass loop's thread."""
-        claimed: list[tuple[ResultSink, TokenizedRequest | ScoringError]] = []
+        claimed: list[tuple[Sink, TokenizedRequest | ScoringError]] = []
         for sink in self._claim(interactive_only):
             try:
                 claimed.append((sink, sink.request_for(self.scorer)))
@@ -328,22 +158,16 @@ class PassLoop:
         return claimed
 
     def _short_of_work(self) -> bool:
-        """Claims run ahead by a few passes: a claim and its decoding take longer than a pass on an accelerator,
-        and the device must not run dry meanwhile. Batch passes, not full ones: held work runs first, so a chunk
-        (or another batch's round) claimed after 16 full passes' worth of 1,024-token batch passes waited all of
-        them (a reference batch 82 s behind an upload)."""
-        return self.scheduler.pending_tokens < CLAIM_AHEAD_PASSES * batch_pass_tokens(self.scorer, self.settings)
+        return self.policy.short_of_work(self.scheduler.pending_tokens)
 
     def _start_claim(self) -> _Claim:
-        # With work in hand, or interactive jobs running (batch rounds wait for them, claims included), it claims
-        # interactive jobs only.
-        all_lanes = self._short_of_work() and not self.scheduler.runs_interactive
+        all_lanes = self.policy.claims_batch(self.scheduler.pending_tokens, self.scheduler.runs_interactive)
         return _Claim(self.writer.submit(lambda: self._claim_requests(not all_lanes)), all_lanes)
 
-    def _admit(self, claimed: list[tuple[ResultSink, TokenizedRequest | ScoringError]]) -> None:
+    def _admit(self, claimed: list[tuple[Sink, TokenizedRequest | ScoringError]]) -> None:
         self.claimed_total += len(claimed)
         for sink, request in claimed:
-            sink.hold(self.jobs)
+            sink.start()
             if isinstance(request, ScoringError):
                 sink.fail((request.code, request.message))
             elif (run := self.scheduler.add_request(sink, request)).finished:  # no item to score
@@ -353,8 +177,7 @@ class PassLoop:
     def _admit_claim(self, claim: _Claim, exhausted: bool) -> bool:
         """Admits a claim's requests; returns whether no work is left (the loop may end)."""
         claimed = claim.future.result()
-        # An interactive-only claim that finds nothing says nothing of the batch lane: taken as "no work left",
-        # it ended the loop with batch requests queued (the sweeper restarted it later).
+        # An interactive-only claim that finds nothing says nothing of the batch lane.
         exhausted = not claimed and (not self._busy() if claim.all_lanes else exhausted)
         self._admit(claimed)
         return exhausted
@@ -374,7 +197,6 @@ class PassLoop:
     def _collect(self, launched: _Launched) -> None:
         """Waits for a launched pass, hands its scores to their sinks and queues the jobs' boundary writes."""
         result = launched.flight.result()
-        chunk_feed.record_pass(result.tokens, result.seconds)  # the feed cuts chunks to this worker's pace
         for run in self.scheduler.update_from_output(launched.scheduled, result):
             if run.finished:
                 run.sink.finish(run.logprobs)
@@ -422,7 +244,7 @@ class PassLoop:
                         break  # a wake-up's claim still on its way is handed back below (the wake-up drains again)
         except WriterFailed:
             # Its jobs are left to their leases; a chunk's requests go back through the chunk feed's own
-            # thread (held, the feed kept extending their leases: the chunk ran for good, its batch never ended).
+            # thread (held, the feed would extend their leases for good, and their batch would never end).
             self._abandon_held(None)
             raise
         except Exception as exc:
@@ -463,78 +285,44 @@ class PassLoop:
 
 
 class Claimer:
-    """A pass loop's claims (`claim(interactive_only)`). In the batch lane, uploaded batches and reference
-    batches take turns: a chunk, then uploaded batches' rounds for as long as that chunk took (at most
-    BATCH_CHUNK_SECONDS), then the next chunk, and so on; either kind alone runs without waiting. Within a
-    kind, tenants and batches take turns (store.claims for rounds, store.lake.chunks for chunks)."""
+    """A pass loop's claim: the policy picks the sources, in the writer's thread."""
 
-    def __init__(self, owner: str, settings: Settings, round_tokens: int,
-                 feed: chunk_feed.ChunkFeed | None = None) -> None:
-        self.owner, self.settings, self.round_tokens, self.feed = owner, settings, round_tokens, feed
-        # When a chunk is due (monotonic); None: after a chunk, until the uploads' turn begins (at the first
-        # round claimed once that chunk is done: the turn lasts as long as the chunk took).
-        self._chunk_due_at: float | None = 0.0
-        self._chunk_taken_at = 0.0
+    def __init__(self, sources: dict[Source, Callable[[], list[Sink]]], policy: Policy, model: str) -> None:
+        self.sources, self.policy, self.model = sources, policy, model
 
-    def _uploads_turn(self) -> float:
-        last = self.feed.last_chunk_seconds if self.feed else None
-        return min(last, self.settings.batch_chunk_seconds) if last is not None else self.settings.batch_chunk_seconds
+    def __call__(self, interactive_only: bool) -> list[Sink]:
+        clear_pending_kick(self.model)  # jobs committed from now on send a kick; those before are seen by this claim
+        return self.policy.claim(self._take, interactive_only)
 
-    def __call__(self, interactive_only: bool) -> list[ResultSink]:
-        settings = self.settings
-        # Jobs committed from now on send a kick; those before are seen by this claim.
-        clear_pending_kick(settings.worker_model)
-        if interactive_only:
-            return job_sinks(claims.claim_interactive(self.owner, settings))
-        if (jobs := claims.claim_interactive(self.owner, settings)):
-            return job_sinks(jobs)
-        now = time.monotonic()
-        due = self.feed is not None and self._chunk_due_at is not None and now >= self._chunk_due_at
-        if due and (chunk := self.feed.take()):
-            self._chunk_due_at, self._chunk_taken_at = None, now
-            return chunk
-        if jobs := claims.claim_batch_round(self.owner, settings, self.round_tokens):
-            # The uploads' turn begins once the chunk taken is done (begun at its take, the turn had no chunk time
-            # to go by and took BATCH_CHUNK_SECONDS). A chunk due but not there (being read, or none waiting) stays
-            # due: the next claim looks again (a new turn here left a batch submitted behind an upload a whole
-            # BATCH_CHUNK_SECONDS behind it: 82 s against 15 s alone).
-            if self._chunk_due_at is None and self.feed.last_chunk_done_at >= self._chunk_taken_at:
-                self._chunk_due_at = now + self._uploads_turn()
-            return job_sinks(jobs)
-        self._chunk_due_at = now  # no upload waits: chunks run back to back
-        return self.feed.take() if self.feed is not None and not due else []
+    def _take(self, source: Source) -> list[Sink]:
+        take = self.sources.get(source)
+        return take() if take is not None else []
 
 
 def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[[], bool] = lambda: False,
           wake: threading.Event | None = None) -> int:
-    """Runs the ready jobs until none is left (interactive before batch); returns how many it claimed. A
-    failed database write ends it: the jobs it held are left to their leases (the heartbeat stops extending
-    them) and the failure is raised."""
-    # On an accelerator a batch claim takes the passes the loop claims ahead in one go: a claim costs the
-    # database and the writer's thread about as much for 30 lines as for 130. On CPU the claim's work shares
-    # the cores with the passes, and an interactive job's own claim waits behind it: a claim takes at most a
-    # pass of tokens, but as many short rounds as that holds (one short round a claim left a batch pass one
-    # line long, the claims not keeping up with the passes). Passes stay BATCH_ROUND_TOKENS long either way.
-    round_tokens = batch_pass_tokens(scorer, settings)
-    claim_tokens = CLAIM_AHEAD_PASSES * round_tokens if scorer.launches_ahead else \
-        max(round_tokens, min(CLAIM_AHEAD_PASSES * round_tokens, scorer.pass_tokens))
-    feed = chunk_feed.feed_for(scorer, owner, settings, round_tokens)
-    claim = Claimer(owner, settings, claim_tokens, feed)
-    return _run_loop(scorer, owner, settings, claim, should_stop, wake or threading.Event(), feed.busy)
+    """Runs the ready work (jobs, uploaded batches' rounds, reference chunks) until none is left; returns how many
+    requests it claimed. A failed database write ends it: the jobs it held are left to their leases (the
+    heartbeat stops extending them) and the failure is raised."""
+    pace = pace_for(scorer)
+    feed = chunk_feed.feed_for(scorer, owner, settings, pace)
+    policy = policy_for(scorer, settings, pace, feed)
+
+    def claim_for(book: JobBook) -> Claim:
+        jobs = JobSource(owner, settings, book, policy.interactive_above, policy.claim_tokens())
+        return Claimer({Source.INTERACTIVE: jobs.claim_interactive, Source.UPLOADS: jobs.claim_round,
+                        Source.CHUNKS: feed.take}, policy, settings.worker_model)
+
+    return run_loop(scorer, owner, settings, policy, claim_for, should_stop, wake or threading.Event(), feed.busy)
 
 
-def run_jobs(scorer: Scorer, owner: str, jobs: list[ClaimedJob]) -> None:
-    """Runs these claimed jobs (and claims nothing else)."""
-    given = [job_sinks(jobs)]
-    _run_loop(scorer, owner, get_settings(), lambda _: given.pop() if given else [], lambda: False,
-              threading.Event())
-
-
-def _run_loop(scorer: Scorer, owner: str, settings: Settings, claim: Callable[[bool], list[ResultSink]],
-              should_stop: Callable[[], bool], wake: threading.Event,
-              busy: Callable[[], bool] = lambda: False) -> int:
+def run_loop(scorer: Scorer, owner: str, settings: Settings, policy: Policy, claim_for: Callable[[JobBook], Claim],
+             should_stop: Callable[[], bool], wake: threading.Event, busy: Callable[[], bool] = lambda: False) -> int:
+    """Runs a pass loop whose claim `claim_for(book)` makes (`book`: where its jobs write) until no work is left;
+    after an engine fault its requests went back and it runs again."""
     writer = JobWriter(active_jobs.discard)
-    loop = PassLoop(scorer, owner, settings, writer, claim, busy)
+    book = JobBook(writer, owner, settings)
+    loop = PassLoop(scorer, policy, writer, book, claim_for(book), busy)
     try:
         while True:
             try:

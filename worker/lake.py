@@ -1,13 +1,12 @@
-"""The chunk feed: a worker's source of reference-batch requests for the pass loop (worker/drain.py).
+"""The chunk feed: reference batches as a source of the pass loop (worker/drain.py), beside jobs (worker/jobs.py).
 
 Off the device's path, in threads of its own:
 - the reader claims a chunk (store.lake.chunks), reads it from storage and tokenizes it, one chunk ahead of
-  what the pass loop has taken. On a CPU worker a chunk longer than BATCH_CHUNK_SECONDS of this worker's
-  passes (their measured tokens/s: `record_pass`) is cut into pieces that long, at request boundaries; the
-  worker keeps the first and the others become chunks of their own (store.lake.chunks.split_chunk). Until a
-  pass was measured, the first piece is FIRST_PIECE_PASSES batch passes long and the rest one chunk;
-- the pass loop takes a chunk's requests when it claims batch work and it is the reference batches' turn
-  (worker/drain.py), and reports each request's log-probabilities back, and its items done after each pass.
+  what the pass loop has taken. A chunk longer than the policy's piece (worker/policy.py chunk_piece_tokens: on
+  a CPU worker, BATCH_CHUNK_SECONDS at the pace the pass loop measures) is cut into pieces that long, at request
+  boundaries; the worker keeps the first and the others become chunks of their own (store.lake.chunks.split_chunk);
+- the pass loop takes a chunk's requests (`take`) when the policy says it is the reference batches' turn, and
+  reports each request's log-probabilities back, and its items done after each pass.
   A chunk read ahead whose batch is not next in turn (another reference batch's chunk waits that started
   less recently, or the batch was cancelled) goes back instead of being started;
 - the committer writes a finished chunk's results as one object and commits it under the lease
@@ -32,10 +31,11 @@ import numpy as np
 from core import Scorer, TokenizedRequest
 from store.broker import kick_drain
 from store.lake import chunks
-from store.lake.tables import (ChunkRows, InputError, chunk_requests, format_of, read_input, result_table,
+from store.lake.tables import (ChunkRows, InputError, chunk_requests, cut_positions, read_input, result_table,
                                write_table)
-from store.models import PRIORITY_BATCH
+from store.priorities import PRIORITY_BATCH
 from store.settings import Settings
+from worker.policy import Pace, chunk_piece_tokens
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ TAKE_WAIT_SECONDS = 0.2
 # the whole worker 8 s); a chunk still held after that runs again once its lease expires.
 STOP_SECONDS = 4.0
 LOG_EVERY_CHUNKS = 20
-# Until this worker has measured a pass, the first piece of a chunk it cuts is this many batch passes long.
-FIRST_PIECE_PASSES = 4
 # A last piece shorter than this share of a piece stays with the one before it.
 MIN_PIECE_SHARE = 0.25
 # A chunk read ahead that waited this many chunk lengths (BATCH_CHUNK_SECONDS; at least a lease) without
@@ -56,29 +54,6 @@ MIN_PIECE_SHARE = 0.25
 READY_TURNS = 2
 # The reader claims no chunk while this many finished chunks wait for the committer.
 MAX_UNCOMMITTED = 2
-
-
-class Pace:
-    """This worker's passes' tokens per second, over its recent passes (the pass loop records them)."""
-
-    DECAY = 0.9
-
-    def __init__(self) -> None:
-        self.tokens = self.seconds = 0.0
-
-    def record(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.tokens * self.DECAY + tokens
-        self.seconds = self.seconds * self.DECAY + seconds
-
-    def tokens_per_second(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 and self.tokens > 0 else None
-
-
-pace = Pace()
-
-
-def record_pass(tokens: int, seconds: float) -> None:
-    pace.record(tokens, seconds)
 
 
 def request_cost(request: TokenizedRequest) -> int:
@@ -89,7 +64,7 @@ def request_cost(request: TokenizedRequest) -> int:
 
 @dataclass(eq=False)
 class ChunkRequest:
-    """A request of a chunk, as the pass loop holds it (worker/drain.py's ResultSink): it has no job row, its
+    """A request of a chunk, as the pass loop holds it (worker/scheduler.py Sink): it has no job row, its
     results go to its chunk (`work`), which commits them as one object."""
 
     id: str
@@ -101,8 +76,8 @@ class ChunkRequest:
     def request_for(self, scorer: Scorer) -> TokenizedRequest:
         return self.tokenized  # the reader tokenized it
 
-    def hold(self, jobs: object) -> None:
-        pass  # its chunk is held by the feed (its lease kept by the keeper)
+    def start(self) -> None:
+        pass  # its chunk is held by the feed from its take (its lease kept by the keeper)
 
     def advance(self, done: int) -> None:
         self.work.advance(self.k, done)
@@ -175,10 +150,10 @@ class ChunkWork:
 
 
 class ChunkFeed:
-    def __init__(self, scorer: Scorer, owner: str, settings: Settings, pass_tokens: int | None = None) -> None:
-        """`pass_tokens`: the tokens of the worker's batch passes (default: a full pass)."""
+    def __init__(self, scorer: Scorer, owner: str, settings: Settings, pace: Pace | None = None) -> None:
+        """`pace`: the engine's, which the pass loop records (chunks are cut to it)."""
         self.scorer, self.owner, self.settings = scorer, owner, settings
-        self.pass_tokens = pass_tokens or scorer.pass_tokens
+        self.pace = pace or Pace()
         self._ready: deque[ChunkWork] = deque()
         self._held: dict[tuple[str, int], chunks.ClaimedChunk] = {}
         self._running: dict[tuple[str, int], ChunkWork] = {}  # taken by the pass loop: their progress is written
@@ -284,9 +259,9 @@ class ChunkFeed:
             log.warning("reading chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
             self._release(chunk, f"{type(exc).__name__}: {exc}")
             return None
-        if not self.scorer.launches_ahead:
+        if (piece := chunk_piece_tokens(self.scorer, self.settings, self.pace)) is not None:
             try:
-                fitted = self._fit(chunk, data, rows)
+                fitted = self._fit(chunk, data, rows, *piece)
             except Exception as exc:  # noqa: BLE001  (the database or the store: the chunk runs again later)
                 log.warning("cutting chunk %s/%s failed: %s", chunk.batch_id, chunk.index, exc)
                 self._release(chunk, f"{type(exc).__name__}: {exc}")
@@ -305,30 +280,27 @@ class ChunkFeed:
             return None
         return work
 
-    def _fit(self, chunk: chunks.ClaimedChunk, data, rows: ChunkRows) -> tuple[chunks.ClaimedChunk, ChunkRows] | None:  # type: ignore[no-untyped-def]
-        """Cuts a chunk longer than BATCH_CHUNK_SECONDS of this worker's passes (Parquet rows, or plain JSONL
-        lines: CSV and compressed JSONL chunks run whole); returns the piece to run, or None if the chunk went
-        back (its batch was cancelled meanwhile)."""
-        speed = pace.tokens_per_second()
-        budget = speed * self.settings.batch_chunk_seconds if speed else FIRST_PIECE_PASSES * self.pass_tokens
+    def _fit(self, chunk: chunks.ClaimedChunk, data, rows: ChunkRows, budget: float,  # type: ignore[no-untyped-def]
+             measured: bool) -> tuple[chunks.ClaimedChunk, ChunkRows] | None:
+        """Cuts a chunk longer than `budget` tokens (Parquet rows, or plain JSONL lines: CSV and compressed JSONL
+        chunks run whole); returns the piece to run, or None if the chunk went back (its batch was cancelled
+        meanwhile). `measured`: whether the budget comes from this worker's pace, else only the first piece is
+        cut off."""
         costs = [request_cost(request) for _, request, _ in rows.requests]
         cut_rows, used = [], 0
         for (covered, _, _), cost in zip(rows.requests, costs):
             if used and used + cost > budget:
                 cut_rows.append(covered[0])
                 used = 0
-                if speed is None:  # the rest is cut once this worker knows its pace
+                if not measured:  # the rest is cut once this worker knows its pace
                     used = -float("inf")
             used += cost
-        if cut_rows and speed is not None and used < MIN_PIECE_SHARE * budget:
+        if cut_rows and measured and used < MIN_PIECE_SHARE * budget:
             cut_rows.pop()
         if not cut_rows:
             return chunk, rows
-        if chunk.part >= 0:  # Parquet: rows of a row group
-            positions = [chunk.start + row for row in cut_rows]
-        elif isinstance(data, list) and not format_of(chunk.input, chunk.options.format)[1]:
-            positions = self._line_offsets(chunk, data, cut_rows)
-        else:
+        positions = cut_positions(chunk.input, chunk.part, chunk.start, chunk.options, data, cut_rows)
+        if positions is None:
             return chunk, rows
         bounds = [*cut_rows, rows.n_rows]
         piece = chunks.split_chunk(self.owner, chunk, [(at, bounds[k + 1] - bounds[k]) for k, at in
@@ -340,26 +312,7 @@ class ChunkFeed:
                  len(cut_rows) + 1, budget)
         with self._changed:
             self._held[piece.key] = piece
-        return piece, _first_rows(rows, cut_rows[0])
-
-    @staticmethod
-    def _line_offsets(chunk: chunks.ClaimedChunk, lines: list[bytes], cut_rows: list[int]) -> list[int]:
-        """The byte offsets of these rows (non-blank lines) of a JSONL chunk read with their line ends."""
-        begin = 0
-        if chunk.start > 0:  # where the chunk's first line starts, as read_input found it
-            with chunk.input.fs.open(chunk.input.path, "rb") as f:
-                f.seek(chunk.start - 1)
-                f.readline()
-                begin = f.tell()
-        offsets, at, row = {}, begin, 0
-        wanted = set(cut_rows)
-        for line in lines:
-            if line.strip():
-                if row in wanted:
-                    offsets[row] = at
-                row += 1
-            at += len(line)
-        return [offsets[row] for row in cut_rows]
+        return piece, rows.first(cut_rows[0])
 
     # ---- committing -------------------------------------------------------------------------------------
 
@@ -471,8 +424,8 @@ class ChunkFeed:
 
     def _keep(self) -> None:
         """Extends the leases of the chunks held, and hands back those read and not started soon. A method of
-        its own so that its locals end with each round: bound in the loop, the last chunk's ChunkWork (its rows
-        and tokens) outlived its batch, in an idle worker for good (issue 47's soak: 57,000 Python blocks)."""
+        its own so that its locals end with each round: bound in the loop's frame, the last chunk's ChunkWork (its
+        rows and tokens) would outlive its batch, in an idle worker for good."""
         with self._changed:
             held = {key: work.progress() if (work := self._running.get(key)) else None for key in self._held}
             waited = max(READY_TURNS * self.settings.batch_chunk_seconds, self.settings.lease_seconds)
@@ -503,11 +456,11 @@ _feeds: dict[str, ChunkFeed] = {}
 _feeds_lock = threading.Lock()
 
 
-def feed_for(scorer: Scorer, owner: str, settings: Settings, pass_tokens: int | None = None) -> ChunkFeed:
-    """The worker process's feed (one per lease owner), started on first use."""
+def feed_for(scorer: Scorer, owner: str, settings: Settings, pace: Pace) -> ChunkFeed:
+    """The worker process's feed (one per lease owner), started on first use (`pace`: the engine's)."""
     with _feeds_lock:
         if owner not in _feeds:
-            _feeds[owner] = ChunkFeed(scorer, owner, settings, pass_tokens)
+            _feeds[owner] = ChunkFeed(scorer, owner, settings, pace)
         return _feeds[owner]
 
 
@@ -533,10 +486,3 @@ def close_feeds() -> None:
     for feed in feeds:
         feed.close()
 
-
-def _first_rows(rows: ChunkRows, n: int) -> ChunkRows:
-    """The chunk's first n rows (a cut falls between requests)."""
-    return ChunkRows(rows.pair_table, n, {name: values[:n] for name, values in rows.passthrough.items()},
-                     rows.passthrough_types, [r for r in rows.requests if r[0][0] < n],
-                     {i: e for i, e in rows.errors.items() if i < n},
-                     {i: v for i, v in rows.return_logprobs.items() if i < n})

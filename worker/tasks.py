@@ -74,8 +74,8 @@ class WorkerTracebacks(logging.Filter):
     """Logs a failure that an outage explains (OUTAGE_ERRORS) as one line, without its traceback: 75 lines each,
     two or three a second per worker during a database restart. Other failures keep their traceback, formatted
     here, and the source lines it read are dropped from `linecache`, which otherwise keeps every line of every
-    file a traceback named for the process's life (issue 47's soak: 16-17 files, 2 MB, at a database restart, a
-    step in each worker's memory)."""
+    file a traceback named for the process's life (a step of about 2 MB in each worker's memory at a database
+    restart)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info or record.exc_info[1] is None:
@@ -134,7 +134,7 @@ def _log_memory(settings: Settings) -> None:
     resident = _resident_set()
     rss = resident["VmRSS"]
     # The RSS's anonymous and file-backed parts and the threads: what lies outside the C allocator (libraries'
-    # code pages a path met for the first time reads in, thread stacks) is told from memory held (issue 47).
+    # code pages a path met for the first time reads in, thread stacks) is told from memory held.
     # Python's own: its small objects live in its arenas unless PYTHONMALLOC=malloc (then in the C allocator's
     # figures), and a module imported late (a library's first use) is a step, not growth.
     log.info("memory: RSS %.1f MB (%.1f anonymous, %.1f of it in huge pages, %.1f file-backed; %d threads); "

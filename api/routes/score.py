@@ -9,7 +9,8 @@ from core import RequestTokenizer
 from store import jobs as job_store
 from store.broker import kick_drain
 from store.errors import ServiceError, job_error, retry_after
-from store.models import PRIORITY_SYNC, ApiKey, Job
+from store.models import ApiKey, Job
+from store.priorities import PRIORITY_SYNC
 from store.schemas import (RerankRequest, RerankResponse, ScoreInput, ScoreRequest, ScoreResponse, eta_seconds,
                            route_body)
 from store.settings import Settings

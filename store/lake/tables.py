@@ -299,6 +299,13 @@ class ChunkRows:
     def items(self) -> int:
         return sum(r.n_items for _, r, _ in self.requests)
 
+    def first(self, n: int) -> "ChunkRows":
+        """The first n rows (a cut falls between requests)."""
+        return ChunkRows(self.pair_table, n, {name: values[:n] for name, values in self.passthrough.items()},
+                         self.passthrough_types, [r for r in self.requests if r[0][0] < n],
+                         {i: e for i, e in self.errors.items() if i < n},
+                         {i: v for i, v in self.return_logprobs.items() if i < n})
+
 
 def read_chunk(location: Location, part: int, start: int, stop: int, options: Options,
                tokenizer: RequestTokenizer) -> ChunkRows:
@@ -332,6 +339,32 @@ def read_input(location: Location, part: int, start: int, stop: int, options: Op
     if version is not None and (now := _version_now(location)) != version:
         raise _changed(location, version, now or "removed")
     return rows
+
+
+def cut_positions(location: Location, part: int, start: int, options: Options, data: Pairs | list[bytes],
+                  rows: list[int]) -> list[int] | None:
+    """Where a chunk read by read_input resumes at each of these rows, to cut it there: the row offsets of a
+    Parquet row group, the byte offsets of plain JSONL lines. None where a chunk runs whole (CSV, compressed
+    JSONL)."""
+    if part >= 0:
+        return [start + row for row in rows]
+    if not isinstance(data, list) or format_of(location, options.format)[1]:
+        return None
+    begin = 0
+    if start > 0:  # where the chunk's first line starts, as read_input found it
+        with location.fs.open(location.path, "rb") as f:
+            f.seek(start - 1)
+            f.readline()
+            begin = f.tell()
+    offsets, at, row = {}, begin, 0
+    wanted = set(rows)
+    for line in data:  # read with their line ends; blank lines are no rows
+        if line.strip():
+            if row in wanted:
+                offsets[row] = at
+            row += 1
+        at += len(line)
+    return [offsets[row] for row in rows]
 
 
 def _version_now(location: Location) -> str | None:
