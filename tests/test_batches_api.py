@@ -428,18 +428,18 @@ def test_the_listing_shows_each_batch_as_its_own_get_from_counts_kept_on_the_bat
     drain()
     cancelled = upload(client, key, [request_line(i) for i in range(60)]).json()["id"]
     one_round()
-    running = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    running = claiming.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
     assert client.post(f"/batches/{cancelled}/cancel", headers=auth(key)).status_code == 202
-    drain_module.run_jobs(get_scorer(), "worker-a", running)
+    claiming.run_jobs(get_scorer(), "worker-a", running)
     finishing.settle_batches({cancelled})
     handed_back = upload(client, key, [request_line(i) for i in range(3)]).json()["id"]
-    claimed = claims.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
+    claimed = claiming.claim_jobs("worker-a", settings, get_scorer().pass_tokens)
     client.post(f"/batches/{handed_back}/cancel", headers=auth(key))
     finishing.release("worker-a", settings, [job.id for job in claimed], None)
     sweeper.sweep(settings)
     in_progress = upload(client, key, [request_line(i) for i in range(40)]).json()["id"]
     one_round()
-    now_running = claims.claim_jobs("worker-b", settings, get_scorer().pass_tokens)
+    now_running = claiming.claim_jobs("worker-b", settings, get_scorer().pass_tokens)
     with session_scope() as session:
         finishing.set_progress(session, "worker-b", [(job.id, 1) for job in now_running])
 
@@ -460,4 +460,4 @@ def test_the_listing_shows_each_batch_as_its_own_get_from_counts_kept_on_the_bat
     assert listed[handed_back]["status"] == "cancelled" and listed[handed_back]["counts"]["cancelled"] == 3
     assert listed[in_progress]["progress"]["items_done"] > listed[in_progress]["counts"]["succeeded"] > 0
     assert len([s for s in statements if " jobs" in s]) == 1, statements
-    drain_module.run_jobs(get_scorer(), "worker-b", now_running)
+    claiming.run_jobs(get_scorer(), "worker-b", now_running)
