@@ -383,9 +383,8 @@ class ChunkFeed:
     def _write(self, chunk: chunks.ClaimedChunk, table) -> tuple[str, str] | str | None:  # type: ignore[no-untyped-def]
         """Writes the chunk's object, retrying while the store is unreachable. None once written; "" if the store
         stayed unreachable; the chunk's error if the output refuses it for good (`chunks.write_refused`: a full
-        disk, denied credentials; waiting would not help, and the chunk's lease, its worker's commit queue and
-        the whole batch waited WRITE_RETRY_SECONDS per attempt for nothing). A write that failed leaves no part
-        of the object behind."""
+        disk, denied credentials: waiting would only hold the chunk's lease, the commit queue and the batch). A
+        write that failed leaves no part of the object behind."""
         deadline = time.monotonic() + WRITE_RETRY_SECONDS
         wait = 0.5
         while True:
