@@ -30,9 +30,9 @@ FILESYSTEM_POLL_SECONDS = 0.02
 
 class _AtomicFilesystemChannel(filesystem.Channel):
     def _put(self, queue: str, payload: dict, **kwargs: Any) -> None:
-        # kombu creates a message's file, then writes it: a worker looking in between read it empty and stopped
-        # for good ("Unrecoverable error: JSONDecodeError"; seen with a look every 20 ms). Written under a name
-        # that no reader takes (kombu's take the part after the first dot), then renamed, it appears whole.
+        # kombu creates a message's file, then writes it: a worker looking in between would read it empty and stop
+        # for good. Written under a name no reader takes (kombu's take the part after the first dot), then renamed,
+        # it appears whole.
         name = f"{int(round(time.monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
         writing = os.path.join(self.data_folder_out, f".{name}.writing")
         with open(writing, "wb") as f:
@@ -51,9 +51,7 @@ def make_celery(settings: Settings, include: tuple[str, ...] = ()) -> Celery:
     # The sending app must not replace a worker's own as Celery's current app.
     app = Celery("packscore", broker=settings.celery_broker_url, include=list(include), set_as_current=bool(include))
     # No acknowledgement bookkeeping on Redis: a drain message only wakes a worker (see above), and kombu's
-    # emulated acks (a hash and a sorted set written at each delivery and each ack, through a new client each
-    # time) were a third of a busy worker's Python time, spent on the hundreds of kicks a second that a
-    # stream of jobs sends.
+    # emulated acks write a hash and a sorted set at each delivery and ack, a large share of a busy worker's time.
     transport: dict = {"visibility_timeout": 3600, "ack_emulation": False}
     if settings.celery_broker_url.startswith("filesystem"):
         folder = Path(settings.broker_dir).resolve()
@@ -103,7 +101,7 @@ def _sender() -> Celery:
 # Redis only: a kick is sent only while none is pending, i.e. while no kick was sent since a worker last began
 # a claim (a worker clears the flag before each claim, see `clear_pending_kick`). A job committed while the
 # flag is set is seen by that coming claim, so it needs no message of its own. A stream of jobs then costs a
-# message per claim instead of one per coalescing window (each cost a worker about a millisecond of Python),
+# message per claim instead of one per coalescing window (each costs a worker about a millisecond of Python),
 # and a backlog of jobs queued while no worker ran leaves one message, not thousands. The flag expires, so a
 # lost message holds later kicks back for at most KICK_PENDING_SECONDS.
 KICK_PENDING_SECONDS = 1.0
@@ -145,7 +143,7 @@ def clear_pending_kick(model: str) -> None:
 
 class KickCoalescer:
     """Sends the first kick at once, and the kicks that follow within `window` seconds of the last one sent as
-    one kick at the end of the window. A message per job cost the API a broker round trip per job, while one
+    one kick at the end of the window. A message per job would cost the API a broker round trip per job, while one
     drain claims every ready job. The coalesced kick is sent after each of its callers returned, so after their
     jobs were committed: no job is left without a kick, and none waits for one more than `window`."""
 
@@ -165,7 +163,7 @@ class KickCoalescer:
             if self._last + self._window > time.monotonic():
                 self._due = True
                 if self._sender_pid != os.getpid():
-                    # One thread for every coalesced kick: a timer thread each cost the API a thread start
+                    # One thread for every coalesced kick: a timer thread each would cost the API a thread start
                     # per window (up to 100 a second).
                     self._sender_pid = os.getpid()
                     threading.Thread(target=self._send_scheduled, name="kick-sender", daemon=True).start()

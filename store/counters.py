@@ -39,11 +39,11 @@ def count(session: Session, name: str, amount: float = 1.0, label: str = "") -> 
 
 def count_pass(session: Session, n_items: int, tokens: int, seconds: float, host_seconds: float,
                device_seconds: float, device_idle_seconds: float) -> None:
-    """A pass's totals. Its host and device seconds (see core.scorer.PassResult) count from this version on: their
-    histograms count their own passes ("timed_passes"), where "passes" holds the history from before them.
+    """A pass's totals. Its host and device seconds (see core.scorer.PassResult) have histograms that count their
+    own passes ("timed_passes"): "passes" also counts the passes a database holds from before they were timed.
     A histogram's value counts in its own bucket only ("{measure}_in_bucket", none past the last bucket), which
     the scrape sums into cumulative buckets (`_pass_histogram`): one counter row per measure and pass, not one
-    per bucket from the value up (those rows, "{measure}_bucket", hold the counts from before this version)."""
+    per bucket from the value up (a database's "{measure}_bucket" rows, counted that way, are still summed in)."""
     count(session, "passes")
     count(session, "timed_passes")
     count(session, "pass_tokens", tokens)
@@ -80,7 +80,7 @@ def _drop_counts(session: Session, previous_transaction: SessionTransaction) -> 
 
 def _pass_histogram(name: str, doc: str, totals: dict, buckets: tuple, measure: str,
                     passes: str = "passes") -> HistogramMetricFamily:
-    """The cumulative buckets: the counts kept per bucket from the value up (before the per-bucket counts) plus the
+    """The cumulative buckets: the counts kept per bucket from the value up ("{measure}_bucket") plus the
     per-bucket counts ("{measure}_in_bucket", see count_pass) of this bucket and those below it."""
     family = HistogramMetricFamily(name, doc)
     below, cumulative = 0.0, []

@@ -22,8 +22,7 @@ def get_engine(url: str | None = None) -> Engine:
     settings = get_settings()
     url = url or settings.database_url
     # LIFO: the connection checked in last is handed out next, so after a burst light traffic keeps to one or two
-    # connections instead of going round the whole pool: their caches alone fill (issue 47's heap profile: a
-    # worker's SQLite page caches grew 1.5 MB every 10 minutes as each pooled connection came round), and they are
+    # connections instead of going round the whole pool, whose page caches would each fill; and the few in use are
     # seldom idle long enough to need the ping below.
     pool = {"pool_size": settings.db_pool_size, "max_overflow": settings.db_max_overflow,
             "pool_timeout": settings.db_pool_timeout_seconds, "pool_use_lifo": True}
@@ -48,7 +47,7 @@ def get_engine(url: str | None = None) -> Engine:
     @event.listens_for(engine, "checkout")
     def _ping_if_idle(conn, record, _proxy):  # type: ignore[no-untyped-def]
         # After a database restart, stale pooled connections are replaced instead of failing a request. Only
-        # connections idle for a while are pinged: a ping on every checkout (pool_pre_ping) was a round trip
+        # connections idle for a while are pinged: a ping on every checkout (pool_pre_ping) is a round trip
         # per request. A connection used within PING_IDLE_SECONDS of a restart fails its next request with a
         # retryable 503, and that disconnect makes SQLAlchemy replace every connection of the pool.
         if time.monotonic() - record.info.get("checked_in", math.inf) > PING_IDLE_SECONDS:
@@ -66,8 +65,8 @@ def session_factory() -> sessionmaker[Session]:
 
 @lru_cache
 def _sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    # One per engine: each sessionmaker is a new Session subclass whose event dispatch SQLAlchemy builds again,
-    # which cost the API about 0.1-0.2 ms of CPU per request when one was made per request.
+    # One per engine: each sessionmaker is a new Session subclass whose event dispatch SQLAlchemy builds again, a
+    # cost the API would pay per request.
     return sessionmaker(engine, expire_on_commit=False)
 
 
@@ -80,7 +79,7 @@ def session_scope() -> Iterator[Session]:
 
 def among(session: Session, column: ColumnElement, values: list[str]) -> ColumnElement:
     """`column IN values`. On Postgres as `= ANY(array)`: one statement text whatever the number of values, so
-    SQLAlchemy's and psycopg's statement caches serve it (each IN-list length was a statement of its own)."""
+    SQLAlchemy's and psycopg's statement caches serve it (each IN-list length is a statement of its own)."""
     if session.get_bind().dialect.name == "postgresql":
         return column == any_(bindparam(None, list(values), type_=ARRAY(String)))
     return column.in_(values)

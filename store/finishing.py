@@ -22,7 +22,7 @@ from store.outbox import enqueue_job_webhook
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
-_JOBS = Job.__table__.c  # Core statements: the ORM's statement handling was most of a pass boundary's Python time
+_JOBS = Job.__table__.c  # Core statements: the ORM's statement handling would be most of a boundary's Python time
 
 
 def finish(session: Session, owner: str, job_ids: list[str], status: str, error: tuple[str, str] | None = None,

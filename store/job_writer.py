@@ -138,8 +138,8 @@ class JobWriter:
 
     def claimed_again(self, job_id: str) -> None:
         """The loop holds this job under a new lease (its claim was written after any close of the old one):
-        a close not yet taken was the old lease's. Taken after the new claim, it dropped the job, whose items
-        then never ran while the heartbeat kept its lease: `running` until the worker restarted."""
+        a close not yet taken is the old lease's. Taken after the new claim, it would drop the job, whose items
+        would then never run while the heartbeat kept its lease."""
         with self._lock:
             self._closed.discard(job_id)
 

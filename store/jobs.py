@@ -21,7 +21,7 @@ from store.settings import Settings
 
 
 def _request_hash(body: ScoreInput, rerank: dict | None, model: str) -> str:
-    # Without `kind`: a body's hash is the same as before JobCreate had one. With the model that scores it, not
+    # Without `kind`: the hashes stored with existing jobs leave it out. With the model that scores it, not
     # the name the body gives: the default model named, or left out, is the same request.
     fields = {**body.model_dump(mode="json", exclude={"kind"}), "model": model}
     canonical = json.dumps({**fields, "rerank": rerank} if rerank else fields, sort_keys=True, separators=(",", ":"))
@@ -44,7 +44,7 @@ def job_request(body: ScoreInput, rerank: dict | None = None) -> dict:
 
 
 # A new job is written with this one statement, compiled once (SQLAlchemy caches it), with every column's value
-# given: an ORM flush of the row cost the API about twice the CPU of the insert itself.
+# given: an ORM flush of the row would cost the API about twice the CPU of the insert itself.
 _INSERT_JOB = insert(Job.__table__)
 _JOB_COLUMNS = [(attribute.key, attribute.columns[0].name) for attribute in inspect(Job).column_attrs]
 
@@ -142,7 +142,7 @@ def cancel_job(session: Session, job: Job) -> Job:
     now = utcnow()
     # The flag first, for a queued or a running job: the row is then locked until the commit, so a worker
     # cannot hand the job back (running -> queued) between the two statements, where neither would match and
-    # the cancel was lost; a job handed back before it keeps the flag, and a hand-back after it reads it.
+    # the cancel would be lost; a job handed back before it keeps the flag, and a hand-back after it reads it.
     flagged = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("queued", "running")))
                               .values(cancel_requested=True)).rowcount
     done = session.execute(update(Job).where(Job.id == job.id, Job.status == "queued")
@@ -155,7 +155,7 @@ def cancel_job(session: Session, job: Job) -> Job:
     session.commit()
     session.refresh(job)
     # Cancelled since by its worker (a hand-back waiting on the flag's lock reads it at once) is this cancel's
-    # doing, not an earlier one's: a 409 "already cancelled" then told the client its cancel had not counted.
+    # doing, not an earlier one's: a 409 "already cancelled" would tell the client its cancel had not counted.
     if job.status in ("succeeded", "failed") or (job.status == "cancelled" and not flagged):
         raise ServiceError(409, "job_finished", f"job {job.id} is already {job.status}")
     return job

@@ -107,7 +107,7 @@ class Job(Base, Leased):
         # Batch results are streamed in pages by id.
         _partial_index("ix_jobs_batch_results", ("batch_id", "id"), "batch_id IS NOT NULL"),
         # Retention's look for interactive jobs (a batch's requests go with their batch): without batch_id in
-        # its condition it went through the finished requests of every batch not yet expired.
+        # its condition it would go through the finished requests of every batch not yet expired.
         _partial_index("ix_jobs_finished", ("finished_at",), _FINISHED_INTERACTIVE),
     )
 

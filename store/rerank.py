@@ -72,8 +72,8 @@ TEMPLATES = {
     ),
     # For small general models such as the bundled SmolLM2-135M-Instruct, which was never trained to judge
     # relevance: a plain question and answer, the instruction asked after each document, " yes" / " no" as
-    # the answer's first token. Of the prompts tried on a few queries it ranked best (ChatML prompts, with
-    # "yes"/"Yes" labels or few-shot examples, ranked little better than chance); it still ranks only roughly.
+    # the answer's first token. It ranks better than ChatML prompts (with "yes"/"Yes" labels or few-shot
+    # examples), which rank little better than chance; it still ranks only roughly.
     "smollm2": RerankTemplate(
         prefix="Question: {query}\nDocument:",
         suffix="\n{instruction} Answer:",
@@ -116,9 +116,9 @@ class RerankPrompt:
 
     def _check_size(self, documents: int, suffix: str) -> None:
         """Refuses, before the items are built, a request whose documents alone are over the limits: the
-        suffix (the instruction, in some templates) goes after every document, and 200 empty documents with a
-        100 KB instruction built and tokenized 5,000,000 tokens of text to be refused after (0.35 GB of the
-        API's memory for a 100 KB body). Its tokens, less a couple that may merge with the document's end."""
+        suffix (the instruction, in some templates) goes after every document, so many documents with a long
+        instruction would otherwise build and tokenize millions of tokens only to refuse them. Its tokens, less a
+        couple that may merge with the document's end."""
         limits = self.limits
         if documents > limits.max_items:
             raise ScoringError("too_many_items", f"{documents} documents; the limit is {limits.max_items}")

@@ -45,7 +45,7 @@ def check_metadata(value: object) -> object:
     """Raises ValueError where `metadata` cannot be stored (`check_storable`) or nests deeper than
     MAX_METADATA_DEPTH: it is stored and echoed back as sent, and pydantic's serializer, which echoes it, stops
     at about 255 levels (a 500 after the job was taken)."""
-    check_storable(value, allow_nan=False)  # Python's parser takes NaN and Infinity: stored, they came back null
+    check_storable(value, allow_nan=False)  # Python's parser takes NaN and Infinity: stored, they come back null
     level, depth = [value], 0
     while level := [v for v in level if isinstance(v, (dict, list))]:
         depth += 1
@@ -370,7 +370,7 @@ class ColumnsSpec(BaseModel):
     @field_validator("ids")
     @classmethod
     def _not_a_result_column(cls, ids: list[str]) -> list[str]:
-        # An output row holds its ids beside these: an id of the same name was overwritten, silently.
+        # An output row holds its ids beside these: an id of the same name would be overwritten, silently.
         taken = [name for name in ids if name in ("scores", "logprobs", "error_code", "error_message", "error")]
         if taken:
             raise ValueError(f"{taken[0]!r} names a column of the results (scores, logprobs, error_code, "

@@ -68,8 +68,8 @@ class Settings(BaseSettings):
     trace_python_memory: bool = False
     # The C allocator of the worker processes that `packscore worker` and `serve --embedded` start. jemalloc
     # (preloaded where the system has it: Debian's and Ubuntu's libjemalloc2, which the image installs; glibc's
-    # otherwise): under glibc's the workers' RSS grew 40-90 MB an hour from fragmentation, under jemalloc 18-27
-    # with the same traffic (docs/soak.md). system: glibc's (or whatever LD_PRELOAD already names).
+    # otherwise): the workers' RSS grows from fragmentation far more slowly than under glibc's (docs/soak.md).
+    # system: glibc's (or whatever LD_PRELOAD already names).
     worker_allocator: Literal["jemalloc", "system"] = "jemalloc"
     # JAX's persistent compilation cache: a restarted worker, or an evicted program, loads instead of compiling.
     # One folder per host by default, which that host's workers share (a program compiled by one is loaded by the

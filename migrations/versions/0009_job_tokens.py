@@ -1,5 +1,5 @@
 """jobs.tokens: the request in token space, stored when it is submitted (the API tokenizes to validate), so
-workers never tokenize (issue 20). NULL for jobs queued before this: workers tokenize their stored text.
+workers never tokenize. NULL for jobs queued before this: workers tokenize their stored text.
 
 Revision ID: 0009
 Revises: 0008

@@ -1,4 +1,4 @@
-"""Partial job indexes, and lz4 for the stored requests (issue 20): Postgres CPU per batch line.
+"""Partial job indexes, and lz4 for the stored requests: Postgres CPU per batch line.
 
 Each index of the jobs table holds only the rows its queries read.
 

@@ -1,4 +1,4 @@
-"""Reference batches (issue 29): a batch may name its data in storage instead of carrying it. Such a batch is
+"""Reference batches: a batch may name its data in storage instead of carrying it. Such a batch is
 run as chunks, one row each (lease, attempts, sweeper, cancel, as jobs have), and no row per line. API keys may
 be allowed storage prefixes.
 

@@ -1,4 +1,4 @@
-"""The ready-jobs index by model first (issue 30, several models in one deployment).
+"""The ready-jobs index by model first (several models in one deployment).
 
 A worker serves one model and claims only its model's jobs (`WHERE model = ... AND status = 'queued'`): with
 the model as the index's first column, its claim reads its own model's queue, never another's, however long

@@ -1,4 +1,4 @@
-"""workers.host and workers.device_group: the chips `packscore worker --devices` gave each worker (issue 38),
+"""workers.host and workers.device_group: the chips `packscore worker --devices` gave each worker,
 shown by /readyz and /metrics.
 
 Revision ID: 0013

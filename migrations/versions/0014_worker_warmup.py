@@ -1,5 +1,5 @@
 """workers.warmup_done and workers.warmup_total: a warming worker's programs compiled so far, of how many, shown
-by /readyz and `packscore wait-ready` (issue 37).
+by /readyz and `packscore wait-ready`.
 
 Revision ID: 0014
 Revises: 0013

@@ -1,4 +1,4 @@
-"""batches.output_key and batches.source_key (issue 44, item 3): a key's reference batch owns its output prefix,
+"""batches.output_key and batches.source_key: a key's reference batch owns its output prefix,
 so the same command run again finds its batch (running or completed) instead of scoring every row again, and
 another input sent to that prefix is refused (409 `output_in_use`). Unique among the batches that hold one;
 NULL for uploads, cancelled batches and those an overwrite replaced.

@@ -1,3 +1,3 @@
-"""Reference batches: batches whose data stays in storage (issue 29). `access` resolves URIs and says who may
+"""Reference batches: batches whose data stays in storage. `access` resolves URIs and says who may
 use them, `tables` plans, reads and writes the data (Parquet, CSV, JSONL), `chunks` keeps the chunk rows (the
 unit a worker claims) and the manifest."""

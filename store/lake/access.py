@@ -122,7 +122,7 @@ class Access:
             location = self.location(uri)
             fs = location.fs
             # Listed afresh: the store's listings cache (s3fs's, gcsfs's, adlfs's) lasts as long as the process,
-            # and an export rewritten since an earlier batch was planned from its old sizes and versions. All
+            # and an export rewritten since an earlier batch would be planned from its old sizes and versions. All
             # of it (a folder's entry goes without those of the folders under it), which also bounds its size;
             # once per request, so that URIs of one folder share one listing.
             if id(fs) not in listed_afresh:

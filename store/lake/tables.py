@@ -402,7 +402,7 @@ def _read_rows(location: Location, part: int, start: int, stop: int, options: Op
                 data += b"\n"  # pyarrow finds no columns in a header-only file with no line break after it
             header = _first_line(fs, location.path, compression) if begin > 0 else data.split(b"\n", 1)[0]
             present = [c for c in options.columns.names() if c in _csv_header(header)]
-            # A CSV's values are text: an id comes back as written (a guessed type turned "007" into 7). (A CSV
+            # A CSV's values are text: an id comes back as written (a guessed type would turn "007" into 7). (A CSV
             # cell holds no list: a label column's rows fail its check; it needs Parquet or JSONL.)
             convert = pacsv.ConvertOptions(include_columns=present, column_types={c: pa.string() for c in present})
             if begin > 0:
@@ -476,8 +476,8 @@ def _table_pairs(table: pa.Table, location: Location, options: Options) -> Pairs
     passed_only = set(spec.ids) - {spec.query, spec.item, spec.label}
     for name in spec.names():
         if name in table.column_names:
-            # An id column stays an Arrow array: the chunk holds it until its results, and 5,000 Python values
-            # held a chunk's life were a burst of small objects for nothing (issue 47).
+            # An id column stays an Arrow array: the chunk holds it until its results, and as Python values it
+            # would be thousands of small objects held for nothing.
             column = table.column(name)
             columns[name] = column.combine_chunks() if name in passed_only else column.to_pylist()
             types[name] = table.schema.field(name).type
@@ -526,8 +526,8 @@ def _json_pairs(lines: list[bytes], begin: int, location: Location, options: Opt
 
 def _json_line(raw: bytes) -> Any:
     """A JSONL line's value; ValueError for one that is not JSON, nests deeper than the parser goes, or holds a
-    lone surrogate (an escape, "\\ud800": no Arrow string or tokenizer takes it). Any of these raised past the
-    line's own error, and its chunk's rows failed after its retries as if the store were down."""
+    lone surrogate (an escape, "\\ud800": no Arrow string or tokenizer takes it), so that it is the line's own
+    error: raised past it, the chunk's rows would fail after its retries as if the store were down."""
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -682,8 +682,7 @@ def result_table(rows: ChunkRows, logprobs: list[np.ndarray | None], options: Op
 def _pair_score_columns(rows: ChunkRows, logprobs: list[np.ndarray | None],
                         want_raw: bool) -> tuple[pa.Array, pa.Array | None]:
     """A pair table's scores and log-probabilities, list<double> a row (null where not scored), built from whole
-    arrays: a list of Python floats a row was most of a commit's Python and its objects (a chunk's rows by the
-    thousand, issue 47)."""
+    arrays: a list of Python floats a row would be most of a commit's Python time and objects."""
     scored = [(np.asarray(covered, np.int64), lp, softmax)
               for (covered, _, softmax), lp in zip(rows.requests, logprobs) if lp is not None]
     lengths = np.zeros(rows.n_rows, np.int64)
@@ -721,8 +720,8 @@ def object_name(chunk_index: int, attempt: int, output_format: str) -> str:
 
 def json_value(value: object) -> object:
     """An id column's value that JSON has no type for, as BigQuery's JSON exports write it: dates and times in
-    ISO 8601, bytes in base64, decimals as their exact text (`json.dumps`' `default`: a date id made every
-    JSONL write of its chunk fail, retried as if the store were down)."""
+    ISO 8601, bytes in base64, decimals as their exact text (`json.dumps`' `default`: without it a date id fails
+    every JSONL write of its chunk, retried as if the store were down)."""
     if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, bytes):
@@ -732,7 +731,7 @@ def json_value(value: object) -> object:
 
 def json_line(row: dict) -> str:
     """A result row as one JSON line. NaN and the infinities (a float id column's), for which JSON has no
-    literal, are written null as pandas' JSON exports write them: `json.dumps` wrote a bare `NaN`, which strict
+    literal, are written null as pandas' JSON exports write them: `json.dumps` would write a bare `NaN`, which strict
     readers (Go's, Java's, `jq`) refuse, failing the whole file."""
     try:
         return json.dumps(row, separators=(",", ":"), default=json_value, allow_nan=False)
