@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from core import aot, sharding
+from core.attention import selection
 from core.requests import ModelSource
 from core.scorer import Scorer, program_texts
 
@@ -372,7 +373,7 @@ def _path(report: Report, section: str, scorer: Scorer, warnings: list[str]) -> 
     """The attention its programs got: where a Pallas kernel was asked for (ATTENTION=auto on TPU and GPU, or
     pallas) and the XLA path runs instead, the check fails with the compiler's reason. Whether it fell back."""
     path = scorer.attention_path
-    if scorer.attention != "pallas" or path != "xla":
+    if not selection.PATHS[scorer.attention].lowers_kernels or path != "xla":
         report.add(section, "ok", f"attention: {path} (ATTENTION asked {scorer.attention})", attention_path=path)
         return False
     reasons = [m for m in warnings if "does not compile" in m]
