@@ -1,5 +1,6 @@
-"""Two versions of core/attention.py in one process, run by run: `python -m benchmarks.attention_ab OTHER.py
-[--mix | -R R -P P -N N -L L] [--rounds 6]` (OTHER.py: e.g. `git show f6ba1d5:core/attention.py > /tmp/a.py`).
+"""Two versions of the CPU's attention path in one process, run by run: `python -m benchmarks.attention_ab OTHER.py
+[--mix | -R R -P P -N N -L L] [--rounds 6]` (OTHER.py: a module with cascade_tables, cascade_table_shapes and
+cascade_attention, e.g. `git show f6ba1d5:core/attention.py > /tmp/a.py`).
 
 benchmarks.bench's packed timings (its requests and seed: the one request by default, `--mix`, `--requests`),
 the query computed in each run, with this tree's attention and with OTHER.py's, alternating (AB, BA, ...). Where
@@ -10,15 +11,15 @@ CPU time over this tree's, per round.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import time
 
 import numpy as np
 
-import core.attention
-import core.scorer
 from benchmarks.bench import mix_requests, shaped_requests
+from core.attention import selection
 from core.scorer import Scorer
 
 
@@ -29,9 +30,19 @@ def attention_module(path: str):  # type: ignore[no-untyped-def]
     return module
 
 
+def xla_path(module) -> selection.Path:  # type: ignore[no-untyped-def]
+    """The selection table's "xla" row with `module`'s cascade tables and attention."""
+    def attend(q, k, v, q_meta, kv_meta, tables, block_q, block_k, **layer):  # type: ignore[no-untyped-def]
+        return module.cascade_attention(q, k, v, q_meta, kv_meta, *tables, **layer)
+    return dataclasses.replace(
+        selection.PATHS["xla"], attend=attend,
+        tables=lambda arrays, window, *_: module.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple(),
+        table_shapes=lambda tokens, keys, *_: module.cascade_table_shapes(tokens, keys))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("other", help="another version's core/attention.py")
+    parser.add_argument("other", help="another version's cascade attention (a core/attention.py)")
     parser.add_argument("--mix", action="store_true")
     parser.add_argument("--requests", "-R", type=int, default=1)
     parser.add_argument("--query-tokens", "-P", type=int, default=500)
@@ -50,12 +61,13 @@ def main(argv: list[str] | None = None) -> dict:
         query = rng.integers(10, vocab, args.query_tokens).tolist()
         items = [rng.integers(10, vocab, args.item_tokens).tolist() for _ in range(args.items)]
         requests = [scorer.tokenize(query, items, rng.integers(10, vocab, 4).tolist())]
-    versions = {"this tree": core.attention, "other": attention_module(args.other)}
+    this_tree = selection.PATHS["xla"]
+    versions = {"this tree": this_tree, "other": xla_path(attention_module(args.other))}
 
-    def run(module) -> list[int]:  # type: ignore[no-untyped-def]
-        # The scorer reads its attention through this name: tables and programs (the tables' shapes differ
+    def run(path: selection.Path) -> list[int]:
+        # The scorer reads its attention from this row: tables and programs (the tables' shapes differ
         # between versions, so each version compiles its own programs).
-        core.scorer.attn = module
+        selection.PATHS["xla"] = path
         scorer.clear_prefix_cache()
         return [p.padded_tokens for p in scorer.iter_passes(requests)]
 
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             wall, cpu = time.perf_counter(), time.process_time()
             run(versions[name])
             times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    core.scorer.attn = core.attention
+    selection.PATHS["xla"] = this_tree
     report = {"passes": passes, "load": open("/proc/loadavg").read().split()[0]}
     for name, runs in times.items():
         report[name] = {"best_wall_s": round(min(w for w, _ in runs), 3),

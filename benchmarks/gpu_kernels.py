@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core import attention as A
+from core.attention import gpu, host_tables
 from tests.request_layouts import request_layouts, request_rows
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -25,10 +25,11 @@ def main() -> None:
     plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
                                                            (61, (5,), False)])
     for aligned in (False, True):
-        kernel = jax.jit(partial(A.gpu_attention, aligned=aligned), static_argnums=(7, 8))
+        kernel = jax.jit(partial(gpu.gpu_attention, aligned=aligned), static_argnums=(7, 8))
         try:
+            tables = host_tables.window_tables if aligned else host_tables.block_tables
             rows, distances = request_rows(kernel, plans, HEADS, KV_HEADS, DIM, jnp.bfloat16, BLOCK_Q, BLOCK_K,
-                                           host_tables=A.window_tables if aligned else A.block_tables)
+                                           host_tables=tables)
             moved = [float(np.abs(r - rows[0][1]).max()) for keys, r in rows[1:]]
             print(f"aligned={aligned}: rows bitwise in every layout: {all(m == 0 for m in moved)} (largest move per "
                   f"layout {moved}); largest distance from float32 dense {max(distances):.3e}", flush=True)

@@ -1,6 +1,5 @@
 """The process's C allocator: glibc's, or jemalloc where `packscore worker` preloads it (WORKER_ALLOCATOR).
-Handing the pages it keeps free back to the system, and what jemalloc holds, for the worker's memory log
-(issue 47)."""
+Handing the pages it keeps free back to the system, and what jemalloc holds, for the worker's memory log."""
 
 import ctypes
 import os

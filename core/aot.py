@@ -42,8 +42,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from core import attention as attn  # noqa: E402
 from core import sharding as sharding_rules  # noqa: E402
+from core.attention import device_tables, gpu, selection, tpu  # noqa: E402
+from core.attention.host_tables import pick_tile  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
 from core.model import HEAD_ROWS, CausalLM  # noqa: E402
 from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, PassArrays, build_pass, plan_passes  # noqa: E402
@@ -122,7 +123,7 @@ def contract_request(index: int = 0) -> TokenizedRequest:
 
 def contract_passes(pass_tokens: int, steps_per_octave: int = ACCELERATOR_STEPS_PER_OCTAVE) -> list[PassArrays]:
     """The passes an accelerator's engine runs for one contract request at this pass size (lengths from its
-    ladder; `steps_per_octave` 1: the halving ladder before issue 45)."""
+    ladder; `steps_per_octave` 1: a halving ladder)."""
     return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens, steps_per_octave=steps_per_octave)
             for p in plan_passes([contract_request()], pass_tokens)]
 
@@ -180,13 +181,13 @@ def kernel_tiles(arrays: PassArrays, platform: str) -> tuple[int, int, int, int]
     and the (query tile, key tile) pairs it visits per query head (masked work included)."""
     T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
     if platform == "tpu":
-        tq, tk = (attn._pick_tile(attn._round_up(n, 128), t, 128)
-                  for n, t in ((T, attn.TPU_TILE_Q), (Tk, attn.TPU_TILE_K)))
+        tq, tk = (pick_tile(device_tables.round_up(n, 128), t, 128)
+                  for n, t in ((T, tpu.TPU_TILE_Q), (Tk, tpu.TPU_TILE_K)))
     else:
-        tq, tk = attn.GPU_TILE_Q, attn.GPU_TILE_K
-    q_len, kv_len = attn._round_up(T, max(tq, 128)), attn._round_up(Tk, max(tk, 128))
-    ids, counts = attn.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), BLOCK_Q,
-                                     BLOCK_K, tq, tk, q_len, kv_len)
+        tq, tk = gpu.GPU_TILE_Q, gpu.GPU_TILE_K
+    q_len, kv_len = device_tables.round_up(T, max(tq, 128)), device_tables.round_up(Tk, max(tk, 128))
+    ids, counts = device_tables.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts),
+                                              BLOCK_Q, BLOCK_K, tq, tk, q_len, kv_len)
     return tq, tk, q_len, int(np.asarray(counts).sum())
 
 
@@ -319,10 +320,10 @@ def build(target_name: str, model: str, pass_tokens: int, dtype_name: str, tenso
             *program_args(config, main, dtype, mesh=mesh))
         text = exported.mlir_module()
         out.update(stage="lowered", pallas_kernels=count_kernels(text, "cuda"), flops=None, bytes_accessed=None,
-                   attention_path=attn.attention_path("cuda"), devices=exported.nr_devices)
+                   attention_path=selection.attention_path("cuda"), devices=exported.nr_devices)
     out["seconds"] = round(time.perf_counter() - start, 1)
-    kernel_expected = target["platform"] == "tpu" or attn._gpu_kernel_for(
-        jax.ShapeDtypeStruct((1, 1, config.head_dim), dtype), None, BLOCK_Q, BLOCK_K) is not None
+    kernel_expected = selection.kernel_applies(target["platform"], jax.ShapeDtypeStruct((1, 1, config.head_dim), dtype),
+                                               None, BLOCK_Q, BLOCK_K)
     if not roofline_only and kernel_expected and out["pallas_kernels"] < 1:
         raise RuntimeError(f"the {target_name} program has no Pallas kernel: {out}")
     if out.get("flops") is not None:

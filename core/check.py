@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from core import aot, sharding
+from core.attention import selection
 from core.requests import ModelSource
 from core.scorer import Scorer, program_texts
 
@@ -373,7 +374,7 @@ def _path(report: Report, section: str, scorer: Scorer, warnings: list[str], set
     pallas) and the XLA path runs instead, the check fails with the compiler's reason. Whether it fell back.
     `setting`: ATTENTION as set, named beside what `auto` chose on this backend."""
     path = scorer.attention_path
-    if scorer.attention != "pallas" or path != "xla":
+    if not selection.PATHS[scorer.attention].lowers_kernels or path != "xla":
         chose = f", {scorer.attention} on {jax.default_backend()}" if setting == "auto" else ""
         report.add(section, "ok", f"attention: {path} (ATTENTION={setting}{chose})", attention_path=path)
         return False

@@ -1,6 +1,8 @@
 """Decoder configuration: one dataclass that says what differs between the supported families.
 
-Families (Hugging Face `model_type`): llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, granite.
+The supported families (Hugging Face `model_type`: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3,
+granite) are the rows of FAMILIES, each saying what its family changes; a new family is a row there, plus code
+only where it computes something no row field says.
 A checkpoint whose configuration changes the math in a way the model does not implement (an unknown RoPE
 scaling, biases on the MLP, bidirectional attention, ...) is refused here, with the field named: the engine
 never scores an approximation of a model.
@@ -8,18 +10,109 @@ never scores an approximation of a model.
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
-# Hugging Face model_type -> the family's defaults that config.json may leave out.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite")
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3", "GraniteForCausalLM": "granite",
-}
-_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _listed_layer_types(hf: dict, layers: int) -> list[str] | None:
+    """config.json's own layer_types, if it lists them."""
+    if not hf.get("layer_types"):
+        return None
+    types = list(hf["layer_types"])
+    if len(types) != layers or set(types) - {FULL, SLIDING}:
+        raise ValueError(f"config field layer_types={types!r} is not supported")
+    return types
+
+
+# Each layer's type, as transformers decides it per family: (config.json, layers, its window or None) -> types.
+def _no_windows(hf: dict, layers: int, window: int | None) -> list[str]:
+    return _listed_layer_types(hf, layers) or [FULL] * layers  # transformers reads no window for these
+
+
+def _one_window(hf: dict, layers: int, window: int | None) -> list[str]:
+    return [SLIDING if window else FULL] * layers  # one window for every layer, if any
+
+
+def _qwen_windows(hf: dict, layers: int, window: int | None) -> list[str]:
+    if not hf.get("use_sliding_window"):
+        return [FULL] * layers
+    first = hf.get("max_window_layers", layers)
+    return _listed_layer_types(hf, layers) or [SLIDING if window and i >= first else FULL for i in range(layers)]
+
+
+def _alternating_windows(hf: dict, layers: int, window: int | None) -> list[str]:
+    return _listed_layer_types(hf, layers) or [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
+
+
+def _patterned_windows(hf: dict, layers: int, window: int | None) -> list[str]:
+    pattern = int(hf.get("sliding_window_pattern", 6))
+    return _listed_layer_types(hf, layers) or [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one model family changes in the decoder, where it differs from Llama's; read from config.json by
+    `ModelConfig.from_hf`, from a GGUF's metadata by `ModelConfig.from_gguf_reader`, and by core.weights."""
+
+    architecture: str  # Hugging Face's architectures[0], for a config.json whose model_type is not ours
+    gguf: str | None = None  # llama.cpp's general.architecture, where it has one of its own
+    # config.json's defaults where it leaves them out
+    activation: str = "silu"  # the MLP's gate, read from `activation_field`
+    activation_field: str = "hidden_act"
+    legacy_gelu_is_tanh: bool = False  # Gemma: transformers reads its legacy "gelu" as the tanh form
+    rms_norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    sliding_window: int | None = None  # a window transformers assumes where config.json has no sliding_window
+    # what the model computes differently
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + w) (a GGUF stores 1 + w already)
+    scaled_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden)
+    qkv_bias: bool = False  # biases on q, k and v (the one family whose attention_bias is allowed)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
+    sandwich_norms: bool = False  # RMSNorm on the attention's and the MLP's outputs too
+    query_scalar: bool = False  # q.k scaled by query_pre_attn_scalar ** -0.5 (a GGUF: llama.cpp's choice)
+    attn_softcap: bool = False  # scores -> cap * tanh(scores / cap), cap from attn_logit_softcapping
+    final_softcap: bool = False  # logits -> cap * tanh(logits / cap), cap from final_logit_softcapping
+    multipliers: bool = False  # Granite: embedding, residual, attention and logits multipliers
+    layer_types: Callable[[dict, int, int | None], list[str]] = _no_windows
+    local_rope: bool = False  # sliding layers have a RoPE of their own (rope_local_base_freq; theta 1e6 global)
+    longrope_aliases: bool = False  # rope_scaling "su" and "yarn" mean LongRoPE
+    # llama.cpp fixes which layers slide in its code, not the file (layer index -> slides), and the pattern
+    # it implements where the file names one
+    gguf_sliding: Callable[[int], bool] | None = None
+    gguf_window_pattern: int | None = None
+    # the weights' layout (core.weights)
+    fused_projections: bool = False  # one q/k/v tensor and one gate/up tensor
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q and K for its interleaved RoPE
+
+
+# What the Gemma generations share, and what Gemma 2 and 3 add to it.
+_GEMMA = dict(activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tied_embeddings=True, norm_offset=1.0,
+              scaled_embeddings=True)
+_GEMMA_2_3 = dict(_GEMMA, activation_field="hidden_activation", sliding_window=4096, sandwich_norms=True,
+                  query_scalar=True, final_softcap=True)
+# Hugging Face model_type -> its family. Gemma 3 is its text-only checkpoints (Gemma3ForCausalLM).
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", gguf="llama", gguf_permuted_qk=True),
+    "mistral": Family("MistralForCausalLM", sliding_window=4096, layer_types=_one_window),
+    "qwen2": Family("Qwen2ForCausalLM", gguf="qwen2", qkv_bias=True, layer_types=_qwen_windows),
+    "qwen3": Family("Qwen3ForCausalLM", gguf="qwen3", qk_norm=True, layer_types=_qwen_windows),
+    "gemma": Family("GemmaForCausalLM", gguf="gemma", legacy_gelu_is_tanh=True, **_GEMMA),
+    "gemma2": Family("Gemma2ForCausalLM", gguf="gemma2", attn_softcap=True, layer_types=_alternating_windows,
+                     gguf_sliding=lambda i: i % 2 == 0, **_GEMMA_2_3),
+    "gemma3_text": Family("Gemma3ForCausalLM", gguf="gemma3", qk_norm=True, layer_types=_patterned_windows,
+                          local_rope=True, gguf_sliding=lambda i: (i + 1) % 6 != 0, gguf_window_pattern=6,
+                          **_GEMMA_2_3),
+    # llama.cpp itself turns Phi-3's window off; transformers runs it on every layer, and so does the engine.
+    "phi3": Family("Phi3ForCausalLM", gguf="phi3", layer_types=_one_window, longrope_aliases=True,
+                   gguf_sliding=lambda i: True, fused_projections=True),
+    "granite": Family("GraniteForCausalLM", gguf="granite", multipliers=True, gguf_permuted_qk=True),
+}
+_ARCHITECTURES = {family.architecture: name for name, family in FAMILIES.items()}
+_GGUF_FAMILIES = {family.gguf: name for name, family in FAMILIES.items() if family.gguf}  # llama.cpp's -> ours
 
 
 @dataclass(frozen=True)
@@ -118,22 +211,22 @@ class ModelConfig:
         """From a Hugging Face config.json (transformers 4 or 5 layout); raises ValueError naming the field
         of a checkpoint the engine cannot score exactly."""
         arch = (hf.get("architectures") or [""])[0]
-        family = hf.get("model_type", "")
-        if family not in FAMILIES:
-            family = _ARCHITECTURES.get(arch, "")
-        if not family:
+        name = hf.get("model_type", "")
+        if name not in FAMILIES:
+            name = _ARCHITECTURES.get(arch, "")
+        if not name:
             hint = (" (Gemma 3: text-only checkpoints, Gemma3ForCausalLM, are supported)"
                     if hf.get("model_type") == "gemma3" else "")
             raise ValueError(f"unsupported architecture {arch or hf.get('model_type')!r}{hint}")
-        gemma = family in _GEMMAS
-        for name in ("quantization_config", "use_bidirectional_attention", "mlp_bias"):
-            if hf.get(name):
-                raise ValueError(f"config field {name}={hf[name]!r} is not supported")
-        if hf.get("attention_bias") and family != "qwen2":
-            raise ValueError(f"config field attention_bias={hf['attention_bias']!r} is not supported for {family}")
-        act_field = "hidden_activation" if family in ("gemma2", "gemma3_text") else "hidden_act"
-        act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
-        if family == "gemma" and act == "gelu":  # transformers reads Gemma's legacy "gelu" as the tanh form
+        family = FAMILIES[name]
+        for field in ("quantization_config", "use_bidirectional_attention", "mlp_bias"):
+            if hf.get(field):
+                raise ValueError(f"config field {field}={hf[field]!r} is not supported")
+        if hf.get("attention_bias") and not family.qkv_bias:
+            raise ValueError(f"config field attention_bias={hf['attention_bias']!r} is not supported for {name}")
+        act_field = family.activation_field
+        act = hf.get(act_field) or family.activation
+        if family.legacy_gelu_is_tanh and act == "gelu":
             act = "gelu_pytorch_tanh"
         if act not in _ACTIVATIONS:
             raise ValueError(f"config field {act_field}={act!r} is not supported (silu, gelu_pytorch_tanh)")
@@ -141,15 +234,14 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         layers = hf["num_hidden_layers"]
         max_positions = int(hf.get("max_position_embeddings", 8192))
-        # transformers' Mistral and Gemma 2/3 default to a 4,096-token window; a null one: no window.
-        window = hf.get("sliding_window", 4096 if family in ("mistral", "gemma2", "gemma3_text") else None)
+        window = hf.get("sliding_window", family.sliding_window)  # a null one: no window
         if window is not None and int(window) <= 0:
             raise ValueError(f"config field sliding_window={window!r} is not supported")
-        types = _layer_types(hf, family, layers, window)
-        windows = tuple(int(window) if t == "sliding_attention" and window else 0 for t in types)
+        types = family.layer_types(hf, layers, window)
+        windows = tuple(int(window) if t == SLIDING and window else 0 for t in types)
         ropes, layer_rope, max_positions = _ropes(hf, family, types, head_dim, max_positions)
-        scalar = hf.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
-        multiplier = hf.get("attention_multiplier") if family == "granite" else None
+        scalar = hf.get("query_pre_attn_scalar") if family.query_scalar else None
+        multiplier = hf.get("attention_multiplier") if family.multipliers else None
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -158,23 +250,23 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
-            rope_theta=_theta(hf, family, "full_attention"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
-            qk_norm=family in ("qwen3", "gemma3_text"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            rope_theta=_theta(hf, family, FULL),
+            rms_norm_eps=float(hf.get("rms_norm_eps", family.rms_norm_eps)),
+            qk_norm=family.qk_norm,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tied_embeddings)),
             max_position_embeddings=max_positions,
-            family=family,
-            qkv_bias=family == "qwen2",
-            norm_offset=1.0 if gemma else 0.0,
+            family=name,
+            qkv_bias=family.qkv_bias,
+            norm_offset=family.norm_offset,
             activation=_ACTIVATIONS[act],
-            embed_scale=(math.sqrt(hf["hidden_size"]) if gemma
-                         else float(hf.get("embedding_multiplier", 1.0)) if family == "granite" else 1.0),
-            residual_scale=float(hf.get("residual_multiplier", 1.0)) if family == "granite" else 1.0,
+            embed_scale=(math.sqrt(hf["hidden_size"]) if family.scaled_embeddings
+                         else float(hf.get("embedding_multiplier", 1.0)) if family.multipliers else 1.0),
+            residual_scale=float(hf.get("residual_multiplier", 1.0)) if family.multipliers else 1.0,
             attn_scale=float(scalar) ** -0.5 if scalar else float(multiplier) if multiplier is not None else None,
-            attn_softcap=_cap(hf.get("attn_logit_softcapping")) if family == "gemma2" else None,
-            final_softcap=_cap(hf.get("final_logit_softcapping")) if family in ("gemma2", "gemma3_text") else None,
-            logits_scaling=float(hf.get("logits_scaling", 1.0)) if family == "granite" else 1.0,
-            sandwich_norms=family in ("gemma2", "gemma3_text"),
+            attn_softcap=_cap(hf.get("attn_logit_softcapping")) if family.attn_softcap else None,
+            final_softcap=_cap(hf.get("final_logit_softcapping")) if family.final_softcap else None,
+            logits_scaling=float(hf.get("logits_scaling", 1.0)) if family.multipliers else 1.0,
+            sandwich_norms=family.sandwich_norms,
             windows=windows if any(windows) else (),
             ropes=ropes,
             layer_rope=layer_rope if any(layer_rope) else (),
@@ -191,6 +283,7 @@ class ModelConfig:
         arch = field("general.architecture")
         if arch not in _GGUF_FAMILIES:
             raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_GGUF_FAMILIES)})")
+        family = FAMILIES[_GGUF_FAMILIES[arch]]
         arch_field = lambda key: field(f"{arch}.{key}")
         scaling = arch_field("rope.scaling.type")
         if scaling not in (None, "none", "linear"):
@@ -202,12 +295,13 @@ class ModelConfig:
             raise ValueError(f"GGUF field {arch}.rope.dimension_count={arch_field('rope.dimension_count')} is not "
                              f"supported (partial RoPE; {head_dim}, the head size, only)")
         tensors = {t.name: t for t in reader.tensors}
-        gemma = arch in ("gemma", "gemma2", "gemma3")
-        window = arch_field("attention.sliding_window") if arch in _GGUF_SLIDING else None
-        if arch == "gemma3" and arch_field("attention.sliding_window_pattern") not in (None, 6):
-            raise ValueError(f"GGUF field gemma3.attention.sliding_window_pattern="
-                             f"{arch_field('attention.sliding_window_pattern')!r} is not supported (llama.cpp: 6)")
-        windows = tuple(int(window) if window and _GGUF_SLIDING[arch](i) else 0 for i in range(layers))
+        window = arch_field("attention.sliding_window") if family.gguf_sliding else None
+        pattern = family.gguf_window_pattern
+        if pattern and arch_field("attention.sliding_window_pattern") not in (None, pattern):
+            raise ValueError(f"GGUF field {arch}.attention.sliding_window_pattern="
+                             f"{arch_field('attention.sliding_window_pattern')!r} is not supported "
+                             f"(llama.cpp: {pattern})")
+        windows = tuple(int(window) if window and family.gguf_sliding(i) else 0 for i in range(layers))
         # Global layers: freq_base, linear scaling, frequency factors (tensors: Phi-3's LongRoPE short factors or
         # Llama 3's rope_freqs; ggml divides each frequency by its factor), LongRoPE's attention factor.
         # Gemma 3's local layers: freq_base_swa, 10000 where absent (llama.cpp's default), no scaling.
@@ -219,18 +313,18 @@ class ModelConfig:
             inv = (inv / np.float32(arch_field("rope.scaling.factor"))).astype(np.float32)
         rope = Rope(tuple(inv.tolist()), float(arch_field("rope.scaling.attn_factor") or 1.0))
         local = Rope.plain(float(arch_field("rope.freq_base_swa") or 10000.0), head_dim)
-        per_layer = [local if arch == "gemma3" and w else rope for w in windows]
+        per_layer = [local if family.local_rope and w else rope for w in windows]
         ropes = tuple(dict.fromkeys(per_layer))
         max_positions = int(arch_field("context_length") or 8192)
         if "rope_factors_long.weight" in tensors:  # the short factors hold up to the original context (see _rope)
             max_positions = min(max_positions, int(arch_field("rope.scaling.original_context_length")))
         # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, or hidden / heads for Gemma 2 27B (46
         # layers) and Gemma 3 27B (62), which is what the published configs hold.
-        scalar = (hidden / heads if layers in (46, 62) else head_dim) if arch in ("gemma2", "gemma3") else None
+        scalar = (hidden / heads if layers in (46, 62) else head_dim) if family.query_scalar else None
         attn_scale = float(scalar) ** -0.5 if scalar else None
-        if arch == "granite" and arch_field("attention.scale"):
+        if family.multipliers and arch_field("attention.scale"):
             attn_scale = float(arch_field("attention.scale"))
-        granite = lambda key: float(arch_field(key) or 1.0) if arch == "granite" else 1.0  # its multipliers
+        multiplier = lambda key: float(arch_field(key) or 1.0) if family.multipliers else 1.0
         return cls(
             vocab_size=int(tensors["token_embd.weight"].shape[-1]),
             hidden_size=hidden,
@@ -241,33 +335,26 @@ class ModelConfig:
             intermediate_size=arch_field("feed_forward_length"),
             rope_theta=theta,
             rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon")),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=family.qk_norm,
             tie_word_embeddings="output.weight" not in tensors,
             max_position_embeddings=max_positions,
             family=_GGUF_FAMILIES[arch],
-            qkv_bias=arch == "qwen2",
-            activation="gelu_tanh" if gemma else "silu",
-            embed_scale=math.sqrt(hidden) if gemma else granite("embedding_scale"),
-            residual_scale=granite("residual_scale"),
+            qkv_bias=family.qkv_bias,
+            activation=_ACTIVATIONS[family.activation],
+            embed_scale=math.sqrt(hidden) if family.scaled_embeddings else multiplier("embedding_scale"),
+            residual_scale=multiplier("residual_scale"),
             attn_scale=attn_scale,
             attn_softcap=_cap(arch_field("attn_logit_softcapping")),
             final_softcap=_cap(arch_field("final_logit_softcapping")),
-            logits_scaling=granite("logit_scale"),
-            sandwich_norms=arch in ("gemma2", "gemma3"),
+            logits_scaling=multiplier("logit_scale"),
+            sandwich_norms=family.sandwich_norms,
             windows=windows if any(windows) else (),
             ropes=() if ropes == (Rope.plain(theta, head_dim),) else ropes,
             layer_rope=tuple(ropes.index(r) for r in per_layer) if len(ropes) > 1 else (),
         )
 
 
-# llama.cpp's architecture -> our family (Hugging Face's model_type).
-_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                  "gemma3": "gemma3_text", "phi3": "phi3", "granite": "granite"}
-# Which layers slide where the GGUF has a window: llama.cpp fixes the pattern in its code, not the file (Gemma 2:
-# even layers; Gemma 3: five local, then one global, as transformers' default; Phi-3: all, as transformers runs
-# it, though llama.cpp itself turns Phi-3's window off).
 _GGUF_ROPE_FACTORS = ("rope_factors_short.weight", "rope_freqs.weight")
-_GGUF_SLIDING = {"gemma2": lambda i: i % 2 == 0, "gemma3": lambda i: (i + 1) % 6 != 0, "phi3": lambda i: True}
 
 
 def _gguf_tensor(tensor) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -286,51 +373,29 @@ def _inv_freq(theta: float, head_dim: int) -> np.ndarray:
         .astype(np.float32)
 
 
-def _layer_types(hf: dict, family: str, layers: int, window: int | None) -> list[str]:
-    """Each layer's "full_attention" or "sliding_attention", as transformers decides it per family."""
-    if family in ("mistral", "phi3"):  # one window for every layer, if any
-        return ["sliding_attention" if window else "full_attention"] * layers
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
-        return ["full_attention"] * layers
-    if hf.get("layer_types"):
-        types = list(hf["layer_types"])
-        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"config field layer_types={types!r} is not supported")
-        return types
-    if family in ("qwen2", "qwen3"):
-        first = hf.get("max_window_layers", layers)
-        return ["sliding_attention" if window and i >= first else "full_attention" for i in range(layers)]
-    if family == "gemma2":
-        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if family == "gemma3_text":
-        pattern = int(hf.get("sliding_window_pattern", 6))
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    return ["full_attention"] * layers  # llama, gemma, granite: transformers reads no window for them
-
-
-def _rope_parameters(hf: dict, family: str, layer_type: str) -> dict:
+def _rope_parameters(hf: dict, family: Family, layer_type: str) -> dict:
     """The RoPE parameters of a layer type: transformers 5's rope_parameters (flat, or per layer type), or
     transformers 4's rope_theta / rope_scaling / rope_local_base_freq."""
     params = dict(hf.get("rope_parameters") or {})
-    if layer_type in params or "full_attention" in params:
+    if layer_type in params or FULL in params:
         params = dict(params.get(layer_type) or {})
     elif not params:
         params = dict(hf.get("rope_scaling") or {})
-        if family == "gemma3_text" and layer_type == "sliding_attention":
+        if family.local_rope and layer_type == SLIDING:
             params = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}  # the scaling is the global layers'
     return params
 
 
-def _theta(hf: dict, family: str, layer_type: str) -> float:
+def _theta(hf: dict, family: Family, layer_type: str) -> float:
     params = _rope_parameters(hf, family, layer_type)
     if "rope_theta" in params:
         return float(params["rope_theta"])
-    if family == "gemma3_text":
-        return 10000.0 if layer_type == "sliding_attention" else float(hf.get("rope_theta", 1_000_000.0))
+    if family.local_rope:
+        return 10000.0 if layer_type == SLIDING else float(hf.get("rope_theta", 1_000_000.0))
     return float(hf.get("rope_theta", 10000.0))
 
 
-def _ropes(hf: dict, family: str, types: list[str], head_dim: int, max_positions: int):
+def _ropes(hf: dict, family: Family, types: list[str], head_dim: int, max_positions: int):
     """(distinct RoPEs, each layer's index among them, the longest sequence they are exact for)."""
     by_type: dict[str, Rope] = {}
     for layer_type in dict.fromkeys(types):
@@ -338,15 +403,15 @@ def _ropes(hf: dict, family: str, types: list[str], head_dim: int, max_positions
                                     _theta(hf, family, layer_type), head_dim, max_positions)
         by_type[layer_type] = rope
     ropes = tuple(dict.fromkeys(by_type.values()))
-    plain = Rope.plain(_theta(hf, family, "full_attention"), head_dim)
+    plain = Rope.plain(_theta(hf, family, FULL), head_dim)
     if ropes == (plain,):
         return (), tuple(0 for _ in types), max_positions
     return ropes, tuple(ropes.index(by_type[t]) for t in types), max_positions
 
 
-def _rope(hf: dict, family: str, params: dict, theta: float, head_dim: int, max_positions: int):
+def _rope(hf: dict, family: Family, params: dict, theta: float, head_dim: int, max_positions: int):
     kind = params.get("rope_type", params.get("type")) or "default"
-    if family == "phi3" and kind in ("su", "yarn"):  # transformers reads both as LongRoPE for Phi-3
+    if family.longrope_aliases and kind in ("su", "yarn"):
         kind = "longrope"
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):

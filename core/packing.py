@@ -23,7 +23,8 @@ from typing import Callable
 
 import numpy as np
 
-from core.attention import KEY_PAD_SEQ, QUERY_PAD_SEQ, TokenMeta, block_tables, pad_tables
+from core.attention.rule import KEY_PAD_SEQ, QUERY_PAD_SEQ, TokenMeta
+from core.attention.host_tables import block_tables, pad_tables
 from core.requests import TokenizedRequest
 
 

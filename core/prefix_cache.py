@@ -22,8 +22,8 @@ PREFIX_CACHE_BYTES_CPU = 256 << 20
 PREFIX_CACHE_SHARE = 0.5
 # How many queries computed but not kept the cache remembers (their hashes): a query goes in when a pass
 # computes it a second time, so queries that come once (most, in ranking traffic) take neither memory nor a copy
-# out of the pass; a query that comes back is computed once more, then read from the cache (issue 47's soak: at
-# its traffic of unique queries the cache grew 10-17 MB an hour, none of it ever read).
+# out of the pass; a query that comes back is computed once more, then read from the cache (with unique queries
+# the cache would otherwise grow by megabytes an hour, none of it ever read).
 SIGHTINGS = 4096
 
 

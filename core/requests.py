@@ -79,7 +79,7 @@ class TokenizedRequest:
 def token_ints(vocab_size: int) -> tuple[int, ...]:
     """One int object per token id of a vocabulary, for every request's tuples to share: a token held is then a
     tuple's pointer (8 bytes) and not an int of its own besides (32 more; Python shares those under 257 only).
-    A lake chunk holds its rows' tokens until it commits, a million for 5,000 rows of 200 tokens (issue 47)."""
+    A lake chunk holds its rows' tokens until it commits, a million for 5,000 rows of 200 tokens."""
     return tuple(range(vocab_size))
 
 

@@ -16,8 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import allocator
-from core import attention as attn
 from core import sharding
+from core.attention import selection
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
 from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
@@ -27,12 +27,10 @@ from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
-
 # XLA's CPU compiler hands matmuls to YNNPACK; handing it the element-wise ops and reductions too (the
-# attention's exp and masks, the norms, SwiGLU) made the float32 pass about 5% faster, with the same results to
+# attention's exp and masks, the norms, SwiGLU) makes the float32 pass about 5% faster, with the same results to
 # the contract's tolerances. But with that flag bfloat16 dots go to YNNPACK too, which does not use AMX or
-# AVX512-BF16 (issue 21: bfloat16 then ran slower than float32); XLA's default CPU path does. XLA reads
+# AVX512-BF16 (bfloat16 would run slower than float32); XLA's default CPU path does. XLA reads
 # XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the Scorer's default dtype (float32), and
 # again by `Scorer.from_pretrained` for its dtype if no computation has started the backend yet (a service that
 # starts JAX before it builds its Scorer chooses them itself, for its DTYPE setting: `packscore check`). An
@@ -123,10 +121,6 @@ def _collect_scores(requests: Sequence[TokenizedRequest], arrays, logprobs: np.n
     return scores
 
 
-def _default_attention() -> str:
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
-
-
 @partial(jax.jit, static_argnames=("model_def", "impl", "block_q", "block_k", "keep_kv", "token_rows", "mesh"))
 def run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, score_rows, score_labels,
              n_rows, n_tokens, *, model_def: nnx.GraphDef, impl: str, block_q: int, block_k: int, keep_kv: bool,
@@ -142,12 +136,7 @@ def run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, sco
 
     def one_kind(i: int, q, k, v, q_meta, kv_meta, tables):
         layer = {"scale": c.scale, "softcap": c.attn_softcap, "window": c.attention_windows[i]}
-        if impl == "dense":
-            return attn.dense_attention(q, k, v, q_meta, kv_meta, **layer)
-        if impl == "xla":
-            return attn.cascade_attention(q, k, v, q_meta, kv_meta, *tables, **layer)
-        return attn.pallas_attention(q, k, v, q_meta, kv_meta, *tables, block_q=block_q, block_k=block_k,
-                                     interpret=impl == "pallas-interpret", **layer)
+        return selection.PATHS[impl].attend(q, k, v, q_meta, kv_meta, tables, block_q, block_k, **layer)
 
     def on_heads(i: int, q, k, v):
         if mesh is None:
@@ -291,8 +280,7 @@ class Scorer:
         that the ladder can reach 64 tokens). `limits`: max_items, max_tokens, max_labels, max_sequence_tokens (see
         RequestTokenizer). `tensor_parallel`: the model split over this process's first N devices (see
         core.sharding); a model that N does not split raises ValueError naming the values that work."""
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}")
+        self.attention = selection.setting_for(attention, jax.default_backend())
         self.config = config
         self.model_name = name
         sharding.check(config, tensor_parallel, len(jax.devices()))
@@ -301,10 +289,9 @@ class Scorer:
         limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
         self.requests = RequestTokenizer(tokenizer, config.vocab_size, model_name=name, **limits)
         self.dtype = jnp.dtype(dtype)
-        self.attention = _default_attention() if attention == "auto" else attention
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
-        self.block_q, self.block_k = block_q or (64 if self.attention in ("xla", "dense") else 128), block_k
+        self.block_q, self.block_k = block_q or self._path.block_q, block_k
         on_cpu = jax.default_backend() == "cpu"
         # A pass costs its padded length. On CPU a small request (a few dozen tokens) in the accelerators'
         # shortest pass (pass_tokens/8: 512 tokens) took 1 s of compute on the bundled model (2-core AVX2 host),
@@ -348,10 +335,12 @@ class Scorer:
         """The attention that runs: "xla", "dense" or "pallas-interpret" as set; for "pallas", the kernel in
         the programs compiled so far ("pallas-tpu", "pallas-mosaic-gpu", or "xla" where the kernel failed to
         compile on this device or the platform has none), or "pallas" before the first pass."""
-        if self.attention != "pallas":
-            return self.attention
-        path = attn.attention_path()
-        return "pallas" if path == "none" else path
+        return selection.path_in_use(self.attention)
+
+    @property
+    def _path(self) -> selection.Path:
+        """The attention path's row of the selection table (core.attention.selection)."""
+        return selection.PATHS[self.attention]
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = "smollm2-135m", cache_dir: str | None = None,
@@ -522,24 +511,17 @@ class Scorer:
             flight = flight._previous
 
     def _table_width(self, tokens: int, cache_len: int, needed: int) -> int:
-        """The XLA path loops over each query tile's own windows and tiles, so its tables take the widest
-        width a pass of this length can need: the width is then no compile key (nor for the dense reference,
-        which reads no table). A Pallas kernel's grid spans the table, so its tables stay as narrow as the pass
-        needs (a compile key on accelerators)."""
-        return (cache_len + tokens) // self.block_k if self.attention in ("xla", "dense") else needed
+        """The tables' width for a pass: the widest a pass of this length can need where the path's tables are
+        wide (the XLA paths loop over each query tile's own list: no compile key), else the pass's own `needed`
+        (a kernel's grid spans its table: a compile key on accelerators). See core.attention.selection."""
+        return (cache_len + tokens) // self.block_k if self._path.wide_tables else needed
 
     def _tables(self, arrays, width: int) -> tuple[tuple[np.ndarray, ...], ...]:
         """The attention's host tables for a pass, one set per window of the model (a windowed layer's skip the
         tiles outside its window): `cascade_attention`'s on the XLA path, else the block tables (the Pallas
         kernels'; the dense reference reads none), `width` wide (a window's tables list no more tiles)."""
-        def one(window: int) -> tuple[np.ndarray, ...]:
-            if self.attention == "xla":
-                return attn.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
-            if not window:
-                return attn.pad_tables(arrays.tile_ids, width), arrays.tile_counts
-            ids, counts = attn.block_tables(arrays.q_meta, arrays.kv_meta, self.block_q, self.block_k, window=window)
-            return attn.pad_tables(ids, width), counts
-        return tuple(one(window) for window in self.config.attention_windows)
+        return tuple(self._path.tables(arrays, window, width, self.block_q, self.block_k)
+                     for window in self.config.attention_windows)
 
     def _program(self, tokens: int, cache_len: int, score_rows: int, width: int, label_width: int,
                  keep_kv: bool) -> jax.stages.Compiled:
@@ -547,10 +529,8 @@ class Scorer:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
         cache = jax.ShapeDtypeStruct((c.num_layers, cache_len, c.num_kv_heads, c.head_dim), self.dtype,
                                      sharding=self._kv_sharding)
-        if self.attention == "xla":
-            tables = tuple(i32(*shape) for shape in attn.cascade_table_shapes(tokens, cache_len + tokens))
-        else:
-            tables = (i32(tokens // self.block_q, width), i32(tokens // self.block_q))
+        shapes = self._path.table_shapes(tokens, cache_len + tokens, width, self.block_q)
+        tables = tuple(i32(*shape) for shape in shapes)
         tables = (tables,) * len(c.attention_windows)
         args = (self._model_state, i32(tokens), (i32(tokens),) * 3, (i32(cache_len + tokens),) * 3, tables,
                 cache, cache, i32(score_rows),
@@ -577,7 +557,7 @@ class Scorer:
         (the first always runs). Returns how many; `on_program(done, total)` is called before the first and after each.
         The Pallas kernels' table width is a compile key too, one that depends on the traffic, so with
         attention "pallas" nothing is compiled ahead."""
-        if self.attention not in ("xla", "dense"):
+        if not self._path.wide_tables:
             return 0
         block = max(self.block_q, self.block_k)
         short_cache, full_cache = (cache_length(n, self.pass_tokens, block) for n in (1, self.pass_tokens))
@@ -609,9 +589,8 @@ class Scorer:
     def _run_filler(self, tokens: int, cache_len: int, keep_kv: bool) -> None:
         """Runs a pass that fills a resident program of the ladder, with the structure of traffic. A program's
         first run makes what the runtime keeps for it (XLA CPU's YNNPACK executables, of each loop and branch
-        the pass's tables drive: 15-21 MB for the tiny model's ladder), which otherwise filled a worker's memory
-        a shape at a time through its first half hour of traffic (issue 47); on accelerators, whatever else a
-        first run costs."""
+        the pass's tables drive: 15-21 MB for the tiny model's ladder), which would otherwise fill a worker's
+        memory a shape at a time through its first traffic; on accelerators, whatever else a first run costs."""
         arrays = build_pass(filler_plan(tokens, cache_len), self.block_q, self.block_k, self.pass_tokens,
                             self.shortest_pass, self.ladder_steps)
         labels = np.zeros((len(arrays.score_rows), MIN_LABEL_WIDTH), np.int32)
@@ -653,7 +632,7 @@ class Scorer:
         inputs = (arrays.tokens, meta(arrays.q_meta), meta(arrays.kv_meta), self._tables(arrays, width))
         counts = (arrays.score_rows, labels, np.int32(arrays.n_rows), np.int32(arrays.real_tokens))
         # device_put, not jnp.asarray: JAX compiles (and keeps, with an MLIR context of its own) a small program
-        # for each shape jnp.asarray lifts, which grew a worker's memory by MBs per new pass shape (issue 47).
+        # for each shape jnp.asarray lifts, MBs of a worker's memory per new pass shape.
         # On a mesh every chip gets the pass's tokens and tables.
         (tokens, q_meta, kv_meta, tables), counts = jax.device_put((inputs, counts), self._replicated)
         logprobs, kv = program(self._model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, *counts)

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from core import sharding
-from core.config import ModelConfig
+from core.config import FAMILIES, ModelConfig
 from core.model import CausalLM
 from core.requests import write_atomically
 
@@ -145,8 +145,9 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
         return np.asarray(gguf.dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape.tolist())))
 
     names = _layer_names(config, gguf=True)
-    # Phi-3 keeps its fused tensors: attn_qkv (q, k, v rows) and ffn_up (gate rows, then up rows).
-    fused = ("q", "k", "v", "gate", "up") if config.family == "phi3" else ()
+    # A fused family keeps its fused tensors: attn_qkv (q, k, v rows) and ffn_up (gate rows, then up rows).
+    family = FAMILIES[config.family]
+    fused = ("q", "k", "v", "gate", "up") if family.fused_projections else ()
     layers = []
     for i in range(config.num_layers):
         layer = {key: read(f"blk.{i}.{name}") for key, name in names.items() if key not in fused}
@@ -154,7 +155,7 @@ def _dequantize_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
             q, kv = config.q_size, config.kv_size
             layer.update(zip(("q", "k", "v"), np.split(read(f"blk.{i}.attn_qkv.weight"), [q, q + kv])))
             layer.update(zip(("gate", "up"), np.split(read(f"blk.{i}.ffn_up.weight"), 2)))
-        if config.family in ("llama", "granite"):  # llama.cpp's converter permuted Q and K for its interleaved RoPE
+        if family.gguf_permuted_qk:
             layer["q"] = _unpermute_qk(layer["q"], config.num_heads)
             layer["k"] = _unpermute_qk(layer["k"], config.num_kv_heads)
         layers.append(layer)
@@ -185,7 +186,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict]:
     layers = []
     for i in range(config.num_layers):
         prefix = f"layers.{i}."
-        if config.family == "phi3":  # fused q/k/v and gate/up
+        if FAMILIES[config.family].fused_projections:
             names = {k: v for k, v in names.items() if k not in ("q", "k", "v", "gate", "up")}
             qkv, gate_up = raw[prefix + "self_attn.qkv_proj.weight"], raw[prefix + "mlp.gate_up_proj.weight"]
             layer = dict(zip(("q", "k", "v"), np.split(qkv, [q, q + kv])))

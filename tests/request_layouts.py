@@ -5,13 +5,13 @@ and its attention rows in each: the kernels must give that request's rows the sa
 import jax.numpy as jnp
 import numpy as np
 
-from core import attention as A
+from core.attention import host_tables, xla
 from core.packing import PackedSequence, PassPlan, build_pass
 
 
 def reference(q, k, v, qm, km, **layer):
     f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(A.dense_attention(f32(q), f32(k), f32(v), qm, km, **layer))
+    return np.asarray(xla.dense_attention(f32(q), f32(k), f32(v), qm, km, **layer))
 
 
 def request_layouts(query: int, items: tuple[int, ...], others: list[tuple[int, tuple[int, ...], bool]]):
@@ -39,7 +39,7 @@ def token_vectors(meta, mine: int, heads: int, dim: int, table: np.ndarray) -> n
 
 
 def request_rows(kernel, plans, heads: int, kv_heads: int, dim: int, dtype, block_q: int, block_k: int,
-                 host_tables=A.window_tables, **layer):
+                 host_tables=host_tables.window_tables, **layer):
     """The request's output rows (its items' tokens, and the row scoring its query alone), keyed by (item,
     position), per layout; and each layout's largest distance from the dense reference over its real rows.
     `host_tables`: the kernel's tables (`window_tables` for the aligned kernels, `block_tables` for today's)."""

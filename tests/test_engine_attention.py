@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core import attention as A
+from core.attention import host_tables, rule, selection, xla
 from core.packing import PackedSequence, PassPlan, build_pass
 
 
@@ -32,16 +32,16 @@ def run_all(arrays, heads=4, kv_heads=2, dim=16, seed=0, block_q=32, block_k=16,
     meta = lambda m: (jnp.asarray(m.seq), jnp.asarray(m.item), jnp.asarray(m.pos))
     qm, km = meta(arrays.q_meta), meta(arrays.kv_meta)
     window = layer.get("window", 0)
-    ids, counts = (jnp.asarray(t) for t in A.block_tables(arrays.q_meta, arrays.kv_meta, block_q, block_k,
-                                                           window=window))
+    ids, counts = (jnp.asarray(t) for t in host_tables.block_tables(arrays.q_meta, arrays.kv_meta, block_q,
+                                                                    block_k, window=window))
     real = arrays.q_meta.seq >= 0
-    ref = np.asarray(A.dense_attention(q, k, v, qm, km, **layer))[real]
-    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
-    outs = {"xla": A.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k, **layer),
-            "cascade": A.cascade_attention(q, k, v, qm, km, *tables, **layer)}
+    ref = np.asarray(xla.dense_attention(q, k, v, qm, km, **layer))[real]
+    tables = host_tables.cascade_tables(arrays.q_meta, arrays.kv_meta, window).as_tuple()
+    outs = {"xla": xla.blocksparse_attention(q, k, v, qm, km, ids, counts, block_q, block_k, **layer),
+            "cascade": xla.cascade_attention(q, k, v, qm, km, *tables, **layer)}
     if pallas:
-        outs["pallas"] = A.pallas_attention(q, k, v, qm, km, ids, counts, block_q=block_q, block_k=block_k,
-                                            interpret=True, **layer)
+        outs["pallas"] = selection.pallas_attention(q, k, v, qm, km, ids, counts, block_q=block_q,
+                                                    block_k=block_k, interpret=True, **layer)
     return ref, {name: np.asarray(o)[real] for name, o in outs.items()}
 
 
@@ -77,7 +77,7 @@ def test_tables_skip_invisible_tiles():
     assert arrays.tile_counts.sum() < 0.4 * n_key_tiles * len(arrays.tile_counts)
     # and the tables never drop a visible pair (checked exactly against the token-level rule)
     q, kv = arrays.q_meta, arrays.kv_meta
-    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+    mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
     for i in range(len(arrays.tile_counts)):
         listed = set(arrays.tile_ids[i, : arrays.tile_counts[i]].tolist())
         needed = set(np.flatnonzero(mask[i * 128:(i + 1) * 128].reshape(128, -1, 64).any(axis=(0, 2))).tolist())
@@ -91,15 +91,15 @@ def test_cascade_prefix_windows_read_each_prefix_key_once():
     sequences = [PackedSequence(tuple(range(n)), cached, items=[(r, 0, (1, 2, 3))])
                  for r, (n, cached) in enumerate([(50, True), (700, True), (30, False)])]
     arrays = build_pass(PassPlan(sequences), 128, 64)
-    tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta)
+    tables = host_tables.cascade_tables(arrays.q_meta, arrays.kv_meta)
     q, kv = arrays.q_meta, arrays.kv_meta
     tile = len(q.seq) // len(tables.prefix_counts)
     for i, count in enumerate(tables.prefix_counts.sum(axis=1)):
-        read = np.zeros(len(kv.seq) + A.PREFIX_WIDE, int)
+        read = np.zeros(len(kv.seq) + host_tables.PREFIX_WIDE, int)
         for start, size in zip(tables.prefix_starts[i, :count], tables.prefix_sizes[i, :count]):
             read[start:start + size] += 1
         rows = slice(i * tile, (i + 1) * tile)
-        mask = A.visible(q.seq[rows, None], q.item[rows, None], q.pos[rows, None], kv.seq[None], kv.item[None],
+        mask = rule.visible(q.seq[rows, None], q.item[rows, None], q.pos[rows, None], kv.seq[None], kv.item[None],
                          kv.pos[None])
         needed = (mask & (kv.item[None] < 0)).any(axis=0)
         assert read.max() <= 1 and (read[: len(kv.seq)][needed] == 1).all()
@@ -123,22 +123,23 @@ def test_window_tables_skip_tiles_outside_the_window():
     plan = PassPlan([PackedSequence(tuple(range(600)), items=[(0, i, tuple(range(20))) for i in range(10)])])
     arrays = build_pass(plan, 128, 64)
     q, kv = arrays.q_meta, arrays.kv_meta
-    ids, counts = A.block_tables(q, kv, 128, 64, window=64)
+    ids, counts = host_tables.block_tables(q, kv, 128, 64, window=64)
     assert counts.max() <= 4 and counts.sum() < arrays.tile_counts.sum() / 2
-    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None], 64)
+    mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None], 64)
     for i in range(len(counts)):
         needed = set(np.flatnonzero(mask[i * 128:(i + 1) * 128].reshape(128, -1, 64).any(axis=(0, 2))).tolist())
         assert needed <= set(ids[i, : counts[i]].tolist())
-    tables = A.cascade_tables(q, kv, window=64)
+    tables = host_tables.cascade_tables(q, kv, window=64)
     # A tile's rows span at most PREFIX_TILE_Q positions and the window reaches 64 before them.
-    reach = -(-(A.PREFIX_TILE_Q + 64) // A.PREFIX_WINDOW) + 1
-    assert tables.prefix_counts.sum(axis=1).max() <= reach < -(-600 // A.PREFIX_WINDOW)  # of the query's windows
+    reach = -(-(host_tables.PREFIX_TILE_Q + 64) // host_tables.PREFIX_WINDOW) + 1
+    # of the query's windows:
+    assert tables.prefix_counts.sum(axis=1).max() <= reach < -(-600 // host_tables.PREFIX_WINDOW)
 
 
 def prefix_work(tables, tile: int) -> int:
     """The prefix part's (row, key) pairs: every row of a tile against each window listed for it."""
     wide, narrow = tables.prefix_counts.sum(axis=0)
-    return int(wide * A.PREFIX_WIDE + narrow * A.PREFIX_WINDOW) * tile
+    return int(wide * host_tables.PREFIX_WIDE + narrow * host_tables.PREFIX_WINDOW) * tile
 
 
 @pytest.mark.parametrize("window", [0, 100])
@@ -149,7 +150,7 @@ def test_long_prefixes_in_wide_and_narrow_windows_match_dense(window):
     sequences = [PackedSequence(tuple(range(n)), cached, items=[(r, i, tuple(range(1 + 7 * i))) for i in range(3)])
                  for r, (n, cached) in enumerate(lengths)]
     arrays = build_pass(PassPlan(sequences), 32, 16)
-    assert A.cascade_tables(arrays.q_meta, arrays.kv_meta, window).prefix_counts[:, 0].any()  # wide windows ran
+    assert host_tables.cascade_tables(arrays.q_meta, arrays.kv_meta, window).prefix_counts[:, 0].any()  # wide ones ran
     ref, outs = run_all(arrays, seed=3, pallas=False, window=window)
     assert np.abs(outs["cascade"] - ref).max() < 2e-5
 
@@ -159,12 +160,12 @@ def test_prefix_windows_depend_on_the_length_alone():
     the pass, its wide windows first, then its tail's narrow ones, covering each key once, no wide window
     wider than the narrow ones it replaces."""
     for length in [1, 64, 65, 192, 193, 255, 256, 257, 449, 450, 500, 1000]:
-        offsets, sizes, wide = A.prefix_windows(length)
+        offsets, sizes, wide = host_tables.prefix_windows(length)
         assert (np.diff(offsets) == sizes[:-1]).all() and offsets[0] == 0 and offsets[-1] + sizes[-1] == length
-        assert (sizes[wide] <= A.PREFIX_WIDE).all() and (sizes[~wide] <= A.PREFIX_WINDOW).all()
+        assert (sizes[wide] <= host_tables.PREFIX_WIDE).all() and (sizes[~wide] <= host_tables.PREFIX_WINDOW).all()
         assert not (wide[1:] & ~wide[:-1]).any()  # the wide ones first
-        narrow_only = -(-length // A.PREFIX_WINDOW) * A.PREFIX_WINDOW
-        assert wide.sum() * A.PREFIX_WIDE + (~wide).sum() * A.PREFIX_WINDOW <= narrow_only
+        narrow_only = -(-length // host_tables.PREFIX_WINDOW) * host_tables.PREFIX_WINDOW
+        assert wide.sum() * host_tables.PREFIX_WIDE + (~wide).sum() * host_tables.PREFIX_WINDOW <= narrow_only
         assert (~wide).sum() <= 3  # a tail of 4 narrow windows is one wide window
     for length in (40, 500):
         alone = PassPlan([PackedSequence(tuple(range(length)), items=[(0, 0, (1, 2))])])
@@ -173,7 +174,7 @@ def test_prefix_windows_depend_on_the_length_alone():
         read = []
         for plan, seq in ((alone, 0), (shared, 1)):
             arrays = build_pass(plan, 32, 16)
-            tables = A.cascade_tables(arrays.q_meta, arrays.kv_meta)
+            tables = host_tables.cascade_tables(arrays.q_meta, arrays.kv_meta)
             first = np.flatnonzero(arrays.kv_meta.seq == seq)[0]
             row = int(np.flatnonzero((arrays.q_meta.seq == seq) & (arrays.q_meta.item >= 0))[0])
             i = row // (len(arrays.q_meta.seq) // len(tables.prefix_counts))
@@ -181,7 +182,7 @@ def test_prefix_windows_depend_on_the_length_alone():
             listed = zip(tables.prefix_starts[i, :count], tables.prefix_sizes[i, :count])
             read.append([(int(start - first), int(size)) for start, size in listed
                          if arrays.kv_meta.seq[start] == seq])
-        assert read[0] == read[1] == [(int(o), int(n)) for o, n in zip(*A.prefix_windows(length)[:2])]
+        assert read[0] == read[1] == [(int(o), int(n)) for o, n in zip(*host_tables.prefix_windows(length)[:2])]
 
 
 def test_cascade_prefix_work_for_a_long_query():
@@ -191,10 +192,10 @@ def test_cascade_prefix_work_for_a_long_query():
     plan = PassPlan([PackedSequence(tuple(range(500)), items=[(0, i, tuple(range(20))) for i in range(100)])])
     arrays = build_pass(plan, 64, 64)
     q, kv = arrays.q_meta, arrays.kv_meta
-    tables = A.cascade_tables(q, kv)
+    tables = host_tables.cascade_tables(q, kv)
     assert tables.prefix_counts.sum(axis=1).max() == 2 and (tables.prefix_counts[:, 1] == 0).all()
     tile = len(q.seq) // len(tables.prefix_counts)
-    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+    mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
     visible = int((mask & (kv.item[None] < 0)).sum())
     assert prefix_work(tables, tile) <= 1.5 * visible, (prefix_work(tables, tile), visible)
 
@@ -208,9 +209,9 @@ def test_cascade_prefix_work_stays_near_the_visible_keys_for_short_requests():
                  for r in range(17)]
     arrays = build_pass(PassPlan(sequences), 64, 64)
     q, kv = arrays.q_meta, arrays.kv_meta
-    tables = A.cascade_tables(q, kv)
+    tables = host_tables.cascade_tables(q, kv)
     tile = len(q.seq) // len(tables.prefix_counts)
     work = prefix_work(tables, tile)
-    mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+    mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
     visible = int((mask & (kv.item[None] < 0)).sum())
     assert visible > 0 and work <= 8 * visible, (work, visible)

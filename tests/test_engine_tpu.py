@@ -1,9 +1,9 @@
 """The accelerator attention kernels against the dense reference, on the CPU.
 
-- The TPU kernel (core.attention.tpu_attention) runs in TPU interpret mode, which simulates HBM, VMEM,
+- The TPU kernel (core.attention.tpu) runs in TPU interpret mode, which simulates HBM, VMEM,
   SMEM and the pipeline's DMAs, with the race detector on and out-of-bounds reads raising; memory is
   filled with NaN, so an output block the kernel never writes shows up.
-- The Mosaic GPU kernel (core.attention.gpu_attention) runs in GPU interpret mode, which runs one block
+- The Mosaic GPU kernel (core.attention.gpu) runs in GPU interpret mode, which runs one block
   of its grid and has no WGMMA on register or transposed operands: the tables, the pipeline's index maps,
   the masking and the online softmax are checked, the WGMMA calls are not (see tests/test_aot.py for
   its lowering).
@@ -21,7 +21,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental.pallas import tpu as pltpu
 
-from core import attention as A
+from core.attention import device_tables, gpu, host_tables, rule, selection, tpu, xla as xla_paths
 from core.packing import PackedSequence, PassPlan, build_pass
 from tests.request_layouts import reference, request_layouts, request_rows
 
@@ -54,10 +54,10 @@ def inputs(arrays, heads, kv_heads, dim, dtype, seed):
 def run_tpu(arrays, tile=128, heads=4, kv_heads=2, dim=64, dtype=jnp.float32, seed=0, **layer):
     args = inputs(arrays, heads, kv_heads, dim, dtype, seed)
     if layer.get("window"):  # the window's own tables
-        args = (*args[:5], *(jnp.asarray(t) for t in A.block_tables(arrays.q_meta, arrays.kv_meta, 128, 64,
-                                                                      window=layer["window"])))
+        args = (*args[:5], *(jnp.asarray(t) for t in host_tables.block_tables(arrays.q_meta, arrays.kv_meta, 128,
+                                                                                64, window=layer["window"])))
     tpu_interpreter.reset_tpu_interpret_mode_state()
-    out = A.tpu_attention(*args, 128, 64, tile_q=tile, tile_k=tile, interpret=STRICT, **layer)
+    out = tpu.tpu_attention(*args, 128, 64, tile_q=tile, tile_k=tile, interpret=STRICT, **layer)
     out = np.asarray(out.astype(jnp.float32))
     assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
     return out, reference(*args[:5], **layer)
@@ -115,13 +115,14 @@ def test_tpu_kernel_default_tiles_bfloat16_and_the_unmasked_fast_path():
     arrays = build_pass(PassPlan([PackedSequence(tuple(range(1100)), items=items)]), 128, 64)
     args = inputs(arrays, 6, 2, 64, jnp.bfloat16, 5)
     T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
-    ids, counts = A.kernel_tables(args[5], args[6], 128, 64, 512, 512, A._round_up(T, 512), A._round_up(Tk, 512))
-    qm, km = A._padded_inputs(*args[:5], A._round_up(T, 512), A._round_up(Tk, 512))[3:]
-    full = np.asarray(A.full_tiles(ids, qm, km, 512, 512))
+    q_len, kv_len = device_tables.round_up(T, 512), device_tables.round_up(Tk, 512)
+    ids, counts = device_tables.kernel_tables(args[5], args[6], 128, 64, 512, 512, q_len, kv_len)
+    qm, km = device_tables.padded_inputs(*args[:5], q_len, kv_len)[3:]
+    full = np.asarray(device_tables.full_tiles(ids, qm, km, 512, 512))
     listed = np.arange(ids.shape[1])[None] < np.asarray(counts)[:, None]
     assert (full & listed).any() and (~full & listed).any()  # both paths of the kernel run
     tpu_interpreter.reset_tpu_interpret_mode_state()
-    out = np.asarray(A.tpu_attention(*args, 128, 64, interpret=STRICT).astype(jnp.float32))
+    out = np.asarray(tpu.tpu_attention(*args, 128, 64, interpret=STRICT).astype(jnp.float32))
     assert not tpu_interpreter.races.races_found
     check(arrays, out, reference(*args[:5]), 3e-2)
 
@@ -132,19 +133,19 @@ def test_tpu_kernel_tables_from_smaller_host_tiles():
     arrays = build_pass(layout(np.random.default_rng(7), 2, 30), 32, 16)
     args = inputs(arrays, 4, 2, 64, jnp.float32, 7)
     tpu_interpreter.reset_tpu_interpret_mode_state()
-    out = np.asarray(A.tpu_attention(*args, 32, 16, tile_q=128, tile_k=128, interpret=STRICT))
+    out = np.asarray(tpu.tpu_attention(*args, 32, 16, tile_q=128, tile_k=128, interpret=STRICT))
     check(arrays, out, reference(*args[:5]), 2e-5)
 
 
 def test_kernel_tables_never_drop_a_visible_pair():
-    regrid = jax.jit(A.kernel_tables, static_argnums=(2, 3, 4, 5, 6, 7))
+    regrid = jax.jit(device_tables.kernel_tables, static_argnums=(2, 3, 4, 5, 6, 7))
     for seed in range(3):
         arrays = build_pass(layout(np.random.default_rng(seed), 3, 80), 128, 64)
         q, kv = arrays.q_meta, arrays.kv_meta
-        mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+        mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
         T, Tk = mask.shape
         for tq, tk in ((128, 128), (512, 512), (64, 64), (256, 128)):
-            q_len, kv_len = A._round_up(T, max(tq, 128)), A._round_up(Tk, max(tk, 128))
+            q_len, kv_len = device_tables.round_up(T, max(tq, 128)), device_tables.round_up(Tk, max(tk, 128))
             ids, counts = regrid(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts), 128, 64,
                                  tq, tk, q_len, kv_len)
             ids, counts = np.asarray(ids), np.asarray(counts)
@@ -161,17 +162,17 @@ def test_kernel_tables_never_drop_a_visible_pair():
 def test_interpret_mode_catches_a_bad_table(monkeypatch):
     """The checks are live: a kernel table entry past the last key tile is an out-of-bounds read, not a
     silent clamp. (The host tables cannot carry one through: regridding drops ids out of range.)"""
-    regrid = A.kernel_tables
+    regrid = device_tables.kernel_tables
 
     def corrupted(*a, **kw):
         ids, counts = regrid(*a, **kw)
         return ids.at[0, 0].set(a[-1] // a[5] + 3), counts  # kv_len // tile_k + 3
-    monkeypatch.setattr(A, "kernel_tables", corrupted)
+    monkeypatch.setattr(tpu, "kernel_tables", corrupted)
     arrays = build_pass(layout(np.random.default_rng(1), 1, 5), 128, 64)
     args = inputs(arrays, 2, 1, 64, jnp.float32, 1)
     tpu_interpreter.reset_tpu_interpret_mode_state()
     with pytest.raises(Exception, match="(?i)out.of.bounds|bounds"):
-        jax.block_until_ready(A.tpu_attention(*args, 128, 64, tile_q=128, tile_k=128, interpret=STRICT))
+        jax.block_until_ready(tpu.tpu_attention(*args, 128, 64, tile_q=128, tile_k=128, interpret=STRICT))
     tpu_interpreter.reset_tpu_interpret_mode_state()
 
 
@@ -193,7 +194,7 @@ def test_gpu_kernel_in_gpu_interpret_mode(dim, seed, cached, layer):
     arrays = build_pass(plan, 64, 64)
     assert len(arrays.tokens) == 64
     args = inputs(arrays, 1, 1, dim, jnp.bfloat16, seed)
-    out = A.gpu_attention(*args, 64, 64, interpret=InterpretGPUParams(detect_races=True), **layer)
+    out = gpu.gpu_attention(*args, 64, 64, interpret=InterpretGPUParams(detect_races=True), **layer)
     out = np.asarray(out.astype(jnp.float32))
     check(arrays, out, reference(*args[:5], **layer), 3e-2)
 
@@ -202,27 +203,43 @@ def test_engine_pallas_on_cpu_is_the_xla_path(caplog):
     """attention="pallas" lowered for the CPU runs the XLA block-sparse path (lax.platform_dependent)."""
     arrays = build_pass(layout(np.random.default_rng(3), 2, 10), 128, 64)
     args = inputs(arrays, 4, 2, 16, jnp.float32, 3)
-    out = np.asarray(A.pallas_attention(*args, block_q=128, block_k=64))
-    xla = np.asarray(A.blocksparse_attention(*args, 128, 64))
+    out = np.asarray(selection.pallas_attention(*args, block_q=128, block_k=64))
+    xla = np.asarray(xla_paths.blocksparse_attention(*args, 128, 64))
     assert np.array_equal(out, xla)
-    assert A.attention_path() == "xla"
+    assert selection.attention_path() == "xla"
+
+
+def test_a_new_kernel_is_one_row_of_the_selection_table(monkeypatch):
+    """A row of selection.KERNELS is all a kernel needs: the programs lowered for its platform get it (here a
+    stand-in kernel for the CPU, twice the XLA path's output), and attention_path names it."""
+    def kernel_for(q, k, block_q, block_k, **layer):
+        return lambda *args: 2 * xla_paths.blocksparse_attention(*args, block_q, block_k, **layer)
+    monkeypatch.setattr(selection, "KERNELS", (*selection.KERNELS, selection.Kernel("cpu", "stand-in", kernel_for)))
+    monkeypatch.setattr(selection, "_paths", {})
+    selection.pallas_attention.clear_cache()
+    arrays = build_pass(layout(np.random.default_rng(3), 2, 10), 128, 64)
+    args = inputs(arrays, 4, 2, 16, jnp.float32, 3)
+    out = np.asarray(selection.pallas_attention(*args, block_q=128, block_k=64))
+    assert np.array_equal(out, 2 * np.asarray(xla_paths.blocksparse_attention(*args, 128, 64)))
+    assert selection.attention_path() == "stand-in"
+    selection.pallas_attention.clear_cache()
 
 
 def test_a_kernel_that_does_not_compile_here_falls_back_once(monkeypatch, caplog):
     """On a device whose compiler rejects the kernel, the program gets the XLA path and one warning."""
-    monkeypatch.setattr(A, "_HOST_PLATFORM", {"cpu": "tpu"})  # pretend this CPU is a TPU: Mosaic cannot compile
-    monkeypatch.setattr(A, "_kernel_ok", {})
-    A.pallas_attention.clear_cache()  # trace again: the choice is made when a program is traced
+    monkeypatch.setattr(selection, "_HOST_PLATFORM", {"cpu": "tpu"})  # pretend this CPU is a TPU: Mosaic cannot compile
+    monkeypatch.setattr(selection, "_kernel_ok", {})
+    selection.pallas_attention.clear_cache()  # trace again: the choice is made when a program is traced
     arrays = build_pass(layout(np.random.default_rng(4), 2, 10), 128, 64)
     with caplog.at_level(logging.WARNING, logger="core.attention"):
         for heads in (4, 6):  # two shapes: two probes, one warning
             args = inputs(arrays, heads, 2, 16, jnp.float32, 4)
-            out = np.asarray(A.pallas_attention(*args, block_q=128, block_k=64))
+            out = np.asarray(selection.pallas_attention(*args, block_q=128, block_k=64))
             assert np.abs(out - reference(*args[:5]))[arrays.q_meta.seq >= 0].max() < 2e-5
     warnings = [r for r in caplog.records if "does not compile" in r.getMessage()]
     assert len(warnings) == 1 and "pallas-tpu" in warnings[0].getMessage()
-    assert A.attention_path("tpu") == "xla"
-    A.pallas_attention.clear_cache()
+    assert selection.attention_path("tpu") == "xla"
+    selection.pallas_attention.clear_cache()
 
 
 # ---- The same request's rows, bitwise, wherever it sits (issue 45, item 4) ----------------------------------
@@ -233,7 +250,7 @@ def test_a_kernel_that_does_not_compile_here_falls_back_once(monkeypatch, caplog
 
 def tpu_aligned(*args, **layer):
     tpu_interpreter.reset_tpu_interpret_mode_state()
-    out = A.tpu_attention(*args, tile_q=128, tile_k=128, interpret=STRICT, aligned=True, **layer)
+    out = tpu.tpu_attention(*args, tile_q=128, tile_k=128, interpret=STRICT, aligned=True, **layer)
     assert not tpu_interpreter.races.races_found
     return out
 
@@ -254,7 +271,7 @@ def test_tpu_kernel_rows_do_not_move_with_the_cache_or_the_pass(query, items, ot
 
 def test_gpu_kernel_rows_do_not_move_with_the_cache_or_the_pass():
     """GPU interpret mode runs one block: every layout fits one 64-token query tile."""
-    run = partial(A.gpu_attention, interpret=InterpretGPUParams(detect_races=True), aligned=True)
+    run = partial(gpu.gpu_attention, interpret=InterpretGPUParams(detect_races=True), aligned=True)
     for query, items, others, layer in ((20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)], {}),
                                         (9, (17, 0, 6), [(40, (1, 1), True), (3, (4,), False)], {"window": 12})):
         rows, distances = request_rows(run, request_layouts(query, items, others), 1, 1, 64, jnp.bfloat16, 64, 64,
@@ -275,7 +292,7 @@ def test_engine_scores_do_not_move_with_the_cache_or_the_pass(monkeypatch):
     from core import Scorer
     from core import scorer as engine
 
-    monkeypatch.setattr(A, "ALIGNED_KEY_TILES", True)  # block_tables and pallas_attention read it when tracing
+    monkeypatch.setattr(host_tables, "ALIGNED_KEY_TILES", True)  # block_tables and pallas_attention read it, tracing
     monkeypatch.setattr(engine, "_PROGRAMS", engine._Programs())
     jax.clear_caches()
     scorer = Scorer.from_pretrained("tiny-random", pass_tokens=512, attention="pallas-interpret")
@@ -314,12 +331,12 @@ def test_window_tables_never_drop_a_visible_pair():
     for seed in range(3):
         arrays = build_pass(layout(np.random.default_rng(seed), 3, 80), 128, 64)
         q, kv = arrays.q_meta, arrays.kv_meta
-        mask = A.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
-        parts = A.part_starts(kv.seq, kv.item)
-        host = A.window_tables(q, kv, 128, 64)
+        mask = rule.visible(q.seq[:, None], q.item[:, None], q.pos[:, None], kv.seq[None], kv.item[None], kv.pos[None])
+        parts = host_tables.part_starts(kv.seq, kv.item)
+        host = host_tables.window_tables(q, kv, 128, 64)
         for tq, tk in ((128, 128), (256, 512), (64, 64)):
-            q_len = A._round_up(len(q.seq), max(tq, 128))
-            ids, counts, window_parts = (np.asarray(t) for t in A.window_kernel_tables(
+            q_len = device_tables.round_up(len(q.seq), max(tq, 128))
+            ids, counts, window_parts = (np.asarray(t) for t in device_tables.window_kernel_tables(
                 *(jnp.asarray(t) for t in host), jnp.asarray(parts), 128, 64, tq, tk, q_len))
             for i in range(len(counts)):
                 firsts = ids[i, : counts[i]]
@@ -330,7 +347,7 @@ def test_window_tables_never_drop_a_visible_pair():
                     covered[first:first + tk] |= np.pad(parts, (0, tk))[first:first + tk] == parts[first]
                 assert covered[np.flatnonzero(mask[i * tq:(i + 1) * tq].any(axis=0))].all()
     args = inputs(arrays, 4, 2, 16, jnp.float32, 2)
-    out = np.asarray(A.pallas_attention(*args[:5], *(jnp.asarray(t) for t in host), block_q=128, block_k=64,
+    out = np.asarray(selection.pallas_attention(*args[:5], *(jnp.asarray(t) for t in host), block_q=128, block_k=64,
                                         aligned=True))
     real = arrays.q_meta.seq >= 0  # (the XLA path leaves padding rows that share a tile with real ones unset)
     assert np.abs(out[real] - reference(*args[:5])[real]).max() < 2e-5
