@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from store.batches import settle_batch
 from store.counters import count, count_pass
 from store.db import among, session_scope
-from store.models import Job, JobResult, Pass, utcnow
+from store.models import Job, JobResult, Pass, Worker, utcnow
 from store.outbox import enqueue_job_webhook
 from store.settings import Settings
 
@@ -46,8 +46,11 @@ def finish(session: Session, owner: str, job_ids: list[str], status: str, error:
 def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[str]:
     """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
     them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
-    another worker gets no second result). Returns their ids."""
-    done = finish(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
+    another worker gets no second result). Returns their ids. Each records the dtype it was computed in: the
+    worker's, as it registered (store.workers.register)."""
+    dtype = select(Worker.dtype).where(Worker.id == owner).scalar_subquery()
+    done = finish(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total,
+                  dtype=dtype)
     if done:
         session.execute(insert(JobResult.__table__), [
             {"job_id": job_id, "n_labels": results[job_id].shape[1],
