@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from core import aot, sharding
-from core.dtype import BF16_TOLERANCE, DTYPES, cpu_feature, cpu_flags, resolve, seeded_request
+from core.dtype import (BF16_TOLERANCE, DTYPES, cpu_feature, cpu_flags, resolve, seeded_request,
+                        without_table_flags)
 from core.requests import ModelSource
 from core.scorer import Scorer, program_texts
 
@@ -357,7 +358,9 @@ def _bfloat16_advice(report: Report, section: str, model: ModelCheck, shape: tup
             command = [sys.executable, "-m", "core.check", "--cpu-reference", out, "--dtype", "bfloat16", "--source",
                        model.source, "--seed", str(seed), "--shape", ",".join(map(str, shape))]
             done = subprocess.run(command + (["--cache-dir", model.cache_dir] if model.cache_dir else []),
-                                  env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+                                  env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                           XLA_FLAGS=without_table_flags(os.environ.get("XLA_FLAGS", ""))),
+                                  capture_output=True, text=True)
             if done.returncode:
                 report.add(section, "warn", f"bfloat16: not measured ({done.stderr.strip()[-500:]})")
                 return

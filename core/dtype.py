@@ -70,6 +70,13 @@ def xla_cpu_flags(setting: str, flags: Iterable[str]) -> tuple[str, ...]:
     return XLA_CPU_FLAGS.get((resolve(setting, "cpu", flags), cpu_feature(flags)), ())
 
 
+def without_table_flags(xla_flags: str) -> str:
+    """XLA_FLAGS less the flags the table sets: for a process that is to choose its own (a subprocess of another
+    dtype inherits its parent's choice)."""
+    chosen = {flag for flags in XLA_CPU_FLAGS.values() for flag in flags}
+    return " ".join(flag for flag in xla_flags.split() if flag not in chosen)
+
+
 def seeded_request(vocab: int, shape: tuple[int, int, int], seed: int) -> tuple[list, list, list]:
     """A request of random token ids (seeded): a query of P tokens, N items of L tokens, 4 labels."""
     rng = np.random.default_rng(seed)

@@ -35,7 +35,6 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas-interpret", "dense")
 # service that starts JAX before it builds its Scorer chooses them itself, for its DTYPE setting: `packscore
 # check`). The flags per dtype and CPU feature are core.dtype's table; an XLA_FLAGS that names the option wins.
 _XLA_FLAGS_CHOSEN_OUTSIDE = dtypes.YNN_FUSION in os.environ.get("XLA_FLAGS", "")
-_CHOSEN_FLAGS = {flag for flags in dtypes.XLA_CPU_FLAGS.values() for flag in flags}
 
 
 def choose_xla_flags(dtype: str) -> bool:
@@ -45,7 +44,7 @@ def choose_xla_flags(dtype: str) -> bool:
 
     if _XLA_FLAGS_CHOSEN_OUTSIDE or xla_bridge.backends_are_initialized():
         return False
-    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag not in _CHOSEN_FLAGS]
+    flags = dtypes.without_table_flags(os.environ.get("XLA_FLAGS", "")).split()
     os.environ["XLA_FLAGS"] = " ".join(flags + list(dtypes.xla_cpu_flags(dtype, dtypes.cpu_flags())))
     return True
 

@@ -134,3 +134,9 @@ def test_every_result_says_the_dtype_it_was_computed_in(client, make_key, empty_
     assert [line["dtype"] for line in map(json.loads, native)] == ["float32"]
     openai = client.get(f"/batches/{batch['id']}/results", params={"format": "openai"}, headers=headers)
     assert json.loads(openai.text)["response"]["body"]["dtype"] == "float32"
+
+
+def test_a_subprocess_of_another_dtype_drops_its_parents_table_flags() -> None:
+    ynn = f"{dtypes.YNN_FUSION}=dot,eltwise,reduce"
+    assert dtypes.without_table_flags(f"--xla_force_host_platform_device_count=4 {ynn}") == \
+        "--xla_force_host_platform_device_count=4"
