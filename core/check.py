@@ -345,6 +345,15 @@ def matmul_gflops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / seconds / 1e9
 
 
+def _bfloat16_env() -> dict[str, str]:
+    """The bfloat16 subprocess's environment: XLA flags of its own choosing (not its parent's float32 ones), and
+    the check's compile cache, so that a second check on the host loads its program instead of compiling it."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=without_table_flags(os.environ.get("XLA_FLAGS", "")))
+    if cache := jax.config.jax_compilation_cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env
+
+
 def _bfloat16_advice(report: Report, section: str, model: ModelCheck, shape: tuple[int, int, int], seed: int,
                      reference: np.ndarray, distance: float | None, bound: float) -> None:
     """What bfloat16 gives on this CPU: its matmul rate against float32's, and its scores' distance from the float32
@@ -358,9 +367,7 @@ def _bfloat16_advice(report: Report, section: str, model: ModelCheck, shape: tup
             command = [sys.executable, "-m", "core.check", "--cpu-reference", out, "--dtype", "bfloat16", "--source",
                        model.source, "--seed", str(seed), "--shape", ",".join(map(str, shape))]
             done = subprocess.run(command + (["--cache-dir", model.cache_dir] if model.cache_dir else []),
-                                  env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                           XLA_FLAGS=without_table_flags(os.environ.get("XLA_FLAGS", ""))),
-                                  capture_output=True, text=True)
+                                  env=_bfloat16_env(), capture_output=True, text=True)
             if done.returncode:
                 report.add(section, "warn", f"bfloat16: not measured ({done.stderr.strip()[-500:]})")
                 return
