@@ -56,6 +56,8 @@ class ModelCard(BaseModel):
     owned_by: str = "packscore"
     default: bool  # the model of a request that names none
     workers: ModelWorkers
+    # The dtype its live workers compute in (one per model); left out while none has registered one.
+    dtype: str | None = None
 
 
 class ModelList(BaseModel):

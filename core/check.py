@@ -8,6 +8,7 @@ subprocess: JAX takes one platform per process).
 """
 
 import argparse
+import dataclasses
 import functools
 import glob
 import gzip
@@ -29,6 +30,8 @@ import numpy as np
 
 from core import aot, sharding
 from core.attention import selection
+from core.dtype import (BF16_TOLERANCE, DTYPES, cpu_feature, cpu_flags, resolve, seeded_request,
+                        without_table_flags)
 from core.requests import ModelSource
 from core.scorer import Scorer, program_texts
 
@@ -40,12 +43,6 @@ CPU_SHAPE = (500, 100, 20)
 # reference runs on the host's CPU even for a model meant for accelerators, and with it transformers' bfloat16
 # model, one sequence per item (a 300-token query: BF16_TOLERANCE's measurements were of such queries).
 SCORE_SHAPE = (300, 16, 20)
-
-# docs/score-semantics.md's bfloat16 rule where PyTorch is not installed to measure transformers' bfloat16 on the
-# request itself: the least distance from float32 that transformers' bfloat16 showed on the bundled model for the
-# 300-token queries measured there (0.145 to 0.219).
-BF16_TOLERANCE = 0.145
-
 
 def transformers_file(reference: str) -> str:
     return reference.removesuffix(".npy") + "-transformers-bfloat16.npy"
@@ -100,16 +97,6 @@ class Report:
 
     def as_json(self) -> dict:
         return {"ok": self.ok, "findings": [f.__dict__ for f in self.findings]}
-
-
-def cpu_flags() -> list[str]:
-    """The host's bfloat16 matmul support (bfloat16 figures compare only between hosts with the same)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return [flag for flag in ("amx_bf16", "avx512_bf16", "avx512f") if flag in flags]
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -217,14 +204,6 @@ def check_caches(report: Report, compile_cache_dir: str | None, model_cache_dir:
         report.add("caches", "ok", f"MODEL_CACHE_DIR={model_cache_dir} (writable)")
 
 
-def seeded_request(vocab: int, shape: tuple[int, int, int], seed: int) -> tuple[list, list, list]:
-    """A request of random token ids (seeded): a query of P tokens, N items of L tokens, 4 labels."""
-    rng = np.random.default_rng(seed)
-    query = rng.integers(10, vocab, shape[0]).tolist()
-    items = [rng.integers(10, vocab, shape[2]).tolist() for _ in range(shape[1])]
-    return query, items, rng.integers(10, vocab, 4).tolist()
-
-
 @functools.lru_cache
 def cpu_reference(source: str, cache_dir: str | None, shape: tuple[int, int, int], seed: int,
                   transformers: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -298,6 +277,7 @@ def check_model(report: Report, model: ModelCheck, options: CheckOptions) -> Non
 
 def _check_model(report: Report, section: str, model: ModelCheck, options: CheckOptions, warnings: _Warnings) -> None:
     config = ModelSource.resolve(model.source, model.cache_dir).config()
+    model = dataclasses.replace(model, dtype=resolve(model.dtype, jax.default_backend(), cpu_flags()))  # auto
     n = model.tensor_parallel
     devices = jax.devices()
     try:
@@ -343,6 +323,10 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
                f"scores: max |log-prob - CPU float32| {diff:.2e} on a seeded request (P,N,L = "
                f"{','.join(map(str, score_shape))}; {model.dtype}), tolerance {tolerance:.2e} ({rule})",
                max_abs_diff=diff, tolerance=tolerance, tolerance_from=rule, shape=score_shape)
+    if on_cpu:
+        bound = float(np.abs(transformers - reference).max()) if transformers is not None else BF16_TOLERANCE
+        _bfloat16_advice(report, section, model, score_shape, options.seed, reference,
+                         diff if model.dtype == "bfloat16" else None, bound)
     contract = CONTRACT if options.full_contract or not on_cpu else CPU_SHAPE
     shapes = [("contract", contract)] + ([("given", options.shape)] if options.shape else [])
     for label, shape in shapes:
@@ -352,6 +336,56 @@ def _check_model(report: Report, section: str, model: ModelCheck, options: Check
     if options.profile:
         profile(report, section, scorer, seeded_request(scorer.vocab_size, contract, options.seed),
                 options.profile_dir)
+
+
+def matmul_gflops(dtype: str, n: int = 1024, repeats: int = 5) -> float:
+    """This host's n^3 matmul rate in `dtype`; bfloat16 inputs accumulate to float32, as the engine's layers ask."""
+    a = jax.numpy.ones((n, n), dtype)
+    matmul = jax.jit(lambda x: jax.numpy.matmul(x, x, preferred_element_type=jax.numpy.float32))
+    seconds, _ = timed(lambda: matmul(a).block_until_ready(), repeats)
+    return 2 * n ** 3 / seconds / 1e9
+
+
+def _bfloat16_env() -> dict[str, str]:
+    """The bfloat16 subprocess's environment: XLA flags of its own choosing (not its parent's float32 ones), and
+    the check's compile cache, so that a second check on the host loads its program instead of compiling it."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=without_table_flags(os.environ.get("XLA_FLAGS", "")))
+    if cache := jax.config.jax_compilation_cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env
+
+
+def _bfloat16_advice(report: Report, section: str, model: ModelCheck, shape: tuple[int, int, int], seed: int,
+                     reference: np.ndarray, distance: float | None, bound: float) -> None:
+    """What bfloat16 gives on this CPU: its matmul rate against float32's, and its scores' distance from the float32
+    reference under the bfloat16 rule (`bound`); recommends a DTYPE. A float32 check measures bfloat16 in a
+    subprocess, with bfloat16's XLA flags (core.dtype), as a bfloat16 worker would run. `distance`: known already
+    (the model checked in bfloat16)."""
+    rates = {"float32": matmul_gflops("float32")}
+    if distance is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "bfloat16.npy")
+            command = [sys.executable, "-m", "core.check", "--cpu-reference", out, "--dtype", "bfloat16", "--source",
+                       model.source, "--seed", str(seed), "--shape", ",".join(map(str, shape))]
+            done = subprocess.run(command + (["--cache-dir", model.cache_dir] if model.cache_dir else []),
+                                  env=_bfloat16_env(), capture_output=True, text=True)
+            if done.returncode:
+                report.add(section, "warn", f"bfloat16: not measured ({done.stderr.strip()[-500:]})")
+                return
+            distance = float(np.abs(np.load(out) - reference).max())
+            with open(out + ".json") as f:
+                rates["bfloat16"] = json.load(f)["matmul_gflops"]
+    else:
+        rates["bfloat16"] = matmul_gflops("bfloat16")
+    speedup = rates["bfloat16"] / rates["float32"]
+    # bfloat16 is worth its distance only where it is clearly faster; a matmul gain shrinks in the whole pass.
+    choice = "bfloat16" if distance <= bound and speedup >= 1.5 else "float32"
+    report.add(section, "info", f"bfloat16 on this host ({cpu_feature(cpu_flags())}): matmul "
+               f"{rates['bfloat16']:.0f} GFLOP/s against float32's {rates['float32']:.0f} ({speedup:.2f}x); scores "
+               f"{distance:.2e} from float32 (the bfloat16 rule's bound {bound:.2e}"
+               f"{', broken' if distance > bound else ''}): DTYPE={choice} recommended",
+               matmul_gflops=rates, speedup=round(speedup, 3), bfloat16_distance=distance, bound=bound,
+               recommended=choice)
 
 
 def _fit(report: Report, section: str, scorer: Scorer, weight_bytes: int, budget: int, where: str) -> None:
@@ -561,10 +595,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", required=True, help="P,N,L")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transformers", action="store_true", help="also transformers' bfloat16, where installed")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="bfloat16: its scores, and its matmul rate in OUT.json (packscore check's advice)")
     args = parser.parse_args(argv)
-    scorer = Scorer.from_pretrained(args.source, args.cache_dir, dtype="float32")
+    scorer = Scorer.from_pretrained(args.source, args.cache_dir, dtype=args.dtype)
     request = seeded_request(scorer.vocab_size, tuple(int(x) for x in args.shape.split(",")), args.seed)
     np.save(args.cpu_reference, scorer.logprobs(*request))
+    if args.dtype == "bfloat16":
+        with open(args.cpu_reference + ".json", "w") as f:
+            json.dump({"matmul_gflops": matmul_gflops("bfloat16")}, f)
     del scorer  # its weights go before transformers' model loads
     source = ModelSource.resolve(args.source, args.cache_dir)
     if args.transformers and source.kind != "tiny-random" and importlib.util.find_spec("torch") is not None:

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core import allocator
+from core import dtype as dtypes
 from core import sharding
 from core.attention import selection
 from core.config import TINY_CONFIG, ModelConfig
@@ -27,28 +28,22 @@ from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix
 from core.requests import ModelSource, RequestTokenizer, TokenizedRequest, scores_from_logprobs
 from core.weights import load_gguf, load_hf_dir, load_model, random_weights
 
-# XLA's CPU compiler hands matmuls to YNNPACK; handing it the element-wise ops and reductions too (the
-# attention's exp and masks, the norms, SwiGLU) makes the float32 pass about 5% faster, with the same results to
-# the contract's tolerances. But with that flag bfloat16 dots go to YNNPACK too, which does not use AMX or
-# AVX512-BF16 (bfloat16 would run slower than float32); XLA's default CPU path does. XLA reads
-# XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the Scorer's default dtype (float32), and
-# again by `Scorer.from_pretrained` for its dtype if no computation has started the backend yet (a service that
-# starts JAX before it builds its Scorer chooses them itself, for its DTYPE setting: `packscore check`). An
-# XLA_FLAGS that names the option itself wins.
-_YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type"
-_YNN_FOR_FLOAT32 = f"{_YNN_FUSION}=dot,eltwise,reduce"
-_XLA_FLAGS_CHOSEN_OUTSIDE = _YNN_FUSION in os.environ.get("XLA_FLAGS", "")
+# XLA reads XLA_FLAGS once, when JAX's CPU backend starts: chosen on import for the Scorer's default dtype
+# (float32), and again by `Scorer.from_pretrained` for its dtype if no computation has started the backend yet (a
+# service that starts JAX before it builds its Scorer chooses them itself, for its DTYPE setting: `packscore
+# check`). The flags per dtype and CPU feature are core.dtype's table; an XLA_FLAGS that names the option wins.
+_XLA_FLAGS_CHOSEN_OUTSIDE = dtypes.YNN_FUSION in os.environ.get("XLA_FLAGS", "")
 
 
 def choose_xla_flags(dtype: str) -> bool:
-    """Sets XLA_FLAGS for `dtype`'s fastest CPU path; False if it is too late (the backend has started) or
-    XLA_FLAGS chose already."""
+    """Sets XLA_FLAGS for `dtype`'s fastest CPU path (`auto` as it resolves on this CPU); False if it is too late
+    (the backend has started) or XLA_FLAGS chose already."""
     from jax._src import xla_bridge
 
     if _XLA_FLAGS_CHOSEN_OUTSIDE or xla_bridge.backends_are_initialized():
         return False
-    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag != _YNN_FOR_FLOAT32]
-    os.environ["XLA_FLAGS"] = " ".join(flags + ([_YNN_FOR_FLOAT32] if dtype == "float32" else []))
+    flags = dtypes.without_table_flags(os.environ.get("XLA_FLAGS", "")).split()
+    os.environ["XLA_FLAGS"] = " ".join(flags + list(dtypes.xla_cpu_flags(dtype, dtypes.cpu_flags())))
     return True
 
 
@@ -288,7 +283,7 @@ class Scorer:
         self.mesh = sharding.make_mesh(tensor_parallel) if tensor_parallel > 1 else None
         limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
         self.requests = RequestTokenizer(tokenizer, config.vocab_size, model_name=name, **limits)
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = jnp.dtype(dtypes.resolve(dtype, jax.default_backend(), dtypes.cpu_flags()))  # DTYPE=auto
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q or self._path.block_q, block_k

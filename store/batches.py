@@ -438,7 +438,7 @@ def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterato
         with session_factory()() as session:
             rows = session.execute(
                 select(Job.id, Job.custom_id, Job.status, Job.error_code, Job.error_message, Job.items_total,
-                       Job.return_logprobs, Job.request, Job.model, Job.created_at, Job.prompt_tokens,
+                       Job.return_logprobs, Job.request, Job.model, Job.created_at, Job.prompt_tokens, Job.dtype,
                        JobResult.n_labels, JobResult.logprobs)
                 .outerjoin(JobResult, JobResult.job_id == Job.id)
                 .where(Job.batch_id == batch_id, Job.status.in_(TERMINAL_STATUSES), Job.id > after)
@@ -469,7 +469,7 @@ def iter_results(batch_id: str, page_rows: int, openai: bool = False) -> Iterato
 
 
 def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
-    """This service's result line: `{"custom_id", "scores", "logprobs"?, "results"? (rerank), "error"?}`."""
+    """This service's result line: `{"custom_id", "scores", "logprobs"?, "results"? (rerank), "dtype"?, "error"?}`."""
     line: dict[str, Any] = {"custom_id": row.custom_id, "scores": None}
     if logprobs is not None:
         line["scores"], raw = score_lists(logprobs, row.request.get("apply_softmax", False), row.return_logprobs)
@@ -477,6 +477,8 @@ def _line(row: Row, logprobs: np.ndarray | None, error: dict | None) -> dict:
             line["logprobs"] = raw
         if "rerank" in row.request:
             line["results"] = [r.model_dump(exclude_none=True) for r in rerank_results(row.request, logprobs)]
+        if row.dtype is not None:
+            line["dtype"] = row.dtype
     else:
         line["error"] = error
     return line

@@ -17,7 +17,7 @@ from store.batch_counts import add_ended
 from store.batches import settle_batch
 from store.counters import count, count_pass
 from store.db import among, session_scope
-from store.models import Job, JobResult, Pass, utcnow
+from store.models import Job, JobResult, Pass, Worker, utcnow
 from store.outbox import enqueue_job_webhook
 from store.settings import Settings
 
@@ -56,14 +56,17 @@ def _end(session: Session, owner: str, job_ids: list[str], status: str, error: t
 def finish_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[str]:
     """Finishes these jobs as succeeded with their [items, labels] log-probabilities: one UPDATE for all of
     them, one multi-row INSERT of the results of those still ours (the lease condition: a job swept and run by
-    another worker gets no second result). Returns their ids."""
+    another worker gets no second result). Returns their ids. Each records the dtype it was computed in: the
+    worker's, as it registered (store.workers.register)."""
     ended = _end_succeeded(session, owner, results)
     add_ended(session, [(row.batch_id, "succeeded", row.items_done) for row in ended])
     return [row.id for row in ended]
 
 
 def _end_succeeded(session: Session, owner: str, results: dict[str, np.ndarray]) -> list[Row]:
-    done = _end(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total)
+    dtype = select(Worker.dtype).where(Worker.id == owner).scalar_subquery()
+    done = _end(session, owner, list(results), "succeeded", results=results, items_done=_JOBS.items_total,
+                dtype=dtype)
     if done:
         session.execute(insert(JobResult.__table__), [
             {"job_id": row.id, "n_labels": results[row.id].shape[1],

@@ -124,6 +124,8 @@ class Job(Base, Leased):
     # before it existed, whose workers tokenize `request`.
     tokens: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     return_logprobs: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The dtype its scores were computed in (the finishing worker's: store.finishing.finish_succeeded).
+    dtype: Mapped[str | None] = mapped_column(String(16), nullable=True)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
@@ -313,6 +315,9 @@ class Worker(Base):
     # While warming: the programs compiled (or loaded from the cache) so far, of how many.
     warmup_done: Mapped[int | None] = mapped_column(Integer, nullable=True)
     warmup_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The dtype its engine computes in ("float32", "bfloat16"): one per model across the live workers
+    # (store.workers.register), so that a score does not depend on which worker ran it.
+    dtype: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class CounterRow(Base):

@@ -139,6 +139,7 @@ class ScoreResponse(BaseModel):
     model: str
     scores: list[list[float]]
     usage: Usage
+    dtype: str | None = None  # what the scores were computed in (one per model across a deployment)
 
 
 class RerankDocument(BaseModel):
@@ -214,6 +215,8 @@ class JobOut(BaseModel):
     finished_at: datetime | None
     attempts: int
     usage: Usage
+    # The dtype its scores were computed in, once it has succeeded (one per model across a deployment).
+    dtype: str | None = None
     scores: list[list[float]] | None = None
     logprobs: list[list[float]] | None = None
     # A rerank job's answer, as /v1/rerank gives it (its scores are [P(yes), P(no)] per document, in order).
@@ -272,14 +275,14 @@ def score_lists(logprobs: np.ndarray, apply_softmax: bool,
 
 def route_body(job: "Job | Row", logprobs: np.ndarray) -> "ScoreResponse | RerankResponse":
     """What the synchronous route (/v1/score or /v1/rerank) answers for a succeeded job. `job` is a Job or a
-    row of its columns id, created_at, model, request and prompt_tokens."""
+    row of its columns id, created_at, model, request, prompt_tokens and dtype."""
     usage = Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens)
     created = int(job.created_at.replace(tzinfo=UTC).timestamp())
     if "rerank" in job.request:
         return RerankResponse(id=job.id, created=created, model=job.model,
                               results=rerank_results(job.request, logprobs), usage=usage)
     scores, _ = score_lists(logprobs, job.request.get("apply_softmax", False), False)
-    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage, scores=scores)
+    return ScoreResponse(id=job.id, created=created, model=job.model, usage=usage, scores=scores, dtype=job.dtype)
 
 
 def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDelivery | None = None) -> JobOut:
@@ -300,6 +303,7 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
         finished_at=_utc(job.finished_at),
         attempts=job.attempts,
         usage=Usage(prompt_tokens=job.prompt_tokens, total_tokens=job.prompt_tokens),
+        dtype=job.dtype if logprobs is not None else None,
         scores=scores,
         logprobs=raw,
         results=results,

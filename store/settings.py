@@ -48,8 +48,10 @@ class Settings(BaseSettings):
     # Tokens per packed pass (None: the engine's default for the backend).
     pass_tokens: int | None = Field(None, gt=0)
     # bfloat16 on accelerators (no further from float32 than transformers' own bfloat16: docs/score-semantics.md);
-    # float32 on CPU, where bfloat16 is not faster.
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # float32 on CPU, where bfloat16 gains little without AMX. auto: bfloat16 on accelerators and on CPUs with AMX,
+    # float32 on other CPUs (core.dtype). Not the default: a default that differs by host would split a mixed
+    # fleet's workers of one model between dtypes, and a worker of another dtype than its model's is refused.
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     # auto: Pallas kernels on TPU and GPU (the XLA path where a kernel does not compile), XLA on CPU.
     attention: Literal["auto", "xla", "pallas"] = "auto"
     # Compiled pass programs a worker keeps in memory (least recently used go first; each holds tens of MB).

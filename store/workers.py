@@ -5,7 +5,7 @@ import socket
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
 from store.db import among, session_scope
@@ -41,6 +41,38 @@ def heartbeat(owner: str, model: str, settings: Settings, job_ids: set[str], att
             session.add(Worker(id=owner, model=model, started_at=now, last_seen_at=now, attention=attention,
                                state=state, host=socket.gethostname(), device_group=settings.device_group,
                                warmup_done=done, warmup_total=total))
+
+
+class DtypeMismatch(RuntimeError):
+    """A worker whose dtype differs from that of its model's live workers (a score would depend on the host)."""
+
+
+def register(owner: str, model: str, dtype: str, settings: Settings) -> None:
+    """Records a starting worker ("warming") with its engine's dtype, unless its model's live workers (seen within
+    WORKER_STALE_SECONDS) compute in another: then DtypeMismatch, saying which and how to align them. On
+    PostgreSQL registrations of one model take a lock in turn, so two workers starting at once cannot both pass."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    with session_scope() as session:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"workers.dtype:{model}"})
+        others = session.execute(select(Worker.dtype, func.count()).where(
+            Worker.model == model, Worker.id != owner, Worker.last_seen_at >= cutoff, Worker.dtype.is_not(None),
+            Worker.dtype != dtype).group_by(Worker.dtype)).all()
+        if others:
+            found = ", ".join(f"{n} in {other}" for other, n in others)
+            raise DtypeMismatch(f"model {model}: this worker computes in {dtype} but the model's live workers do "
+                                f"not ({found}); a model is served in one dtype, so that its scores do not "
+                                f"depend on the worker: set DTYPE to match, or stop those workers first")
+        now = utcnow()
+        session.merge(Worker(id=owner, model=model, started_at=now, last_seen_at=now, state="warming",
+                             host=socket.gethostname(), device_group=settings.device_group, dtype=dtype))
+
+
+def model_dtypes(session: Session, settings: Settings) -> dict[str, str]:
+    """The dtype of each model with live workers (one per model: see register)."""
+    cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
+    return dict(session.execute(select(Worker.model, func.min(Worker.dtype)).where(
+        Worker.last_seen_at >= cutoff, Worker.dtype.is_not(None)).group_by(Worker.model)).all())
 
 
 def live_workers(session: Session, settings: Settings) -> dict[str, dict[str, int]]:

@@ -87,6 +87,10 @@ def test_check_reports_a_good_host_and_fails_for_each_reason() -> None:
     assert "speed (contract, P,N,L = 500,100,20)" in text and "a smaller shape than the contract's" in text
     assert "speed (given, P,N,L = 60,7,20)" in text and "items/s" in text
     assert "on a seeded request (P,N,L = 60,7,20; float32)" in text  # the given shape's scores
+    # What bfloat16 gives here, measured in a subprocess with bfloat16's own XLA flags, and a recommendation.
+    advice = next(line for line in text.splitlines() if "bfloat16 on this host" in line)
+    assert advice.startswith("[info]") and "GFLOP/s against float32's" in advice, advice
+    assert "DTYPE=float32 recommended" in advice or "DTYPE=bfloat16 recommended" in advice, advice
     profile = text[text.index("profile (trace:"):]
     assert "XLA's CPU ops on the host's threads" in profile.splitlines()[0]
     table = {line[:28].strip(): float(line.split()[-3]) for line in profile.splitlines()[1:6]}

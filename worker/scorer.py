@@ -3,6 +3,7 @@
 import jax
 
 from core import Scorer
+from core.dtype import checked_bfloat16
 from store.settings import get_settings
 
 _scorer: Scorer | None = None
@@ -28,8 +29,13 @@ def _load() -> Scorer:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every pass program is worth it
     # The worker's one model (MODEL), named as the API names it: jobs are claimed by that name.
     name = settings.worker_model
-    return Scorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
-                                  pass_tokens=settings.pass_tokens, dtype=settings.dtype,
-                                  attention=settings.attention, max_programs=settings.max_programs,
-                                  prefix_cache_bytes=settings.prefix_cache_bytes,
-                                  tensor_parallel=settings.tensor_parallel, **settings.request_limits)
+
+    def load(dtype: str) -> Scorer:
+        return Scorer.from_pretrained(settings.served_models[name], settings.model_cache_dir, name=name,
+                                      pass_tokens=settings.pass_tokens, dtype=dtype, attention=settings.attention,
+                                      max_programs=settings.max_programs,
+                                      prefix_cache_bytes=settings.prefix_cache_bytes,
+                                      tensor_parallel=settings.tensor_parallel, **settings.request_limits)
+
+    # A model served in bfloat16 first passes the bfloat16 rule on a fixed request, or is served in float32.
+    return checked_bfloat16(load(settings.dtype), load, name)
