@@ -284,6 +284,7 @@ class Scorer:
         limits.setdefault("max_sequence_tokens", config.max_position_embeddings)
         self.requests = RequestTokenizer(tokenizer, config.vocab_size, model_name=name, **limits)
         self.dtype = jnp.dtype(dtypes.resolve(dtype, jax.default_backend(), dtypes.cpu_flags()))  # DTYPE=auto
+        self.platform = jax.default_backend()  # "cpu", "tpu", "gpu": the device kind a worker reports
         # Larger passes amortize better on accelerators; on CPU memory traffic wins past ~4k tokens.
         self.pass_tokens = pass_tokens or (4096 if jax.default_backend() == "cpu" else 16384)
         self.block_q, self.block_k = block_q or self._path.block_q, block_k

@@ -318,6 +318,8 @@ class Worker(Base):
     # The dtype its engine computes in ("float32", "bfloat16"): one per model across the live workers
     # (store.workers.register), so that a score does not depend on which worker ran it.
     dtype: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # The platform its devices are ("cpu", "tpu", "gpu"), as JAX names it: the device kind GET /workers shows.
+    platform: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class CounterRow(Base):

@@ -47,9 +47,10 @@ class DtypeMismatch(RuntimeError):
     """A worker whose dtype differs from that of its model's live workers (a score would depend on the host)."""
 
 
-def register(owner: str, model: str, dtype: str, settings: Settings) -> None:
+def register(owner: str, model: str, dtype: str, settings: Settings, platform: str | None = None) -> None:
     """Records a starting worker ("warming") with its engine's dtype, unless its model's live workers (seen within
-    WORKER_STALE_SECONDS) compute in another: then DtypeMismatch, saying which and how to align them. On
+    WORKER_STALE_SECONDS) compute in another: then DtypeMismatch, saying which and how to align them. `platform`:
+    its devices' ("cpu", "tpu", "gpu"), for GET /workers. On
     PostgreSQL registrations of one model take a lock in turn, so two workers starting at once cannot both pass."""
     cutoff = utcnow() - timedelta(seconds=settings.worker_stale_seconds)
     with session_scope() as session:
@@ -65,7 +66,8 @@ def register(owner: str, model: str, dtype: str, settings: Settings) -> None:
                                 f"depend on the worker: set DTYPE to match, or stop those workers first")
         now = utcnow()
         session.merge(Worker(id=owner, model=model, started_at=now, last_seen_at=now, state="warming",
-                             host=socket.gethostname(), device_group=settings.device_group, dtype=dtype))
+                             host=socket.gethostname(), device_group=settings.device_group, dtype=dtype,
+                             platform=platform))
 
 
 def model_dtypes(session: Session, settings: Settings) -> dict[str, str]:
@@ -101,7 +103,7 @@ def live_device_groups(session: Session, settings: Settings) -> list[dict[str, A
 def worker_list(session: Session, settings: Settings) -> WorkerList:
     """GET /workers: each live worker with its passes of the last minute, and the deployment's items/s per minute
     over the last hour. Both read the passes table by its created_at index (a pass of reference-batch chunks
-    only leaves no row there, so neither counts it). dtype is the deployment's DTYPE: workers do not report it."""
+    only leaves no row there, so neither counts it). dtype and device kind as the worker registered them."""
     now = utcnow()
     minute = now - timedelta(seconds=60)
     recent = (select(Pass.worker, func.count().label("passes"), func.sum(Pass.n_items).label("n_items"),
@@ -112,8 +114,8 @@ def worker_list(session: Session, settings: Settings) -> WorkerList:
                            .where(Worker.last_seen_at >= now - timedelta(seconds=settings.worker_stale_seconds))
                            .order_by(Worker.host, Worker.device_group, Worker.model, Worker.id)).all()
     workers = [WorkerOut(id=w.id, model=w.model, host=w.host, device_group=w.device_group,
-                         device_kind=_device_kind(w.device_group, w.attention), attention=w.attention,
-                         dtype=settings.dtype, state=w.state, started_at=w.started_at,
+                         device_kind=w.platform or _device_kind(w.device_group, w.attention), attention=w.attention,
+                         dtype=w.dtype or settings.dtype, state=w.state, started_at=w.started_at,
                          last_seen_at=w.last_seen_at,
                          programs=WarmupPrograms(done=w.warmup_done or 0, total=w.warmup_total)
                          if w.state == "warming" and w.warmup_total else None,

@@ -242,7 +242,7 @@ def test_jobs_batches_and_workers(page, service: Service, worker: None) -> None:
     worker = page.locator("#workers tbody tr", has_text=socket.gethostname()).first
     worker.wait_for(timeout=SECONDS * 1000)
     cells = worker.locator("td").all_inner_texts()
-    assert cells[:7] == ["small", socket.gethostname(), "–", "the host's own", "xla", "float32", "ready"], cells
+    assert cells[:7] == ["small", socket.gethostname(), "cpu", "the host's own", "xla", "float32", "ready"], cells
     assert float(cells[7]) > 0 and float(cells[8]) > 0 and cells[9].endswith("%"), cells  # passes/s, items/s, busy
     models = page.get_by_role("region", name="Models").locator("tbody tr")
     assert [row.locator("td").all_inner_texts()[:2] for row in models.all()] == [["small", "1"], ["other", "0"]]
@@ -296,7 +296,7 @@ def test_workers_route_lists_the_worker_with_its_passes(service: Service, worker
     [worker] = body["data"]
     assert {k: worker[k] for k in ("model", "host", "device_group", "device_kind", "attention", "dtype", "state",
                                    "programs")} == {"model": "small", "host": socket.gethostname(),
-                                                    "device_group": None, "device_kind": None, "attention": "xla",
+                                                    "device_group": None, "device_kind": "cpu", "attention": "xla",
                                                     "dtype": "float32", "state": "ready", "programs": None}
     assert worker["passes_per_second"] > 0 and worker["items_per_second"] >= 3 / 60 and 0 < worker["busy"] <= 1
     assert body["history_seconds"] == 3600 and len(body["throughput"]) == 60

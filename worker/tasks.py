@@ -266,7 +266,8 @@ def _start(**_: object) -> None:
         check_storage_prefixes(settings)
         scorer = get_scorer()  # load before consuming: the first drain should not pay for it
         loaded = load_filesystems(settings.batch_storage_prefixes)  # so too the object stores batches may read
-        workers.register(WORKER_ID, settings.worker_model, scorer.dtype.name, settings)  # DtypeMismatch: exit
+        workers.register(WORKER_ID, settings.worker_model, scorer.dtype.name, settings,  # DtypeMismatch: exit
+                         platform=scorer.platform)
         drain_module.heartbeat(WORKER_ID, settings.worker_model, settings, scorer.attention_path, "warming")
     except Exception as exc:
         log.critical("worker %s could not start: %s; exiting (code 1) to be started again", WORKER_ID, exc,

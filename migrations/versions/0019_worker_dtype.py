@@ -1,6 +1,6 @@
 """workers.dtype: the dtype a worker's engine computes in, shown by /v1/models; a worker whose dtype differs from its
 model's other live workers is refused at registration (store/workers.py). jobs.dtype: the dtype a job's scores
-were computed in, given with its result.
+were computed in, given with its result. workers.platform: its devices' platform, GET /workers' device kind.
 
 Revision ID: 0019
 Revises: 0018
@@ -18,9 +18,11 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("workers", sa.Column("dtype", sa.String(16), nullable=True))
+    op.add_column("workers", sa.Column("platform", sa.String(16), nullable=True))
     op.add_column("jobs", sa.Column("dtype", sa.String(16), nullable=True))
 
 
 def downgrade() -> None:
     op.drop_column("jobs", "dtype")
+    op.drop_column("workers", "platform")
     op.drop_column("workers", "dtype")
