@@ -21,6 +21,7 @@ from store.db import get_engine, session_scope
 from store.models import Job
 from store.settings import Settings, get_settings
 from tests.service_harness import free_port
+from tests.test_readme import documented_errors
 
 BODY = {"query": "Is it true?", "items": ["yes", "no", "maybe", "never", "always"], "label_token_ids": [1, 2]}
 

@@ -76,9 +76,9 @@ def test_embedded_service_scores(tmp_path: Path, stop: signal.Signals) -> None:
             proc.kill()
     logged = (tmp_path / "serve.log").read_text(errors="replace")
     assert time.monotonic() - signalled < 10, logged[-3000:]
-    # The worker's warm stop runs beside the API's, which waits API_STOP_SECONDS for the call still open and then
-    # cuts it: one after the other (SIGTERM to `serve` alone), they took more than the 10 s README promises.
-    assert logged.index("Warm shutdown") < logged.index("timeout graceful shutdown exceeded"), logged[-3000:]
+    # The worker's warm stop runs beside the API's; the API answers the waiting call 503 `stopping` at once, so it
+    # needs no cut of a connection still open.
+    assert "Warm shutdown" in logged and "timeout graceful shutdown exceeded" not in logged, logged[-3000:]
     assert proc.returncode == 0, logged[-3000:]  # a stop asked for ends cleanly: no "Error 130" from `make run`
     assert not running_jobs(tmp_path), "a clean stop left jobs running"
     # Quiet: the readiness polls (wait_ready's, every 0.5 s) leave no access-log line, the requests do; nor does

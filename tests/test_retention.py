@@ -105,6 +105,7 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
     from sqlalchemy import event
 
     from store import claims
+    from store.priorities import PRIORITY_BATCH
 
     settings = get_settings().model_copy(update={"result_ttl_days": 30, "retention_chunk_rows": CHUNK})
     with sessions.begin() as session:
@@ -134,7 +135,8 @@ def test_a_chunk_in_progress_does_not_hold_up_claims(sessions, monkeypatch) -> N
     pruner.start()
     assert chunk_holds.wait(30)
     claimed: list[Job] = []
-    claimer = threading.Thread(target=lambda: claimed.extend(claims.claim_interactive("worker-x", settings)))
+    claimer = threading.Thread(
+        target=lambda: claimed.extend(claims.claim_interactive("worker-x", settings, PRIORITY_BATCH)))
     start = time.monotonic()
     claimer.start()
     sqlite = sessions.kw["bind"].dialect.name == "sqlite"
