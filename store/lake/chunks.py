@@ -15,7 +15,9 @@ webhook is queued once), and objects of lost attempts are removed.
 Outputs: a key's batch holds its output prefix while it runs and once completed (`batches.output_key`, unique
 per key), with a digest of what it scores (`source_key`: the input's URIs, the options, the model). The same
 request again is answered with that batch and plans nothing; another input to the prefix is refused naming it.
-A cancelled batch, or a completed one replaced by an `overwrite`, gives the prefix up.
+A cancelled batch gives the prefix to a new batch of the same request, which resumes from its committed chunks
+(`_resume`); a failed one, a completed one replaced by an `overwrite`, or a cancelled one met by another input,
+gives the prefix up.
 
 Turns: reference batches take turns a chunk at a time, the batch whose chunk started least recently first
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
