@@ -372,13 +372,13 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                            format: str | None = None, columns: dict | None = None,
                            label_token_ids: list[int] | None = None, output_format: str = "parquet",
                            overwrite: bool = False, apply_softmax: bool = False, item_first: bool = False,
-                           dry_run: bool = False, stdout: IO[str] = sys.stdout, stderr: IO[str] = sys.stderr) -> dict:
+                           dry_run: bool = False, stdout: IO[str] | None = None, stderr: IO[str] = sys.stderr) -> dict:
     """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
     service finds the batch already sent with this input and output (its key's, running or ended): the same
     call re-attaches, reports it done, or after a cancel resumes it from its committed chunks; `overwrite` runs
     it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on. `apply_softmax`,
     `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an estimate of its time
-    to `stdout` and returns the plan, creating nothing."""
+    to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
     try:
         # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
@@ -393,7 +393,7 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                                 "only under the folder it runs in") from None
         raise
     if dry_run:
-        stdout.write(describe_plan(batch))
+        (stdout or sys.stdout).write(describe_plan(batch))  # sys.stdout as it is now (a test may replace it)
         return batch
     stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
     if batch.get("resumed_from"):

@@ -216,3 +216,34 @@ def test_a_dry_run_plans_and_estimates_without_creating_a_batch(client, make_key
     assert plan["estimate_seconds"] == pytest.approx(60 / rate["rows_per_second"], abs=0.06)  # to 0.1 s
     text = describe_plan(plan)
     assert "time: about" in text and "(measured: 60 rows in the 3 chunks" in text, text
+
+
+def test_backfill_dry_run_posts_the_plan_and_prints_it(monkeypatch, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    from packscore import cli
+    from tests.test_third_hour import _mock_client
+
+    plan = {"model": "m", "input": ["s3://b/pairs/p.parquet"], "objects": 1, "columns": ["q", "doc"],
+            "rows": 50_000, "bytes": None, "chunks": 10, "output": "s3://b/out",
+            "earlier": {"id": "batch_1", "status": "cancelled", "then": "resume", "rows_committed": 20_000},
+            "rate": {"rows_per_second": 100.0, "bytes_per_second": None, "measured": True, "basis": "1000 rows in "
+                     "the 2 chunks of m committed last, 10.0 s of running", "docs": []}, "estimate_seconds": 300.0}
+    sent = _mock_client(monkeypatch, lambda request: httpx.Response(200, json=plan))
+    parser = cli.build_parser()
+    args = parser.parse_args(["backfill", "s3://b/pairs/", "--out", "s3://b/out/", "--query-column", "q",
+                              "--item-column", "doc", "--labels", "9805,787", "--dry-run"])
+    args.func(args)
+    assert [(r.method, r.url.path) for r in sent] == [("POST", "/batches/plan")]  # nothing created, nothing followed
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "plan: 50,000 rows in 10 chunks from 1 objects, model m", "columns read: q, doc",
+        "output: s3://b/out (the batch's objects under s3://b/out/BATCH_ID/)",
+        "earlier batch batch_1 (cancelled) holds this output: the same command resumes it: its 20,000 rows committed "
+        "are kept (--overwrite: from row 0)",
+        "time: about 5 min at 100.0 rows/s (measured: 1000 rows in the 2 chunks of m committed last, 10.0 s of "
+        "running)"], out
+    (tmp_path / "r.jsonl").write_text('{"custom_id": "a", "query": "q", "items": ["i"], "label_token_ids": [1]}\n')
+    args = parser.parse_args(["backfill", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o.jsonl"), "--dry-run"])
+    with pytest.raises(cli.CommandError, match="--dry-run plans data the service reads"):
+        args.func(args)
