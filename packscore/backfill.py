@@ -372,24 +372,33 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                            format: str | None = None, columns: dict | None = None,
                            label_token_ids: list[int] | None = None, output_format: str = "parquet",
                            overwrite: bool = False, apply_softmax: bool = False, item_first: bool = False,
-                           stderr: IO[str] = sys.stderr) -> dict:
+                           dry_run: bool = False, stdout: IO[str] | None = None, stderr: IO[str] = sys.stderr) -> dict:
     """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
     service finds the batch already sent with this input and output (its key's, running or ended): the same
-    call re-attaches, or reports it done; `overwrite` runs a completed one again. Interrupted
-    (KeyboardInterrupt), the batch goes on. `apply_softmax`, `item_first`: a pair table's, as the API takes them."""
+    call re-attaches, reports it done, or after a cancel resumes it from its committed chunks; `overwrite` runs
+    it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on. `apply_softmax`,
+    `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an estimate of its time
+    to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
     try:
         # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
                                               columns=columns, label_token_ids=label_token_ids,
                                               output_format=output_format, overwrite=overwrite or None,
-                                              apply_softmax=apply_softmax or None, item_first=item_first or None)
+                                              apply_softmax=apply_softmax or None, item_first=item_first or None,
+                                              dry_run=dry_run)
     except PackscoreError as exc:
         if exc.code in ("local_paths_disabled", "path_outside_root"):
             # The message says which of input and output, and where local files may be.
             raise BackfillError(f"{exc.message} ({exc.code}): an embedded service reads and writes local files "
                                 "only under the folder it runs in") from None
         raise
+    if dry_run:
+        (stdout or sys.stdout).write(describe_plan(batch))  # sys.stdout as it is now (a test may replace it)
+        return batch
     stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
+    if batch.get("resumed_from"):
+        stderr.write(f"resuming cancelled batch {batch['resumed_from']}: its {batch['rows']['done']} rows committed "
+                     "are kept, not scored again (--overwrite: from row 0)\n")
     rows = batch.get("rows") or {}
     bar = ProgressBar(rows.get("total"), rows.get("done", 0), stderr, unit="rows")
     while True:
@@ -405,6 +414,47 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
         time.sleep(poll)
         batch = client.get_batch(batch["id"])
     failed = f", {batch['chunks']['failed']} chunks failed" if batch["chunks"]["failed"] else ""
+    again = "; the same command resumes it from its committed chunks" if batch["status"] == "cancelled" else ""
     bar.finish(f"{batch['status']}: {batch['rows']['done']} rows ({batch['rows']['failed']} errors{failed}); "
-               f"results under {batch['output']} (_manifest.json)")
+               f"results under {batch['output']} (_manifest.json){again}")
     return batch
+
+
+# What the same command does with the batch already holding the output (POST /batches/plan's `earlier.then`).
+THEN = {"follow": "the same command follows it", "report": "the same command reports it done (--overwrite: a new "
+        "batch from row 0)", "resume": "the same command resumes it: its {rows} rows committed are kept "
+        "(--overwrite: from row 0)", "replace": "the same command starts a new batch from row 0"}
+
+
+def describe_plan(plan: dict) -> str:
+    """POST /batches/plan's answer as lines: what would run, and how long it would take."""
+    rows = f"{plan['rows']:,} rows" if plan["rows"] is not None else \
+        f"rows unknown until read ({plan['bytes'] or 0:,} bytes, planned by size)"
+    lines = [f"plan: {rows} in {plan['chunks']:,} chunks from {plan['objects']:,} objects, model {plan['model']}",
+             f"columns read: {', '.join(plan['columns'])}" if plan["columns"] else
+             "columns read: none (each JSONL line is a request)",
+             f"output: {plan['output']} (the batch's objects under {plan['output'].rstrip('/')}/BATCH_ID/)"]
+    if earlier := plan["earlier"]:
+        lines.append(f"earlier batch {earlier['id']} ({earlier['status']}) holds this output: "
+                     + THEN[earlier["then"]].format(rows=f"{earlier['rows_committed']:,}"))
+    rate = plan["rate"]
+    if plan["estimate_seconds"] is not None:
+        per = f"{rate['rows_per_second']:,.1f} rows/s" if plan["rows"] is not None else \
+            f"{rate['bytes_per_second']:,.0f} bytes/s"
+        lines.append(f"time: about {_duration(plan['estimate_seconds'])} at {per} (measured: {rate['basis']})")
+    else:
+        lines.append(f"time: no rate measured ({rate['basis']})")
+        if plan["rows"] is not None:
+            lines += [f"  estimate from docs: {_duration(plan['rows'] / d['high'])} to "
+                      f"{_duration(plan['rows'] / d['low'])} at {d['low']:,.0f}-{d['high']:,.0f} rows/s, {d['where']}"
+                      for d in rate["docs"]]
+    return "".join(line + "\n" for line in lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds // 3600} h {round(seconds % 3600 / 60)} min"

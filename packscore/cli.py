@@ -540,6 +540,9 @@ def backfill(args: argparse.Namespace) -> None:
         table_options = [flag for flag, given in (("--labels", args.labels), ("--label-column", args.label_column),
                                                   ("--softmax", args.softmax), ("--item-first", args.item_first))
                          if given]
+        if args.dry_run and not reference:
+            raise CommandError(f"--dry-run plans data the service reads (a pair table, a folder, a URI); "
+                               f"{args.input} is a JSONL request file, sent as an upload")
         if table_options and not reference:
             raise CommandError(f"{', '.join(table_options)}: a pair table's options; the lines of {args.input} are "
                                "requests, each with its own label_token_ids, apply_softmax and item_first")
@@ -584,8 +587,8 @@ def backfill(args: argparse.Namespace) -> None:
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
                 label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite,
-                apply_softmax=args.softmax, item_first=args.item_first)
-            if _reference_failed(batch):
+                apply_softmax=args.softmax, item_first=args.item_first, dry_run=args.dry_run)
+            if not args.dry_run and _reference_failed(batch):
                 sys.exit(1)
     except BackfillError as exc:
         raise CommandError(str(exc)) from None
@@ -732,8 +735,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                    help="the result objects written under --out for data the service reads")
     p.add_argument("--overwrite", action="store_true",
-                   help="for data the service reads: run it again as a new batch, though a completed batch of the "
-                        "same input already wrote to --out (without it, the same command reports that batch)")
+                   help="for data the service reads: start afresh, from row 0, as a new batch, though an earlier batch "
+                        "of the same command wrote to --out (without it, the same command reports a completed batch, "
+                        "and resumes a cancelled one from its committed chunks)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="for data the service reads: print the plan (rows, chunks, columns read, output) and an "
+                        "estimate of its time at this deployment's measured rate; create nothing")
     p.set_defaults(func=backfill)
     return parser
 

@@ -190,14 +190,16 @@ class _Calls(Generic[R]):
 
     def create_reference_batch(self, input: str | list[str], output: str, *, format: str | None = None,
                                columns: dict | None = None, label_token_ids: list[int] | None = None,
-                               **options: Any) -> R:
+                               dry_run: bool = False, **options: Any) -> R:
         """POST /batches naming data in storage instead of carrying it (README "Backfills from object storage"):
         `input` a URI, a list of them or a glob (s3://, gs://, az://, or a local path the service may read),
         `output` a URI prefix; a pair table's `columns` ({"query", "item", "ids", "label"}) and labels; other
-        options as the body takes them (output_format, apply_softmax, return_logprobs, webhook_url, metadata)."""
+        options as the body takes them (output_format, apply_softmax, return_logprobs, webhook_url, metadata).
+        `dry_run`: POST /batches/plan instead, the plan and an estimate of its time, nothing created."""
         body = {"input": input, "output": output, "format": format, "columns": columns,
                 "label_token_ids": label_token_ids, **options}
-        return self._call("POST", "/batches", {k: v for k, v in body.items() if v is not None})
+        return self._call("POST", "/batches/plan" if dry_run else "/batches",
+                          {k: v for k, v in body.items() if v is not None})
 
     def get_batch(self, batch_id: str) -> R:
         return self._call("GET", f"/batches/{batch_id}")

@@ -408,6 +408,56 @@ class BatchSource(_ValidUnicode):
     overwrite: StrictBool = False
 
 
+class DocsRate(BaseModel):
+    """A rate docs/performance.md measured (rows of a pair table per second, low to high), and where."""
+
+    where: str
+    low: float
+    high: float
+
+
+class Rate(BaseModel):
+    """Rows (a pair table's row: one item) and input bytes per second of a model's reference batches as this
+    deployment ran them lately (`measured`; `basis` says over what), else None, and the figures from the docs
+    (`docs`) as the only estimate there is."""
+
+    rows_per_second: float | None
+    bytes_per_second: float | None
+    measured: bool
+    basis: str
+    docs: list[DocsRate]
+
+
+class EarlierBatch(BaseModel):
+    """The key's batch that already holds the output, and what the same request does with it: `follow` (it is
+    running: the request answers it), `report` (it completed), `resume` (cancelled: a new batch takes its
+    committed rows), `replace` (a new batch from row 0)."""
+
+    id: str
+    status: str
+    then: Literal["follow", "report", "resume", "replace"]
+    rows_committed: int
+
+
+class BatchPlan(BaseModel):
+    """POST /batches/plan: what POST /batches would run for the same body, planned the same way, with no batch
+    created. `columns`: those read (None: JSONL lines as requests); `rows` None where unknown until read (CSV,
+    JSONL); `bytes`: the byte ranges' (CSV, JSONL); `estimate_seconds` from a measured `rate` (None before this
+    deployment has run a reference batch of the model, or where nothing it measured applies)."""
+
+    model: str
+    input: list[str]
+    objects: int
+    columns: list[str] | None
+    rows: int | None
+    bytes: int | None
+    chunks: int
+    output: str
+    earlier: EarlierBatch | None
+    rate: Rate
+    estimate_seconds: float | None
+
+
 class RowCounts(BaseModel):
     """A reference batch's input rows: done (each has one result row, an error row included), of which failed,
     and all of them (None while unknown: JSONL and CSV are planned by size)."""
@@ -460,6 +510,7 @@ class BatchOut(BaseModel):
     output: str | None = None
     manifest: str | None = None  # once the batch has ended: `_manifest.json` under `output`
     eta_seconds: float | None = None
+    resumed_from: str | None = None  # the cancelled batch whose committed chunks (and folder) this one took over
 
 
 def batch_out(batch: Batch, counts: BatchCounts, progress: Progress, delivery: WebhookDelivery | None,

@@ -992,19 +992,19 @@ def test_cancel_stops_claiming_chunks(client, make_key, empty_queue, lake_settin
     from store.lake import chunks as lake
     claimed = lake.claim_chunk("by-hand", get_settings())
     cancelled = client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
-    assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelling"
+    # The running chunk is cancelled too: the batch is settled at once.
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert lake.claim_chunk("another", get_settings()) is None  # no chunk starts after the cancel
-    assert lake.commit_chunk("by-hand", claimed, 0, 0, 0, ("input_corrupt", "stand-in"))
-    assert lake.settle(created["id"])
+    assert not lake.commit_chunk("by-hand", claimed, 0, 0, 0, ("input_corrupt", "stand-in"))  # its lease is gone
     assert not lake.settle(created["id"])  # settled once: one webhook
     with session_scope() as session:
         payloads = session.scalars(select(WebhookDelivery.payload)
                                    .where(WebhookDelivery.batch_id == created["id"])).all()
     assert [json.loads(payload)["type"] for payload in payloads] == ["batch.cancelled"]
     batch = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
-    assert batch["status"] == "cancelled" and batch["chunks"]["cancelled"] == 4
+    assert batch["status"] == "cancelled" and batch["chunks"]["cancelled"] == 5
     manifest = json.loads((root / "out" / created["id"] / "_manifest.json").read_text())
-    assert manifest["status"] == "cancelled" and len(manifest["cancelled_chunks"]) == 4
+    assert manifest["status"] == "cancelled" and len(manifest["cancelled_chunks"]) == 5
     assert not (root / "out" / created["id"] / "_SUCCESS").exists()
 
 
@@ -1219,7 +1219,7 @@ def test_the_same_request_again_finds_its_batch(client, make_key, empty_queue, l
 
     def late(*args, **kwargs):  # type: ignore[no-untyped-def]
         looked.append(1)  # the first look happened before the winner's commit
-        return None if len(looked) == 1 else holder(*args, **kwargs)
+        return (None, None) if len(looked) == 1 else holder(*args, **kwargs)
 
     monkeypatch.setattr(lake, "_output_holder", late)
     raced = client.post("/batches", json={**body, "output": "raced"}, headers=auth(key))
@@ -1266,7 +1266,7 @@ def test_progress_totals_are_stable_and_say_so(client, make_key, empty_queue, la
     assert after["chunks"]["total"] == planned + 1 and after["chunks"]["total_final"] is False
     assert before["eta_seconds"] == pytest.approx(after["eta_seconds"], abs=0.5)
     cancelled = client.post(f"/batches/{created['id']}/cancel", headers=auth(key)).json()
-    assert cancelled["status"] == "cancelling" and cancelled["chunks"]["total_final"] is True
+    assert cancelled["status"] == "cancelled" and cancelled["chunks"]["total_final"] is True
 
 
 def test_a_pair_tables_result_columns_hold_each_rows_values_or_null() -> None:

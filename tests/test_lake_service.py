@@ -174,7 +174,7 @@ def test_a_worker_killed_while_writing_a_chunk_object_leaves_every_row_once(serv
     assert_each_row_once(service, created["id"], root / "out-torn" / created["id"], table)
 
 
-def test_a_cancelled_batch_settles_after_its_stuck_worker_is_killed_and_restarted(service: Service, root: Path,
+def test_a_cancelled_batch_settles_at_once_though_its_worker_is_stuck(service: Service, root: Path,
                                                                                   tmp_path: Path) -> None:
     from sqlalchemy import create_engine, text
 
@@ -190,11 +190,11 @@ def test_a_cancelled_batch_settles_after_its_stuck_worker_is_killed_and_restarte
     worker = service.start_worker(env={"PYTHONPATH": f"{tmp_path / 'hook'}:{REPO}", "TEAR_MARKER": str(marker)})
     wait_until(marker.exists, 300, "the worker to be stuck in a chunk")
     with service.http() as client:
-        cancelling = client.post(f"/batches/{created['id']}/cancel").json()
-    assert cancelling["status"] == "cancelling" and cancelling["chunks"]["in_flight"] >= 1
+        cancelled = client.post(f"/batches/{created['id']}/cancel").json()
+    # Its held chunks are cancelled at once, and the batch settled, though its worker is stuck.
+    assert cancelled["status"] == "cancelled" and cancelled["chunks"]["in_flight"] == 0, cancelled
     service.kill_worker(worker)
-    service.start_worker()  # the restart: the held chunks are cancelled once their leases end, not run again
-    wait_until(lambda: batch(service, created["id"])["status"] == "cancelled", 120, "the batch to settle cancelled")
+    service.start_worker()  # the restart: the chunks it held are not run again
     settled = batch(service, created["id"])
     assert settled["chunks"]["in_flight"] == 0 and settled["finished_at"] is not None
     assert settled["chunks"]["cancelled"] == settled["chunks"]["total"] - settled["chunks"]["done"]
@@ -202,7 +202,9 @@ def test_a_cancelled_batch_settles_after_its_stuck_worker_is_killed_and_restarte
     manifest = json.loads((folder / "_manifest.json").read_text())
     assert manifest["status"] == "cancelled" and not (folder / "_SUCCESS").exists()
     assert len(manifest["cancelled_chunks"]) == settled["chunks"]["cancelled"]
-    assert sorted(p.name for p in folder.glob("part-*")) == sorted(e["name"] for e in manifest["objects"])
+    # The killed worker's torn object is no result (not in the manifest); the batch that resumes this one
+    # removes it as it ends.
+    assert {e["name"] for e in manifest["objects"]} <= {p.name for p in folder.glob("part-*")}
     engine = create_engine(service.env["DATABASE_URL"])
     with engine.connect() as connection:
         attempts = connection.execute(text("SELECT max(attempts) FROM chunks WHERE batch_id = :b"),

@@ -87,12 +87,14 @@ class PassLoop:
     it moves data between the claims, the scheduler (worker/scheduler.py), the engine and the sinks."""
 
     def __init__(self, scorer: Scorer, policy: Policy, writer: JobWriter, jobs: JobBook, claim: Claim,
-                 busy: Callable[[], bool] = lambda: False) -> None:
+                 busy: Callable[[], bool] = lambda: False, closed: Callable[[], set[str]] = set) -> None:
         """`jobs`: where the jobs claimed write; `busy()`: whether a claim that found nothing may still find
-        work soon (the chunk feed is reading a chunk)."""
+        work soon (the chunk feed is reading a chunk); `closed()`: requests of other sources found cancelled
+        or no longer ours since the last call (the chunk feed's), dropped as the jobs' are."""
         self.scorer, self.policy, self.writer, self.jobs = scorer, policy, writer, jobs
         self._claim = claim
         self._busy = busy
+        self._closed = closed
         self.scheduler = Scheduler(scorer, policy)
         self.claimed_total = 0
         self._urgent: list[Future] = []  # claims made for wake-ups (see WakeUp)
@@ -219,7 +221,8 @@ class PassLoop:
             wake.listener = self._claim_now
         try:
             while True:
-                self.scheduler.finish_requests(self.jobs.take_closed())  # cancelled, or no longer ours
+                # cancelled, or no longer ours
+                self.scheduler.finish_requests(self.jobs.take_closed() | self._closed())
                 # An interactive job claimed while the last pass ran goes into the next one: its claim is
                 # waited for here (bounded), before the pass is planned.
                 self._admit_urgent(URGENT_CLAIM_WAIT_SECONDS)
@@ -313,16 +316,18 @@ def drain(scorer: Scorer, owner: str, settings: Settings, should_stop: Callable[
         return Claimer({Source.INTERACTIVE: jobs.claim_interactive, Source.UPLOADS: jobs.claim_round,
                         Source.CHUNKS: feed.take}, policy, settings.worker_model)
 
-    return run_loop(scorer, owner, settings, policy, claim_for, should_stop, wake or threading.Event(), feed.busy)
+    return run_loop(scorer, owner, settings, policy, claim_for, should_stop, wake or threading.Event(), feed.busy,
+                    feed.take_closed)
 
 
 def run_loop(scorer: Scorer, owner: str, settings: Settings, policy: Policy, claim_for: Callable[[JobBook], Claim],
-             should_stop: Callable[[], bool], wake: threading.Event, busy: Callable[[], bool] = lambda: False) -> int:
+             should_stop: Callable[[], bool], wake: threading.Event, busy: Callable[[], bool] = lambda: False,
+             closed: Callable[[], set[str]] = set) -> int:
     """Runs a pass loop whose claim `claim_for(book)` makes (`book`: where its jobs write) until no work is left;
-    after an engine fault its requests went back and it runs again."""
+    after an engine fault its requests went back and it runs again. `busy`, `closed`: the chunk feed's (PassLoop)."""
     writer = JobWriter(active_jobs.discard)
     book = JobBook(writer, owner, settings)
-    loop = PassLoop(scorer, policy, writer, book, claim_for(book), busy)
+    loop = PassLoop(scorer, policy, writer, book, claim_for(book), busy, closed)
     try:
         while True:
             try:

@@ -142,6 +142,15 @@ class ChunkWork:
                                     rows_failed=len(rows.errors), items_done=self.items_scored + self.items_partial,
                                     rows_total=rows.n_rows)
 
+    def request_id(self, k: int) -> str:
+        """Request k's id in the pass loop (with the attempt: a chunk claimed again is other requests)."""
+        chunk = self.chunk
+        return f"{chunk.batch_id}:{chunk.index}:{chunk.attempt}:{k}"
+
+    def open_ids(self) -> set[str]:
+        """The ids of the requests not done yet."""
+        return {self.request_id(k) for k, lp in enumerate(self.logprobs) if lp is None}
+
     def abandon(self, error: str | None) -> None:
         """The pass loop gave up on the chunk's requests: it is handed back (the attempt counts after an error)."""
         if not self.over:
@@ -157,6 +166,7 @@ class ChunkFeed:
         self._ready: deque[ChunkWork] = deque()
         self._held: dict[tuple[str, int], chunks.ClaimedChunk] = {}
         self._running: dict[tuple[str, int], ChunkWork] = {}  # taken by the pass loop: their progress is written
+        self._closed: set[str] = set()  # requests of chunks lost since the pass loop last asked (take_closed)
         self.last_chunk_seconds: float | None = None  # from take to the last request's scores
         self.last_chunk_done_at = float("-inf")  # when a chunk taken was last done or handed back (monotonic)
         self._changed = threading.Condition()
@@ -199,8 +209,15 @@ class ChunkFeed:
         work.taken_at = time.monotonic()
         with self._changed:
             self._running[chunk.key] = work
-        return [ChunkRequest(f"{chunk.batch_id}:{chunk.index}:{k}", work, k, request)
+        return [ChunkRequest(work.request_id(k), work, k, request)
                 for k, (_, request, _) in enumerate(work.rows.requests)]
+
+    def take_closed(self) -> set[str]:
+        """The requests of the chunks no longer this worker's since the last call (their batch was cancelled, or
+        the lease lapsed): the pass loop drops them."""
+        with self._changed:
+            closed, self._closed = self._closed, set()
+        return closed
 
     def busy(self) -> bool:
         """Whether a chunk is being read or waits to be taken (the pass loop does not end meanwhile)."""
@@ -432,9 +449,27 @@ class ChunkFeed:
             self._ready = deque(w for w in self._ready if w not in stale)
         for work in stale:  # not started soon: another worker may start it
             work.abandon(None)
-        chunks.extend_leases(self.owner, self.settings, held)
+        if lost := chunks.extend_leases(self.owner, self.settings, held):
+            self._drop(lost)
         if self._ready:  # a chunk read and not taken (the pass loop had ended): a pass loop takes it
             kick_drain(self.settings.worker_model)
+
+    def _drop(self, lost: set[tuple[str, int]]) -> None:
+        """Stops the chunks no longer this worker's: their requests are dropped from the pass loop (take_closed),
+        a chunk read ahead is forgotten, and nothing of theirs is committed (a commit on its way is refused by
+        its lease condition, and removes its object)."""
+        with self._changed:
+            for key in lost:
+                self._held.pop(key, None)
+                work = self._running.pop(key, None)
+                if work is not None and not work.over:
+                    work.over = True
+                    self._closed |= work.open_ids()
+                    self.last_chunk_done_at = time.monotonic()
+                    log.info("chunk %s/%s is no longer this worker's (its batch was cancelled, or its lease "
+                             "lapsed): stopped", *key)
+            self._ready = deque(w for w in self._ready if w.chunk.key not in lost)
+            self._changed.notify_all()
 
     def close(self, timeout: float = STOP_SECONDS) -> None:
         """Stops the threads; the chunks read but not taken (or being read) are handed back, and the

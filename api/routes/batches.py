@@ -20,7 +20,7 @@ from store.catalog import ModelCatalog
 from store.errors import ServiceError
 from store.lake import chunks
 from store.models import ApiKey, Batch
-from store.schemas import BatchCreate, BatchOut, BatchSource, check_metadata
+from store.schemas import BatchCreate, BatchOut, BatchPlan, BatchSource, check_metadata
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,19 @@ async def create_batch(request: Request, key: CurrentKey, session: SessionDep, m
     return await run_in_threadpool(batches.read_batch, session, batch)
 
 
+@router.post("/plan", response_model=BatchPlan)
+def plan_batch(body: BatchSource, key: CurrentKey, session: SessionDep, models: ModelsDep,
+               settings: SettingsDep) -> BatchPlan:
+    """A reference batch's body, planned as POST /batches would plan it (the same refusals), with no batch
+    created: its objects, rows, chunks, the columns read, the output, the batch of this key it would find there,
+    and an estimate of the time at the rate this deployment ran the model's reference batches lately (`rate`;
+    before any ran, the figures from the docs, and no estimate)."""
+    try:
+        return chunks.plan_reference(session, key, body, models.get(body.model).tokenizer, settings)
+    finally:
+        session.rollback()
+
+
 def _create_reference(session: Session, key: ApiKey, body: BatchSource, models: ModelCatalog,
                       settings: Settings) -> tuple[Batch, bool]:
     try:
@@ -229,7 +242,9 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
 @router.post("/{batch_id}/cancel", response_model=BatchOut, responses={202: {"model": BatchOut}})
 def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, response: Response) -> BatchOut:
     """Requests not started are cancelled (200 once none is running; 202 `cancelling` while the running ones
-    finish). Finished requests stay in the results. A batch that has ended: 409."""
+    finish). Finished requests stay in the results. A reference batch's running chunks are stopped too: it is
+    `cancelled` at once (202 `cancelling` only while its manifest cannot be written). A batch that has ended:
+    409."""
     batch = batches.get_batch(session, key, batch_id)
     batch = (chunks.cancel_reference(session, batch) if batch.source is not None
              else batches.cancel_batch(session, batch))

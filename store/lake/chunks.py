@@ -15,7 +15,9 @@ webhook is queued once), and objects of lost attempts are removed.
 Outputs: a key's batch holds its output prefix while it runs and once completed (`batches.output_key`, unique
 per key), with a digest of what it scores (`source_key`: the input's URIs, the options, the model). The same
 request again is answered with that batch and plans nothing; another input to the prefix is refused naming it.
-A cancelled batch, or a completed one replaced by an `overwrite`, gives the prefix up.
+A cancelled batch gives the prefix to a new batch of the same request, which resumes from its committed chunks
+(`_resume`); a failed one, a completed one replaced by an `overwrite`, or a cancelled one met by another input,
+gives the prefix up.
 
 Turns: reference batches take turns a chunk at a time, the batch whose chunk started least recently first
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
@@ -44,7 +46,8 @@ from store.lake.tables import (Columns, Options, PlannedChunk, json_line, object
 from store.location import Location
 from store.models import ApiKey, Batch, Chunk, utcnow
 from store.outbox import enqueue_webhook, latest_delivery, vet_webhook_url
-from store.schemas import BatchCounts, BatchOut, BatchSource, ChunkCounts, Progress, RowCounts, batch_out, eta_seconds
+from store.schemas import (BatchCounts, BatchOut, BatchPlan, BatchSource, ChunkCounts, DocsRate, EarlierBatch, Progress,
+                           Rate, RowCounts, batch_out, eta_seconds)
 from store.settings import Settings
 from store.storage import Failure
 
@@ -67,12 +70,19 @@ def access_for(key: ApiKey, settings: Settings) -> Access:
     return Access(settings.batch_local_root, [*settings.batch_storage_prefixes, *(key.storage_prefixes or [])])
 
 
-def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer,
-                           settings: Settings) -> tuple[Batch, bool]:
-    """Checks access, plans the chunks from metadata and commits the batch with its chunk rows (status
-    in_progress); any refusal is a ServiceError and leaves nothing behind. Returns (batch, created): the same
-    input sent again to an output this key's batch holds gets that batch (running or completed) and nothing is
-    planned; another input, or `overwrite` while it runs, is a 409 `output_in_use`."""
+@dataclass(frozen=True)
+class _Vetted:
+    """A reference batch's request as checked: where it reads and writes, its options, and the digests that
+    find an earlier batch of the same request."""
+
+    access: Access
+    output: Location
+    options: Options
+    output_key: str  # the output prefix's digest
+    source_key: str  # what it scores: the input's URIs as vetted, the options, the model
+
+
+def _vet(key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer, settings: Settings) -> _Vetted:
     vet_webhook_url(body.webhook_url, settings.webhook_allowlist)
     access = access_for(key, settings)
     output = access.location(body.output, "output")
@@ -91,32 +101,48 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     options = Options(body.format or "", columns, tuple(body.label_token_ids) if body.label_token_ids else None,
                       body.apply_softmax, body.item_first, body.return_logprobs, body.output_format)
     inputs = [access.location(uri).uri for uri in ([body.input] if isinstance(body.input, str) else body.input)]
-    output_key = _digest(output.uri.rstrip("/"))
-    source_key = _digest(json.dumps([inputs, options.to_json(), tokenizer.model_name], sort_keys=True))
-    held = _output_holder(session, key, output_key, source_key, body.overwrite, output.uri)
+    return _Vetted(access, output, options, _digest(output.uri.rstrip("/")),
+                   _digest(json.dumps([inputs, options.to_json(), tokenizer.model_name], sort_keys=True)))
+
+
+def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer,
+                           settings: Settings) -> tuple[Batch, bool]:
+    """Checks access, plans the chunks from metadata and commits the batch with its chunk rows (status
+    in_progress); any refusal is a ServiceError and leaves nothing behind. Returns (batch, created): the same
+    input sent again to an output this key's batch holds gets that batch (running or completed) and nothing is
+    planned; after a cancelled one, a new batch resumes from its committed chunks (`overwrite`: from row 0);
+    another input, or `overwrite` while it runs, is a 409 `output_in_use`."""
+    vetted = _vet(key, body, tokenizer, settings)
+    output = vetted.output
+    held, earlier = _output_holder(session, key, vetted.output_key, vetted.source_key, body.overwrite, output.uri)
     if held is not None:
         return held, False
-    objects = access.expand(body.input, output)
+    objects = [] if earlier is not None else vetted.access.expand(body.input, output)
     batch = Batch(api_key_id=key.id, model=tokenizer.model_name, webhook_url=body.webhook_url,
-                  metadata_=body.metadata, status="in_progress", in_progress_at=utcnow(), output_key=output_key,
-                  source_key=source_key)
+                  metadata_=body.metadata, status="in_progress", in_progress_at=utcnow(),
+                  output_key=vetted.output_key, source_key=vetted.source_key)
     session.add(batch)
     try:
         session.flush()
     except IntegrityError:  # a concurrent request took the output first: answer as if it had come before
         session.rollback()
-        held = _output_holder(session, key, output_key, source_key, False, output.uri)
+        held, _ = _output_holder(session, key, vetted.output_key, vetted.source_key, False, output.uri)
         if held is None:
             raise ServiceError(409, "output_in_use", f"another batch was being created for {output.uri}; "
                                                      "send it again") from None
         return held, False
     # Each object's format is checked as it is planned (format_of); the batch keeps the one given, if any.
-    batch.source = {**options.to_json(), "input": body.input}
+    batch.source = {**vetted.options.to_json(), "input": body.input}
+    if earlier is not None:
+        _resume(session, batch, earlier)
+        session.commit()
+        session.refresh(batch)
+        return batch, True
     batch.output = output.child(batch.id)
     n = rows = 0
     known = True
     page: list[dict] = []
-    for chunk in plan(objects, options, settings):
+    for chunk in plan(objects, vetted.options, settings):
         if n >= settings.batch_max_chunks:
             raise ServiceError(413, "batch_too_large", f"the input is over BATCH_MAX_CHUNKS "
                                                        f"({settings.batch_max_chunks}) chunks: split it into batches")
@@ -139,32 +165,156 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     return batch, True
 
 
+def _resume(session: Session, batch: Batch, earlier: Batch) -> None:
+    """`batch` takes over the earlier (cancelled) batch's plan and folder: its committed chunks as they are,
+    their objects read where they lie (so nothing is scored twice), the others queued again. Attempts go on
+    from the earlier batch's, so that an attempt's object never has the name of an earlier attempt's (one a
+    worker of the earlier batch may still be writing, and removes when its commit is refused)."""
+    batch.output = earlier.output
+    batch.chunks_total, batch.total = earlier.chunks_total, earlier.total
+    batch.source = {**batch.source, "resumed_from": earlier.id}
+    page: list[dict] = []
+    for row in session.execute(select(Chunk.__table__).where(_CHUNKS.batch_id == earlier.id)).mappings():
+        values = {**row, "batch_id": batch.id}
+        if row["status"] != "succeeded":
+            values.update(status="queued", lease_owner=None, lease_expires_at=None, not_before=None, output=None,
+                          error_code=None, error_message=None, started_at=None, finished_at=None, **_NO_PROGRESS)
+        page.append(values)
+        if len(page) >= INSERT_PAGE:
+            session.execute(insert(Chunk), page)
+            page = []
+    if page:
+        session.execute(insert(Chunk), page)
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _then(holder: Batch, source_key: str, overwrite: bool) -> str:
+    """What a request does with the key's batch holding its output (EarlierBatch.then), or "refuse"."""
+    same = holder.source_key == source_key and not overwrite
+    if holder.status == "cancelled" and same:
+        return "resume"
+    # A failed holder broke off (its output refused writes): its objects were removed, the same request runs
+    # again from row 0. A cancelled one with another input or options gives its output up as a batch never run.
+    if holder.status in ("failed", "cancelled") or (overwrite and holder.status == "completed"):
+        return "replace"
+    if same:
+        return "report" if holder.status == "completed" else "follow"
+    return "refuse"
+
+
 def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: str, overwrite: bool,
-                   uri: str) -> Batch | None:
-    """The key's batch holding this output if the request is its re-run, else None (the output is free; a failed
-    holder, or with `overwrite` a completed one, gives it up, in the caller's transaction). Another input, or an
-    overwrite of a running batch, is refused naming the holder."""
+                   uri: str) -> tuple[Batch | None, Batch | None]:
+    """(the key's batch holding this output if the request is its re-run, else None; a cancelled batch of the
+    same request that a new batch resumes from). A batch replaced or resumed gives the output up, in the
+    caller's transaction. Another input, or an overwrite of a running batch, is refused naming the holder."""
     holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == output_key))
     if holder is None:
-        return None
-    if holder.status == "failed":  # it broke off: the same request runs again, as after a cancel
-        holder.output_key = None
-        session.flush()
-        return None
-    if holder.source_key == source_key and not overwrite:
-        return holder
-    if overwrite and holder.status == "completed":
+        return None, None
+    then = _then(holder, source_key, overwrite)
+    if then in ("resume", "replace"):
         holder.output_key = None
         session.flush()  # before the new batch takes it
-        return None
-    message = f"batch {holder.id} is still running into {uri}: cancel it first" if overwrite else \
+        return None, holder if then == "resume" else None
+    if then != "refuse":
+        return holder, None
+    running = holder.status == "in_progress"
+    message = f"batch {holder.id} is still {'running' if running else holder.status} into {uri}: " \
+              f"{'cancel it first' if running else 'send it again once it has ended'}" if overwrite else \
         f"{uri} is the output of batch {holder.id}, which has another input or options: choose another output, " \
         "or overwrite it (`overwrite`, the CLI's --overwrite) once that batch has ended"
     raise ServiceError(409, "output_in_use", message, batch_id=holder.id)
+
+
+# Before a deployment has run a reference batch of a model, the only rates there are: docs/performance.md's
+# (a pair table's rows per second).
+DOCS_RATES = (DocsRate(where="the bundled model on a 2-core CPU (docs/performance.md: backfill alone)", low=20.0,
+                       high=49.0),
+              DocsRate(where="Qwen3-0.6B's shape on one H200 (docs/performance.md: contract speed)", low=6530.0,
+                       high=7014.0))
+# The measured rate: over a model's chunks committed in this window, at most this many, the latest.
+RATE_WINDOW = timedelta(days=1)
+RATE_CHUNKS = 200
+
+
+def plan_reference(session: Session, key: ApiKey, body: BatchSource, tokenizer: RequestTokenizer,
+                   settings: Settings) -> BatchPlan:
+    """What `create_reference_batch` would run for this body, planned the same way (the same refusals), with
+    nothing written: the plan, the earlier batch the request would find, and an estimate of the time at the
+    rate this deployment ran the model's reference batches lately."""
+    vetted = _vet(key, body, tokenizer, settings)
+    objects = vetted.access.expand(body.input, vetted.output)
+    n = rows = spanned = 0
+    known = True
+    for chunk in plan(objects, vetted.options, settings):
+        n += 1
+        rows += chunk.rows or 0
+        known = known and chunk.rows is not None
+        spanned += chunk.stop - chunk.start if chunk.part == -1 else 0
+    if n == 0:
+        raise ServiceError(400, "empty_batch", f"the input has no rows ({', '.join(o.name for o in objects[:5])})")
+    if n > settings.batch_max_chunks:
+        raise ServiceError(413, "batch_too_large", f"the input is over BATCH_MAX_CHUNKS "
+                                                   f"({settings.batch_max_chunks}) chunks: split it into batches")
+    earlier = None
+    holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == vetted.output_key))
+    if holder is not None:
+        then = _then(holder, vetted.source_key, body.overwrite)
+        if then == "refuse":
+            _output_holder(session, key, vetted.output_key, vetted.source_key, body.overwrite, vetted.output.uri)
+        committed = session.scalar(select(func.coalesce(func.sum(Chunk.rows_done), 0)).where(
+            Chunk.batch_id == holder.id, Chunk.status == "succeeded"))
+        earlier = EarlierBatch(id=holder.id, status=holder.status, then=then, rows_committed=int(committed))
+    rate = measured_rate(session, tokenizer.model_name)
+    left = rows - (earlier.rows_committed if earlier and earlier.then == "resume" else 0)
+    estimate = None
+    if known and rate.rows_per_second:
+        estimate = round(left / rate.rows_per_second, 1)
+    elif not known and spanned and rate.bytes_per_second:
+        estimate = round(spanned / rate.bytes_per_second, 1)
+    session.rollback()  # nothing of a plan is kept
+    return BatchPlan(model=tokenizer.model_name, input=[o.uri for o in objects], objects=len(objects),
+                     columns=vetted.options.columns.names() if vetted.options.columns else None,
+                     rows=rows if known else None, bytes=spanned or None, chunks=n, output=vetted.output.uri,
+                     earlier=earlier, rate=rate, estimate_seconds=estimate)
+
+
+def measured_rate(session: Session, model: str) -> Rate:
+    """Rows and input bytes per second of the model's reference batches over their chunks committed lately
+    (RATE_WINDOW, RATE_CHUNKS), per second of the time any of them ran (parallel workers count once, idle gaps
+    not at all); chunks a resumed batch took over from the batch before are not counted twice."""
+    found = session.execute(
+        select(Chunk.started_at, Chunk.finished_at, Chunk.rows_done, Chunk.part, Chunk.start, Chunk.stop)
+        .join(Batch, Batch.id == Chunk.batch_id)
+        .where(Batch.model == model, Chunk.status == "succeeded", Chunk.started_at >= Batch.in_progress_at,
+               Chunk.finished_at >= utcnow() - RATE_WINDOW)
+        .order_by(Chunk.finished_at.desc()).limit(RATE_CHUNKS)).all()
+    spans = [c for c in found if c.part == -1]
+    busy, busy_spans = _busy_seconds(found), _busy_seconds(spans)
+    if not found or busy <= 0:
+        return Rate(rows_per_second=None, bytes_per_second=None, measured=False, docs=list(DOCS_RATES),
+                    basis=f"no reference batch of {model} ran on this deployment in the last "
+                          f"{RATE_WINDOW.days * 24} hours")
+    rows = sum(c.rows_done for c in found)
+    return Rate(rows_per_second=round(rows / busy, 2),
+                bytes_per_second=round(sum(c.stop - c.start for c in spans) / busy_spans, 1) if busy_spans else None,
+                measured=True, docs=list(DOCS_RATES),
+                basis=f"{rows} rows in the {len(found)} chunks of {model} committed last, {busy:.1f} s of running")
+
+
+def _busy_seconds(chunks: list) -> float:
+    """The time any of these chunks ran (the union of their [started_at, finished_at])."""
+    total, end = 0.0, None
+    for chunk in sorted(chunks, key=lambda c: c.started_at):
+        if end is None or chunk.started_at > end:
+            total += (chunk.finished_at - chunk.started_at).total_seconds()
+            end = chunk.finished_at
+        elif chunk.finished_at > end:
+            total += (chunk.finished_at - end).total_seconds()
+            end = chunk.finished_at
+    return total
 
 
 def _chunk_row(batch_id: str, index: int, chunk: PlannedChunk) -> dict:
@@ -256,19 +406,25 @@ def take_turn(chunk: ClaimedChunk, settings: Settings) -> bool:
     return True
 
 
-def extend_leases(owner: str, settings: Settings, held: dict[tuple[str, int], ChunkProgress | None]) -> None:
-    """Extends the leases of the chunks held, and writes the progress of those running."""
+def extend_leases(owner: str, settings: Settings,
+                  held: dict[tuple[str, int], ChunkProgress | None]) -> set[tuple[str, int]]:
+    """Extends the leases of the chunks held, and writes the progress of those running. Returns the chunks no
+    longer this worker's (their batch was cancelled, or the lease lapsed and the sweeper took them back): the
+    worker stops scoring them."""
+    lost: set[tuple[str, int]] = set()
     if not held:
-        return
+        return lost
     now = utcnow()
     with session_scope() as session:
         for (batch_id, index), progress in held.items():
             values = {"lease_expires_at": now + timedelta(seconds=settings.lease_seconds)}
             if progress is not None:
                 values.update(progress.__dict__)
-            session.execute(update(Chunk.__table__).where(
-                _CHUNKS.batch_id == batch_id, _CHUNKS.index == index, _CHUNKS.lease_owner == owner,
-                _CHUNKS.status == "running").values(**values))
+            if not session.execute(update(Chunk.__table__).where(
+                    _CHUNKS.batch_id == batch_id, _CHUNKS.index == index, _CHUNKS.lease_owner == owner,
+                    _CHUNKS.status == "running").values(**values)).rowcount:
+                lost.add((batch_id, index))
+    return lost
 
 
 def split_chunk(owner: str, chunk: ClaimedChunk, cuts: list[tuple[int, int | None]],
@@ -560,7 +716,7 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
     return batch_out(batch, counts, Progress(items_done=items_done, items_total=items_total),
                      latest_delivery(session, batch.id), chunks=chunks, output=output.uri, eta_seconds=eta,
                      manifest=None if live else output.child("_manifest.json").uri,
-                     input=batch.source["input"],
+                     input=batch.source["input"], resumed_from=batch.source.get("resumed_from"),
                      rows=RowCounts(done=rows_done, failed=rows_failed, total=rows_total))
 
 
@@ -570,32 +726,48 @@ def _eta(session: Session, batch: Batch, rows_done: int, cancelled_rows: int, sp
     batch's rows are known (Parquet), else by the share of the input's bytes done (a running chunk by its rows
     done of its rows): totals that cutting chunks into pieces leaves as they are. None until some rows are
     done."""
-    started = session.scalar(select(func.min(Chunk.started_at)).where(Chunk.batch_id == batch.id))
+    ours = Chunk.batch_id == batch.id
+    carried_rows = carried_span = 0
+    if batch.source.get("resumed_from"):
+        # The chunks the batch it resumes had committed are neither this run's work nor its pace.
+        ours = ours & (Chunk.started_at >= batch.in_progress_at)
+        carried = session.execute(select(func.coalesce(func.sum(Chunk.rows_done), 0),
+                                         func.coalesce(func.sum(Chunk.stop - Chunk.start), 0)).where(
+            Chunk.batch_id == batch.id, Chunk.status == "succeeded", Chunk.started_at < batch.in_progress_at)).one()
+        carried_rows, carried_span = int(carried[0]), int(carried[1])
+    started = session.scalar(select(func.min(Chunk.started_at)).where(ours))
     if batch.total:
-        done, total = float(rows_done), batch.total - cancelled_rows
+        done, total = float(rows_done - carried_rows), batch.total - cancelled_rows - carried_rows
     else:
         running = session.execute(select(Chunk.start, Chunk.stop, Chunk.rows_done, Chunk.rows_total).where(
             Chunk.batch_id == batch.id, Chunk.status == "running", Chunk.rows_done > 0)).all()
-        done = span_done + sum((r.stop - r.start) * min(1.0, r.rows_done / r.rows_total) for r in running
-                               if r.rows_total)
-        total = span_total
+        done = span_done - carried_span + sum((r.stop - r.start) * min(1.0, r.rows_done / r.rows_total)
+                                              for r in running if r.rows_total)
+        total = span_total - carried_span
     return eta_seconds(done, total, started)
 
 
 def cancel_reference(session: Session, batch: Batch) -> Batch:
-    """No chunk starts after this; running chunks finish and are kept (a chunk read ahead, or held by a worker
-    that stops or dies, is cancelled instead). The batch is cancelling until they have, then cancelled, with a
-    manifest of what was done."""
+    """No chunk runs after this: queued and running chunks are cancelled at once, and the batch is settled in
+    this call (cancelled, with a manifest of the chunks committed before). A running chunk's worker finds its
+    lease gone at its next lease extension (a sweep interval) and stops scoring it; its commit, conditional on
+    the lease, is refused and what it wrote removed. The batch keeps its output: the same request again resumes
+    from its committed chunks (create_reference_batch). Cancelling stays the status only where the manifest could
+    not be written now (the sweeper settles it)."""
     if batch.status not in ("in_progress", "cancelling"):
         raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
-    # A cancelled batch gives its output up: the same command run again starts a new batch.
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
-                    .values(status="cancelling", output_key=None))
-    cancelled = session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id == batch.id, _CHUNKS.status == "queued")
-                                .values(status="cancelled", finished_at=utcnow())).rowcount
+                    .values(status="cancelling"))
+    cancelled = session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id == batch.id,
+                                                              _CHUNKS.status.in_(LIVE))
+                                .values(status="cancelled", lease_owner=None, lease_expires_at=None,
+                                        finished_at=utcnow(), **_NO_PROGRESS)).rowcount
     count(session, "chunks_finished", cancelled, label="cancelled")
     session.commit()
-    settle(batch.id)
+    try:
+        settle(batch.id)
+    except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
+        log.warning("cancelled batch %s could not be settled now: %s", batch.id, exc)
     session.refresh(batch)
     return batch
 
