@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-# Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
-# .packscore in the folder it was started from. It records that folder per address it serves
-# (packscore.client.service_record), so that the client commands send each service its own key from any folder.
-EMBEDDED_DIR = Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
+from packscore.client import Key, KeySource, embedded_home, find_key
+
+# The embedded service's folder (packscore.client.embedded_home), as this process started.
+EMBEDDED_DIR = embedded_home()
 # How long a client command keeps retrying a service it cannot reach (or that answers 429/503).
 DEFAULT_RETRY_SECONDS = 30.0
 # Seconds `serve` gives the connections still open once asked to stop (README: it stops within 10 s).
@@ -299,11 +299,9 @@ def serve(args: argparse.Namespace) -> None:
         _release_address(record)
 
 
-def api_key(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def api_key(args: argparse.Namespace) -> Key:
     """The key from --api-key, else the key of the service at --url (packscore.client.find_key), with its source
-    for a 401's message (packscore.client.Key)."""
-    from packscore.client import Key, KeySource, find_key
-
+    for a 401's message."""
     if args.api_key:
         return Key(args.api_key, KeySource.OPTION)
     return find_key(args.url, EMBEDDED_DIR)

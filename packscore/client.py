@@ -238,8 +238,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "")
 
 
 def embedded_home() -> Path:
-    """Where `serve --embedded` started from this folder keeps its database and key file: $PACKSCORE_HOME, else
-    .packscore here."""
+    """Where `serve --embedded` started from this folder keeps its database, broker folder, caches and first API
+    key: $PACKSCORE_HOME, else .packscore here. The service records that folder per address it serves
+    (`service_record`), so that clients send each service its own key from any folder."""
     return Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
 
 
