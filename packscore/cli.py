@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-# Where `serve --embedded` keeps its database, broker folder, caches and first API key: $PACKSCORE_HOME, else
-# .packscore in the folder it was started from. It records that folder per address it serves
-# (packscore.client.service_record), so that the client commands send each service its own key from any folder.
-EMBEDDED_DIR = Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
+from packscore.client import Key, KeySource, embedded_home, find_key
+
+# The embedded service's folder (packscore.client.embedded_home), as this process started.
+EMBEDDED_DIR = embedded_home()
 # How long a client command keeps retrying a service it cannot reach (or that answers 429/503).
 DEFAULT_RETRY_SECONDS = 30.0
 # Seconds `serve` gives the connections still open once asked to stop (README: it stops within 10 s).
@@ -245,14 +245,14 @@ def _check_job(report, args: argparse.Namespace, models: list[str]) -> None:  # 
     except httpx.HTTPError as exc:
         report.add("service", "skip", f"no service at {args.url} ({type(exc).__name__}: {exc}); no job sent")
         return
-    key, where = api_key(args)
-    if key is None:
-        report.add("service", "skip", f"{where}: no job sent to {args.url}")
+    key = api_key(args)
+    if key.value is None:
+        report.add("service", "skip", f"{key.where}: no job sent to {args.url}")
         return
     items = [[11, 12, 13], [14, 15], [16]]
     for model in models:
         try:
-            with Client(args.url, key, max_retries=3, retry_seconds=30, key_source=where) as client:
+            with Client(args.url, key, max_retries=3, retry_seconds=30) as client:
                 start = time.monotonic()
                 job = client.submit_job({"model": model, "query": list(range(20, 40)), "items": items,
                                          "label_token_ids": [5, 6]})
@@ -299,21 +299,18 @@ def serve(args: argparse.Namespace) -> None:
         _release_address(record)
 
 
-def api_key(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The key from --api-key, else the key of the service at --url (packscore.client.find_api_key); and where it
-    came from (or, with no key, every place tried), for a 401's message."""
-    from packscore.client import find_api_key
-
+def api_key(args: argparse.Namespace) -> Key:
+    """The key from --api-key, else the key of the service at --url (packscore.client.find_key), with its source
+    for a 401's message."""
     if args.api_key:
-        return args.api_key, "--api-key"
-    return find_api_key(args.url, EMBEDDED_DIR)
+        return Key(args.api_key, KeySource.OPTION)
+    return find_key(args.url, EMBEDDED_DIR)
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from packscore.client import Client
 
-    key, source = api_key(args)
-    return Client(args.url, key, max_retries=args.max_retries, retry_seconds=args.retry_seconds, key_source=source,
+    return Client(args.url, api_key(args), max_retries=args.max_retries, retry_seconds=args.retry_seconds,
                   on_retry=lambda message: print(f"\npackscore: {args.url}: {message}", file=sys.stderr))
 
 

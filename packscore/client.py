@@ -12,7 +12,9 @@ import json
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from enum import Enum
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
@@ -70,8 +72,8 @@ def _no_answer(method: str, error: httpx.TransportError) -> None:
                              "the request may still have run (GET /jobs or /batches lists what it made)") from error
 
 
-def _raise_for_error(response: httpx.Response, key_source: str) -> None:
-    """`key_source`: where the key sent came from, named in a 401's message with how to send another."""
+def _raise_for_error(response: httpx.Response, key: "Key") -> None:
+    """`key`: the key sent, whose source a 401's message names with how to send another."""
     if response.status_code < 400:
         return
     try:
@@ -79,8 +81,8 @@ def _raise_for_error(response: httpx.Response, key_source: str) -> None:
         error = body["error"]
         message = error["message"]
         if response.status_code == 401:
-            said = key_source if key_source.startswith("no key") else f"key from {key_source}"
-            message += f" ({said}); {another_key(key_source)}"
+            said = key.where if key.source is KeySource.NONE else f"key from {key.where}"
+            message += f" ({said}); {key.source.another}"
         raise PackscoreError(response.status_code, error["code"], message, body)
     except (ValueError, KeyError, TypeError):
         raise PackscoreError(response.status_code, "http_error", response.text[:500]) from None
@@ -99,7 +101,13 @@ class _Calls(Generic[R]):
     retry_seconds: float | None = None
     timeout: float
     score_timeout: float
+    key: "Key"
     _on_retry: Callable[[str], None] | None
+
+    @property
+    def key_source(self) -> str:
+        """Where the key sent came from."""
+        return self.key.where
 
     def _call(self, method: str, path: str, payload: Any = None, *, content: Content | None = None,
               **kwargs: Any) -> R:
@@ -232,8 +240,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "")
 
 
 def embedded_home() -> Path:
-    """Where `serve --embedded` started from this folder keeps its database and key file: $PACKSCORE_HOME, else
-    .packscore here."""
+    """Where `serve --embedded` started from this folder keeps its database, broker folder, caches and first API
+    key: $PACKSCORE_HOME, else .packscore here. The service records that folder per address it serves
+    (`service_record`), so that clients send each service its own key from any folder."""
     return Path(os.environ.get("PACKSCORE_HOME", ".packscore"))
 
 
@@ -261,32 +270,66 @@ def recorded_home(url: str) -> Path | None:
     return Path(record["home"])
 
 
-def find_api_key(url: str, home: Path | None = None) -> tuple[str | None, str]:
-    """The key for the service at `url` and where it came from: the key file of the embedded service recorded at
-    that address, else $PACKSCORE_API_KEY, else the key file in `home` (default `embedded_home()`). With no key,
-    "no key found" and every place looked in."""
+class KeySource(Enum):
+    """Where a key came from: its name, and how to send another when the service refuses it (a 401's message)."""
+
+    ARGUMENT = ("the api_key argument", "give the key this service issued")
+    OPTION = ("--api-key", "give the key this service issued")
+    # The variable is read only where no recorded service's key file is: that file wins over it.
+    RECORDED = ("the recorded embedded service's key file", "give the key this service issued with --api-key "
+                "(api_key=)")
+    VARIABLE = ("$PACKSCORE_API_KEY", "give the key this service issued with --api-key (api_key=), or set "
+                "$PACKSCORE_API_KEY to it")
+    LOCAL = ("this folder's embedded service's key file", "give the key this service issued with --api-key "
+             "(api_key=), or set $PACKSCORE_API_KEY")
+    NONE = ("no key found", "give the key this service issued with --api-key (api_key=), or set "
+            "$PACKSCORE_API_KEY to it")
+
+    def __init__(self, named: str, another: str) -> None:
+        self.named, self.another = named, another
+
+
+@dataclass(frozen=True)
+class Key:
+    """A key for a service (None: none found) and its source."""
+
+    value: str | None
+    source: KeySource
+    detail: str | None = None  # a key file's path and whose it is; with no key, every place looked in
+
+    @property
+    def where(self) -> str:
+        """The key's source as a 401's message names it."""
+        return self.detail or self.source.named
+
+
+def find_key(url: str, home: Path | None = None) -> Key:
+    """The key for the service at `url`: the key file of the embedded service recorded at that address, else
+    $PACKSCORE_API_KEY, else the key file in `home` (default `embedded_home()`)."""
     recorded = recorded_home(url)
     if recorded is not None and (recorded / "api_key").is_file():
         path = recorded / "api_key"
-        return path.read_text().split()[0], f"{path}, the embedded service's recorded at {url}"
+        return Key(path.read_text().split()[0], KeySource.RECORDED, f"{path}, the embedded service's recorded at {url}")
     if os.environ.get("PACKSCORE_API_KEY"):
-        return os.environ["PACKSCORE_API_KEY"], "$PACKSCORE_API_KEY"
+        return Key(os.environ["PACKSCORE_API_KEY"], KeySource.VARIABLE)
     local = (home or embedded_home()).resolve() / "api_key"
     if local.is_file():
-        return local.read_text().split()[0], f"{local}, this folder's embedded service's"
-    looked = [str(recorded / "api_key")] if recorded is not None else []
-    return None, f"no key found (looked in {', '.join([*looked, '$PACKSCORE_API_KEY', str(local)])})"
+        return Key(local.read_text().split()[0], KeySource.LOCAL, f"{local}, this folder's embedded service's")
+    looked = ", ".join([*([str(recorded / "api_key")] if recorded is not None else []), "$PACKSCORE_API_KEY",
+                        str(local)])
+    return Key(None, KeySource.NONE, f"no key found (looked in {looked})")
 
 
-def another_key(source: str) -> str:
-    """How to send another key than the one from `source`, for a 401's message."""
-    if source.startswith(("$", "no key")):
-        return "give the key this service issued with --api-key (api_key=), or set $PACKSCORE_API_KEY to it"
-    if source.startswith(("--", "the api_key")):
-        return "give the key this service issued"
-    # A key file: a recorded service's wins over $PACKSCORE_API_KEY, this folder's does not.
-    return "give the key this service issued with --api-key (api_key=)" + \
-        ("" if "recorded at" in source else ", or set $PACKSCORE_API_KEY")
+def find_api_key(url: str, home: Path | None = None) -> tuple[str | None, str]:
+    """`find_key`'s key and where it came from, as text."""
+    key = find_key(url, home)
+    return key.value, key.where
+
+
+def _key(base_url: str, api_key: str | Key | None) -> Key:
+    if isinstance(api_key, Key):
+        return api_key
+    return find_key(base_url) if api_key is None else Key(api_key, KeySource.ARGUMENT)
 
 
 def _auth(api_key: str | None) -> dict[str, str]:
@@ -294,15 +337,15 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 
 class Client(_Calls[dict]):
-    """`Client(base_url, api_key)`; the URL defaults to $PACKSCORE_URL, the key to `find_api_key`'s for that URL
-    (`key_source`: where a given key came from, for a 401's message).
+    """`Client(base_url, api_key)`; the URL defaults to $PACKSCORE_URL, the key to `find_key`'s for that URL (a
+    `Key` given names its source in a 401's message).
     `timeout` (seconds) is each call's, except that score and rerank wait longer for the service's own answer
     (`score_timeout`, SCORE_READ_SECONDS by default; no answer in time raises PackscoreError 504 `no_answer`)."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
+    def __init__(self, base_url: str | None = None, api_key: str | Key | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0, sleep: Callable[[float], None] = time.sleep,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float = SCORE_READ_SECONDS, key_source: str = "the api_key argument") -> None:
+                 score_timeout: float = SCORE_READ_SECONDS) -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries
@@ -311,10 +354,8 @@ class Client(_Calls[dict]):
         self._sleep = sleep
         self._on_retry = on_retry
         base_url = _base_url(base_url)
-        if api_key is None:
-            api_key, key_source = find_api_key(base_url)
-        self.key_source = key_source
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(api_key))
+        self.key = _key(base_url, api_key)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_auth(self.key.value))
 
     def close(self) -> None:
         self._http.close()
@@ -345,7 +386,7 @@ class Client(_Calls[dict]):
                 response.close()
                 self._sleep(wait)
                 continue
-            _raise_for_error(response, self.key_source)
+            _raise_for_error(response, self.key)
             return response
         raise AssertionError("unreachable")
 
@@ -393,10 +434,10 @@ async def _async_chunks(chunks: Iterable[bytes] | AsyncIterable[bytes]) -> Async
 class AsyncClient(_Calls[Awaitable[dict]]):
     """`Client`'s methods as coroutines, on httpx.AsyncClient: `async with AsyncClient(url, key) as client:`."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
+    def __init__(self, base_url: str | None = None, api_key: str | Key | None = None, *, timeout: float = 60.0,
                  max_retries: int = 8, max_backoff: float = 30.0,
                  on_retry: Callable[[str], None] | None = None, retry_seconds: float | None = None,
-                 score_timeout: float = SCORE_READ_SECONDS, key_source: str = "the api_key argument") -> None:
+                 score_timeout: float = SCORE_READ_SECONDS) -> None:
         self.timeout = timeout
         self.score_timeout = score_timeout
         self.max_retries = max_retries
@@ -404,10 +445,8 @@ class AsyncClient(_Calls[Awaitable[dict]]):
         self.retry_seconds = retry_seconds
         self._on_retry = on_retry
         base_url = _base_url(base_url)
-        if api_key is None:
-            api_key, key_source = find_api_key(base_url)
-        self.key_source = key_source
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(api_key))
+        self.key = _key(base_url, api_key)
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_auth(self.key.value))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -439,7 +478,7 @@ class AsyncClient(_Calls[Awaitable[dict]]):
                 await response.aclose()
                 await asyncio.sleep(wait)
                 continue
-            _raise_for_error(response, self.key_source)
+            _raise_for_error(response, self.key)
             return response
         raise AssertionError("unreachable")
 

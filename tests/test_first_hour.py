@@ -1,5 +1,7 @@
 """A new user's first hour (issue 22): errors a person can act on, /docs offline, the CLI's key lookup."""
 
+import pytest
+
 from tests.test_api_jobs import assert_error, auth
 
 GOOD = {"query": "Is the city in France? Answer yes or no.", "items": ["\nCity: Lyon\nAnswer:"],
@@ -76,7 +78,7 @@ def test_the_cli_finds_the_embedded_key_from_any_folder(tmp_path, monkeypatch) -
     import os
 
     from packscore import cli
-    from packscore.client import service_record
+    from packscore.client import Key, KeySource, service_record
 
     home = tmp_path / "service" / ".packscore"
     home.mkdir(parents=True)
@@ -93,19 +95,47 @@ def test_the_cli_finds_the_embedded_key_from_any_folder(tmp_path, monkeypatch) -
     monkeypatch.delenv("PACKSCORE_API_KEY", raising=False)
     monkeypatch.delenv("PACKSCORE_HOME", raising=False)
     args = argparse.Namespace(api_key=None, url=url)
-    key, source = cli.api_key(args)
-    assert key == "psk_embedded" and source.startswith(str(home / "api_key")), source
+    key = cli.api_key(args)
+    assert (key.value, key.source) == ("psk_embedded", KeySource.RECORDED), key
+    assert key.where.startswith(str(home / "api_key")), key
     # The service's own key file wins over the variable, which may name another service's key.
     monkeypatch.setenv("PACKSCORE_API_KEY", "psk_env")
-    assert cli.api_key(args)[0] == "psk_embedded"
-    assert cli.api_key(argparse.Namespace(api_key=None, url="http://127.0.0.1:8001")) == ("psk_env",
-                                                                                         "$PACKSCORE_API_KEY")
-    assert cli.api_key(argparse.Namespace(api_key="psk_flag", url=url)) == ("psk_flag", "--api-key")
+    assert cli.api_key(args).value == "psk_embedded"
+    assert cli.api_key(argparse.Namespace(api_key=None, url="http://127.0.0.1:8001")) == Key("psk_env",
+                                                                                            KeySource.VARIABLE)
+    assert cli.api_key(argparse.Namespace(api_key="psk_flag", url=url)) == Key("psk_flag", KeySource.OPTION)
     monkeypatch.delenv("PACKSCORE_API_KEY")
     record.unlink()
-    key, tried = cli.api_key(args)
-    assert key is None and "$PACKSCORE_API_KEY" in tried
-    assert str(elsewhere / ".packscore" / "api_key") in tried
+    key = cli.api_key(args)
+    assert (key.value, key.source) == (None, KeySource.NONE) and "$PACKSCORE_API_KEY" in key.where
+    assert str(elsewhere / ".packscore" / "api_key") in key.where
+
+
+KEY_FILE = "/f/.packscore/api_key, this folder's embedded service's"
+LOOKED = "no key found (looked in $PACKSCORE_API_KEY, /f/.packscore/api_key)"
+WITH_OPTION = "give the key this service issued with --api-key (api_key=)"
+
+
+@pytest.mark.parametrize(("source", "detail", "said"), [
+    ("ARGUMENT", None, "(key from the api_key argument); give the key this service issued"),
+    ("OPTION", None, "(key from --api-key); give the key this service issued"),
+    ("RECORDED", "/s/api_key, the embedded service's recorded at http://h:1",
+     f"(key from /s/api_key, the embedded service's recorded at http://h:1); {WITH_OPTION}"),
+    ("VARIABLE", None, f"(key from $PACKSCORE_API_KEY); {WITH_OPTION}, or set $PACKSCORE_API_KEY to it"),
+    ("LOCAL", KEY_FILE, f"(key from {KEY_FILE}); {WITH_OPTION}, or set $PACKSCORE_API_KEY"),
+    ("NONE", LOOKED, f"({LOOKED}); {WITH_OPTION}, or set $PACKSCORE_API_KEY to it"),
+])
+def test_a_refused_key_names_its_source_and_how_to_give_another(source: str, detail: str | None, said: str) -> None:
+    """A 401's message says where the key came from and how to give another: not the variable where a recorded
+    service's key file was used (that file wins over it)."""
+    import httpx
+
+    from packscore.client import Key, KeySource, PackscoreError, _raise_for_error
+
+    refused = httpx.Response(401, json={"error": {"code": "unauthorized", "message": "invalid API key"}})
+    with pytest.raises(PackscoreError) as raised:
+        _raise_for_error(refused, Key("psk_x" if source != "NONE" else None, KeySource[source], detail))
+    assert raised.value.message == f"invalid API key {said}"
 
 
 def test_the_gguf_tokenizer_is_transformers_own(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -275,6 +275,43 @@ def test_heartbeat_extends_leases(client, make_key, empty_queue, monkeypatch) ->
     assert job_row(job_id).status == "running"
 
 
+def test_a_claim_not_yet_admitted_keeps_its_lease(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A claim made ahead waits for the loop to admit it (behind the passes the loop holds). Its jobs were
+    heartbeated only from their admission: a claim held longer than the lease expired, and another worker
+    claimed its jobs too."""
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3))
+    settings = get_settings()
+    claimed, admit = threading.Event(), threading.Event()
+    admit_now = drain_module.PassLoop._admit
+
+    def admitted_late(loop, requests) -> None:  # type: ignore[no-untyped-def]
+        if requests:
+            claimed.set()
+            admit.wait(60)
+        admit_now(loop, requests)
+
+    monkeypatch.setattr(drain_module.PassLoop, "_admit", admitted_late)
+    running = threading.Thread(target=claiming.run_claims, args=(
+        get_scorer(), "worker-a", settings, lambda _: claiming.claim_jobs("worker-a", settings)))
+    running.start()
+    try:
+        assert claimed.wait(60)
+        with session_scope() as session:  # its lease nearly over, the job not yet admitted
+            session.execute(update(Job).values(lease_expires_at=utcnow() + timedelta(seconds=0.5)))
+        drain_module.heartbeat("worker-a", "tiny-random", settings)
+        assert job_row(job_id).lease_expires_at > utcnow() + timedelta(seconds=settings.lease_seconds - 1)
+        time.sleep(0.6)  # past the lease it had
+        assert sweeper.sweep(settings) is False
+        assert claiming.claim_jobs("worker-b", settings) == []
+    finally:
+        admit.set()
+        running.join(60)
+    job = job_row(job_id)
+    assert (job.status, job.attempts) == ("succeeded", 1)
+    assert job_id not in jobs_module.active_jobs.snapshot()
+
+
 def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))

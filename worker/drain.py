@@ -273,12 +273,15 @@ class PassLoop:
         try:
             if inflight is not None:
                 self._collect(inflight)
-            if claim is not None:
-                self._admit(claim.future.result())
-            for urgent in urgent_claims:
-                self._admit(urgent.result())
         except Exception:
             log.exception("the pass loop could not finish its last pass")
+        # Each claim on its way on its own: its jobs are heartbeated from their claim, so one that failed must
+        # not keep the others from going back.
+        for pending in ([claim.future] if claim is not None else []) + urgent_claims:
+            try:
+                self._admit(pending.result())
+            except Exception:
+                log.exception("the pass loop could not take back a claim")
         self._abandon_held(error)
 
     def _abandon_held(self, error: str | None) -> None:

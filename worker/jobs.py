@@ -3,7 +3,8 @@
 `JobSource` claims interactive jobs and uploaded batches' rounds (store.claims) as the policy asks
 (worker/policy.py); each job comes as a `JobSink` bound to its loop's `JobBook`, where its progress and results
 go: a pass's writes in one boundary through the writer thread (store.job_writer), the jobs handed back in one
-release. `active_jobs` are the leases this process's heartbeat extends.
+release. `active_jobs` are the leases this process's heartbeat extends: a job's from its claim, though the loop
+admits it later (a claim made ahead waits behind the passes the loop holds), until it ends or goes back.
 """
 
 import threading
@@ -62,10 +63,14 @@ class JobBook:
         self._released: list[ClaimedJob] = []
         self._release_error: str | None = None
 
+    def claimed(self, jobs: list[ClaimedJob]) -> None:
+        """Jobs just leased (in the writer's thread, after any close of an earlier lease of theirs): the heartbeat
+        extends their leases from now on, until the writer closes them."""
+        active_jobs.add(job.id for job in jobs)
+
     def hold(self, job: ClaimedJob) -> None:
         self.held[job.id] = job
         self.writer.claimed_again(job.id)
-        active_jobs.add([job.id])
 
     def advance(self, job: ClaimedJob, done: int) -> None:
         self._progress.append((job.id, done))
@@ -171,6 +176,7 @@ class JobSource:
         self.interactive_above, self.round_tokens = interactive_above, round_tokens
 
     def sinks(self, jobs: list[ClaimedJob]) -> list[JobSink]:
+        self.book.claimed(jobs)
         return [JobSink(job, self.book) for job in jobs]
 
     def claim_interactive(self) -> list[JobSink]:
