@@ -312,6 +312,31 @@ def test_a_claim_not_yet_admitted_keeps_its_lease(client, make_key, empty_queue,
     assert job_id not in jobs_module.active_jobs.snapshot()
 
 
+def test_a_claim_that_fails_halfway_through_admission_goes_back(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Jobs are heartbeated from their claim: a request the loop fails to admit, and those after it, go back to
+    the queue (the attempt counts) instead of being kept leased with nothing to run them."""
+    from worker.scheduler import Scheduler
+    key, _ = make_key()
+    job_ids = [submit(client, key, many_items(3)) for _ in range(3)]
+    add_now, added = Scheduler.add_request, []
+
+    def add_then_break(scheduler, sink, request):  # type: ignore[no-untyped-def]
+        added.append(sink)
+        if len(added) == 2:
+            raise RuntimeError("admission broke")
+        return add_now(scheduler, sink, request)
+
+    monkeypatch.setattr(Scheduler, "add_request", add_then_break)
+    given = [claiming.claim_jobs("worker-a", get_settings())]
+    assert len(given[0]) == 3
+    claiming.run_claims(get_scorer(), "worker-a", get_settings(), lambda _: given.pop() if given else [])
+    assert [sink.job.id for sink in added] == job_ids[:2]  # admitted once, up to the failure
+    for job_id in job_ids:
+        job = job_row(job_id)
+        assert (job.status, job.lease_owner, job.attempts) == ("queued", None, 1), job_id
+        assert job_id not in jobs_module.active_jobs.snapshot()
+
+
 def test_sweeper_fails_after_max_attempts(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
     key, _ = make_key()
     job_id = submit(client, key, many_items(3))

@@ -168,12 +168,20 @@ class PassLoop:
 
     def _admit(self, claimed: list[tuple[Sink, TokenizedRequest | ScoringError]]) -> None:
         self.claimed_total += len(claimed)
-        for sink, request in claimed:
-            sink.start()
-            if isinstance(request, ScoringError):
-                sink.fail((request.code, request.message))
-            elif (run := self.scheduler.add_request(sink, request)).finished:  # no item to score
-                sink.finish(run.logprobs)
+        for i, (sink, request) in enumerate(claimed):
+            try:
+                sink.start()
+                if isinstance(request, ScoringError):
+                    sink.fail((request.code, request.message))
+                elif (run := self.scheduler.add_request(sink, request)).finished:  # no item to score
+                    sink.finish(run.logprobs)
+            except Exception as exc:
+                # Leased from their claim, this request and the rest would be heartbeated with nothing to run
+                # them: they go back (the attempt counts).
+                for rest, _ in claimed[i:]:
+                    rest.abandon(f"{type(exc).__name__}: {exc}")
+                self.jobs.write()
+                raise
         self.jobs.write()
 
     def _admit_claim(self, claim: _Claim, exhausted: bool) -> bool:
@@ -227,8 +235,8 @@ class PassLoop:
                 # waited for here (bounded), before the pass is planned.
                 self._admit_urgent(URGENT_CLAIM_WAIT_SECONDS)
                 if claim is not None and (claim.future.done() or (self.scheduler.idle and inflight is None)):
-                    exhausted = self._admit_claim(claim, exhausted)
-                    claim = None
+                    admitting, claim = claim, None  # admitted once: a failed admission hands its own claim back
+                    exhausted = self._admit_claim(admitting, exhausted)
                 if should_stop():
                     break
                 if claim is None and (wake.is_set() or (self._short_of_work() and not exhausted)):
