@@ -151,8 +151,8 @@ class Boundary:
 
 def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     """After one or more passes, in the caller's transaction and a few statements whatever the number of jobs
-    or passes: the Pass rows, cancellations, finished results, progress and the parts of jobs under way. Returns the ids the pass loop must
-    drop: finished, cancelled, or no longer leased to it."""
+    or passes: the Pass rows, cancellations, finished results, progress and the parts of jobs under way. Returns
+    the ids the pass loop must drop: finished, cancelled, or no longer leased to it."""
     owner = boundaries[0].owner
     for b in boundaries:
         record_pass(session, owner, len(b.progress) + len(b.finished), b)

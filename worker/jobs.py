@@ -104,7 +104,8 @@ class JobBook:
             owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
             padded_tokens=result.padded_tokens, seconds=result.seconds, host_seconds=result.host_seconds,
             device_seconds=result.device_seconds, device_idle_seconds=device_idle_seconds, progress=progress,
-            parts=parts, finished=finished, open_ids=list(self.held)), {job.id: job.batch_id for job in jobs if job.batch_id})
+            parts=parts, finished=finished, open_ids=list(self.held)),
+            {job.id: job.batch_id for job in jobs if job.batch_id})
 
     def write(self) -> None:
         """Queues the writes reported outside a pass: jobs with no item to score, jobs handed back."""
