@@ -826,28 +826,29 @@ def test_a_job_whose_worker_died_resumes_from_its_last_written_pass(client, make
 
 
 def test_a_pass_written_after_the_lease_was_lost_keeps_nothing(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Parts keep the lease condition: once another worker holds the job, this one's passes leave no part (its
-    items would be the other's to score)."""
+    """Parts keep the lease condition: another worker takes the job over after this boundary's check of its jobs
+    (the sweeper re-queued it, another worker claimed it), so the pass's items are the other's to score: this
+    pass leaves no part, nor does any later one."""
     key, _ = make_key()
     job_id = submit(client, key, many_items(300))
-    original = finishing.write_boundaries
+    original = finishing.set_progress
     writes: list[int] = []
 
-    def taken_over_after_the_first(session, boundaries):  # type: ignore[no-untyped-def]
+    def taken_over_after_the_first(session, owner, progress):  # type: ignore[no-untyped-def]
         if writes:
             with session_scope() as other:
                 other.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b"))
-        writes.append(len(boundaries))
-        return original(session, boundaries)
+        writes.append(len(progress))
+        return original(session, owner, progress)
 
-    monkeypatch.setattr(finishing, "write_boundaries", taken_over_after_the_first)
+    monkeypatch.setattr(finishing, "set_progress", taken_over_after_the_first)
     drain_module.drain(get_scorer(), "worker-a", get_settings())
-    assert len(writes) >= 2
+    assert writes[:2] == [1, 1]
     job = job_row(job_id)
     assert (job.status, job.lease_owner) == ("running", "worker-b")
     with session_scope() as session:
         parts = session.scalars(select(JobPart)).all()
-    assert sum(len(part.items) // 4 for part in parts) == job.items_done < 300  # the first pass's only
+    assert len(parts) == 1 and len(parts[0].items) // 4 == job.items_done < 300  # the first pass's only
 
 
 def test_eta_counts_from_the_current_attempts_claim(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
