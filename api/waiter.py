@@ -149,12 +149,15 @@ class JobProgress:
     items_done: int
     items_total: int
     started_at: datetime | None  # naive UTC, as stored
+    claimed_at: datetime | None  # of its current attempt (its eta's pace is since then), naive UTC
+    items_at_claim: int  # its items done then (kept from earlier attempts)
 
 
 def _progress(job_ids: list[str], every: bool) -> dict[str, JobProgress]:
     """These jobs' progress: the finished ones, or (`every`) all of them."""
-    query = select(Job.id, Job.status, Job.items_done, Job.items_total, Job.started_at).where(Job.id.in_(job_ids))
+    query = select(Job.id, Job.status, Job.items_done, Job.items_total, Job.started_at, Job.claimed_at,
+                   Job.items_at_claim).where(Job.id.in_(job_ids))
     with session_factory()() as session:
         rows = session.execute(query if every else query.where(Job.status.in_(TERMINAL_STATUSES)))
-        return {job_id: JobProgress(status in TERMINAL_STATUSES, done, total, started)
-                for job_id, status, done, total, started in rows}
+        return {job_id: JobProgress(status in TERMINAL_STATUSES, done, total, started, claimed, at_claim)
+                for job_id, status, done, total, started, claimed, at_claim in rows}

@@ -389,7 +389,8 @@ def read_batch(session: Session, batch: Batch) -> BatchOut:
 def read_uploaded(session: Session, batches: list[Batch]) -> dict[str, BatchOut]:
     """Uploaded batches as read_batch shows them, by id, from the counts on their rows (store/batch_counts.py)
     and their running requests' items done, in one query for them all: a listing reads no batch's requests
-    but those running. A queued request has done no items (a hand-back starts it again from 0)."""
+    but those running. A request handed back keeps its items done, shown here again once it runs (a batch's
+    requests are short: few span passes, the only ones that keep items)."""
     running = dict(session.execute(
         select(Job.batch_id, func.sum(Job.items_done)).where(Job.batch_id.in_([batch.id for batch in batches]),
                                                              Job.status == "running").group_by(Job.batch_id)).all())

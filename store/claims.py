@@ -10,13 +10,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+import numpy as np
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
 
 from store.db import among, session_scope
-from store.models import Batch, Job, utcnow
+from store.models import Batch, Job, JobPart, utcnow
 from store.settings import Settings
+
+
+@dataclass(frozen=True)
+class KeptItems:
+    """Items of a job that earlier attempts scored (its parts, store/finishing.py): not scored again."""
+
+    items: np.ndarray  # item indices
+    logprobs: np.ndarray  # [len(items), labels]
 
 
 @dataclass(frozen=True)
@@ -30,12 +39,14 @@ class ClaimedJob:
     request: dict | None  # the request's text, read only for such a job
     batch_id: str | None
     webhook_url: str | None
+    kept: KeptItems | None = None
 
 
 # The hot statements below use the table's columns (SQLAlchemy Core): the ORM's statement handling would be most of
 # a pass boundary's Python time.
 _JOBS = Job.__table__.c
-_CLAIMED = (_JOBS.id, _JOBS.priority, _JOBS.model, _JOBS.tokens, _JOBS.batch_id, _JOBS.webhook_url, _JOBS.query_key)
+_CLAIMED = (_JOBS.id, _JOBS.priority, _JOBS.model, _JOBS.tokens, _JOBS.batch_id, _JOBS.webhook_url, _JOBS.query_key,
+            _JOBS.items_done)
 
 
 def claim_interactive(owner: str, settings: Settings, above: int) -> list[ClaimedJob]:
@@ -71,7 +82,8 @@ def claim_batch_round(owner: str, settings: Settings, tokens: int | None = None)
 
 
 def _lease(session: Session, owner: str, settings: Settings, ids: list[str] | Select) -> list[ClaimedJob]:
-    """Leases these queued jobs (ids, or a query of them: then the claim is this one statement)."""
+    """Leases these queued jobs (ids, or a query of them: then the claim is this one statement). A job that earlier
+    attempts advanced keeps its items done and comes with their scores (`kept`)."""
     if isinstance(ids, list) and not ids:
         return []
     now = utcnow()
@@ -79,14 +91,31 @@ def _lease(session: Session, owner: str, settings: Settings, ids: list[str] | Se
     claimed = session.execute(
         update(Job.__table__).where(chosen, _JOBS.status == "queued")
         .values(status="running", lease_owner=owner, lease_expires_at=now + timedelta(seconds=settings.lease_seconds),
-                attempts=_JOBS.attempts + 1, items_done=0, started_at=func.coalesce(_JOBS.started_at, now))
+                attempts=_JOBS.attempts + 1, started_at=func.coalesce(_JOBS.started_at, now), claimed_at=now,
+                items_at_claim=_JOBS.items_done)
         .returning(*_CLAIMED)).all()
     untokenized = [row.id for row in claimed if row.tokens is None]
     texts = dict(session.execute(select(Job.id, Job.request).where(Job.id.in_(untokenized))).all()) \
         if untokenized else {}
+    kept = _kept(session, [row.id for row in claimed if row.items_done])
     # By query within a batch: the engine gets requests sharing a query together (prefix reuse).
-    return [ClaimedJob(row.id, row.priority, row.model, row.tokens, texts.get(row.id), row.batch_id, row.webhook_url)
+    return [ClaimedJob(row.id, row.priority, row.model, row.tokens, texts.get(row.id), row.batch_id, row.webhook_url,
+                       kept.get(row.id))
             for row in sorted(claimed, key=lambda row: (-row.priority, row.query_key or "", row.id))]
+
+
+def _kept(session: Session, job_ids: list[str]) -> dict[str, KeptItems]:
+    """These jobs' parts, each job's as one KeptItems."""
+    if not job_ids:
+        return {}
+    parts: dict[str, list] = {}
+    for job_id, n_labels, items, logprobs in session.execute(
+            select(JobPart.job_id, JobPart.n_labels, JobPart.items, JobPart.logprobs)
+            .where(JobPart.job_id.in_(job_ids)).order_by(JobPart.job_id, JobPart.first_item)):
+        parts.setdefault(job_id, []).append(
+            (np.frombuffer(items, np.int32), np.frombuffer(logprobs, np.float32).reshape(-1, n_labels)))
+    return {job_id: KeptItems(np.concatenate([i for i, _ in p]), np.concatenate([lp for _, lp in p]))
+            for job_id, p in parts.items()}
 
 
 def _batch_rounds(session: Session, settings: Settings, tokens: int) -> Iterator[Select]:

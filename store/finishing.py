@@ -2,7 +2,10 @@
 
 Exactly-once effects on at-least-once delivery: every state change of a claimed job is conditional on
 `lease_owner` still being this worker and the job still running, so a worker that lost its lease (killed,
-paused past the lease, or swept) cannot write a result that another worker also writes.
+paused past the lease, or swept) cannot write a result that another worker also writes. The items a pass scored
+of a job it did not finish are kept as its parts (JobPart) under the same condition, in the transaction that
+writes its progress: the next attempt resumes from them (store/claims.py), and the job's result, once written,
+replaces them.
 """
 
 import logging
@@ -10,14 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Row, bindparam, insert, or_, select, update
+from sqlalchemy import Row, bindparam, delete, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from store.batch_counts import add_ended
 from store.batches import settle_batch
 from store.counters import count, count_pass
 from store.db import among, session_scope
-from store.models import Job, JobResult, Pass, Worker, utcnow
+from store.models import Job, JobPart, JobResult, Pass, Worker, utcnow
 from store.outbox import enqueue_job_webhook
 from store.settings import Settings
 
@@ -50,6 +53,7 @@ def _end(session: Session, owner: str, job_ids: list[str], status: str, error: t
     if changed:
         count(session, "jobs_finished", len(changed), label=status)
         _enqueue_webhooks(session, [row.id for row in changed if row.webhook_url], results)
+        drop_parts(session, [row.id for row in changed])
     return changed
 
 
@@ -101,6 +105,32 @@ def set_progress(session: Session, owner: str, progress: list[tuple[str, int]]) 
                         .values(items_done=bindparam("done")), [{"job": j, "done": n} for j, n in progress])
 
 
+# A part goes in only while its job is running under the writer's lease. The writer's progress UPDATE of the job
+# (set_progress, same transaction, before it) holds the row's lock until the commit, so the sweeper cannot hand the
+# job to another worker between this check and the commit: a resumed attempt reads every part written before it.
+_PART = insert(JobPart.__table__).from_select(
+    ["job_id", "first_item", "n_labels", "items", "logprobs"],
+    select(_JOBS.id, bindparam("first"), bindparam("n_labels"), bindparam("items", type_=JobPart.items.type),
+           bindparam("logprobs", type_=JobPart.logprobs.type))
+    .where(_JOBS.id == bindparam("job"), _JOBS.lease_owner == bindparam("owner"), _JOBS.status == literal("running")))
+
+
+def keep_parts(session: Session, owner: str, parts: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    """The (job id, item indices, [items, labels] log-probabilities) a pass scored of running jobs of ours, kept
+    as their parts: one statement (executemany)."""
+    if parts:
+        session.execute(_PART, [
+            {"job": job_id, "owner": owner, "first": int(items.min()), "n_labels": logprobs.shape[1],
+             "items": np.ascontiguousarray(items, np.int32).tobytes(),
+             "logprobs": np.ascontiguousarray(logprobs, np.float32).tobytes()} for job_id, items, logprobs in parts])
+
+
+def drop_parts(session: Session, job_ids: list[str]) -> None:
+    """The parts of these jobs, ended: their result (if any) holds every item."""
+    if job_ids:
+        session.execute(delete(JobPart.__table__).where(among(session, JobPart.__table__.c.job_id, job_ids)))
+
+
 @dataclass
 class Boundary:
     """The writes of one pass boundary (see write_boundaries)."""
@@ -114,14 +144,15 @@ class Boundary:
     device_seconds: float
     device_idle_seconds: float  # the device waiting for the host before the pass (see worker/drain.py)
     progress: list[tuple[str, int]]  # (job id, items done) of jobs the pass advanced
+    parts: list[tuple[str, np.ndarray, np.ndarray]]  # (job id, item indices, their logprobs) of those jobs
     finished: list[tuple[Any, np.ndarray]]  # (claimed job, its log-probabilities) of jobs the pass completed
     open_ids: list[str]  # the jobs still running after it: their cancel flags and leases are checked
 
 
 def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     """After one or more passes, in the caller's transaction and a few statements whatever the number of jobs
-    or passes: the Pass rows, cancellations, finished results, progress. Returns the ids the pass loop must
-    drop: finished, cancelled, or no longer leased to it."""
+    or passes: the Pass rows, cancellations, finished results, progress and the parts of jobs under way. Returns
+    the ids the pass loop must drop: finished, cancelled, or no longer leased to it."""
     owner = boundaries[0].owner
     for b in boundaries:
         record_pass(session, owner, len(b.progress) + len(b.finished), b)
@@ -144,6 +175,8 @@ def write_boundaries(session: Session, boundaries: list[Boundary]) -> set[str]:
     succeeded = _end_succeeded(session, owner, {job_id: lp for job_id, lp in finished.items() if job_id not in odd})
     add_ended(session, ended + [(row.batch_id, "succeeded", row.items_done) for row in succeeded])
     set_progress(session, owner, [(job_id, n) for job_id, n in progress.items() if job_id not in odd])
+    keep_parts(session, owner, [part for b in boundaries for part in b.parts if part[0] in progress
+                                and part[0] not in odd])
     return lost | set(cancelled) | finished.keys()
 
 
@@ -162,11 +195,11 @@ def release(owner: str, settings: Settings, job_ids: list[str], error: str | Non
 
 
 def end_attempt(session: Session, job: Job, settings: Settings, code: str, message: str) -> None:
-    """A job whose attempt ended without its result (`Leased.requeue_or_fail`); one that ends here is counted
-    and its webhook queued."""
+    """A job whose attempt ended without its result (`Leased.requeue_or_fail`): queued again, it keeps its items
+    done (its parts); one that ends here is counted, its webhook queued and its parts dropped."""
     if job.requeue_or_fail(settings.max_attempts, code, message, job.cancel_requested, utcnow()) == "queued":
-        job.items_done = 0
         return
+    drop_parts(session, [job.id])
     count(session, "jobs_finished", label=job.status)
     add_ended(session, [(job.batch_id, job.status, job.items_done)])
     session.flush()

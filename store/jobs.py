@@ -4,7 +4,7 @@ import hashlib
 import json
 
 import numpy as np
-from sqlalchemy import inspect, insert, select, update
+from sqlalchemy import delete, inspect, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -13,7 +13,7 @@ from store.batch_counts import add_ended
 from store.counters import count
 from store.db import newest_first
 from store.errors import ServiceError
-from store.models import ApiKey, Job, JobResult, WebhookDelivery, new_id, utcnow
+from store.models import ApiKey, Job, JobPart, JobResult, WebhookDelivery, new_id, utcnow
 from store.outbox import enqueue_job_webhook, vet_webhook_url
 from store.priorities import PRIORITY_JOB
 from store.schemas import JobOut, ScoreInput, job_out
@@ -81,6 +81,7 @@ def create_job(session: Session, key: ApiKey, body: ScoreInput, request_tokenize
         request_hash=request_hash,
         items_total=tokenized.n_items,
         items_done=0,
+        items_at_claim=0,
         prompt_tokens=tokenized.prompt_tokens,
         attempts=0,
         cancel_requested=False,
@@ -152,6 +153,7 @@ def cancel_job(session: Session, job: Job) -> Job:
         session.refresh(job)
         add_ended(session, [(job.batch_id, "cancelled", job.items_done)])
         enqueue_job_webhook(session, job)
+        session.execute(delete(JobPart).where(JobPart.job_id == job.id))  # items kept by an earlier attempt
     session.commit()
     session.refresh(job)
     # Cancelled since by its worker (a hand-back waiting on the flag's lock reads it at once) is this cancel's

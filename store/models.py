@@ -146,6 +146,10 @@ class Job(Base, Leased):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # When its current attempt was claimed, and its items done then (kept from earlier attempts, store/claims.py):
+    # its eta is counted from the pace since then (migration 0020).
+    claimed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    items_at_claim: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     # A request of a batch (one JSONL line) is a job in the batch lane; the columns are NULL for other jobs.
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), nullable=True)
@@ -253,6 +257,20 @@ class JobResult(Base):
     n_labels: Mapped[int] = mapped_column(Integer)
     logprobs: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class JobPart(Base):
+    """The items of a running job that one pass scored, kept as they are written (store/finishing.py): a job handed
+    back or whose worker died resumes from them (store/claims.py) and scores only the items they lack. `items`:
+    int32 item indices; `logprobs`: float32 [len(items), n_labels]. A job's parts go once it ends."""
+
+    __tablename__ = "job_parts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    first_item: Mapped[int] = mapped_column(Integer, primary_key=True)  # an item is scored once: one part holds it
+    n_labels: Mapped[int] = mapped_column(Integer)
+    items: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class WebhookDelivery(Base):

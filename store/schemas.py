@@ -208,7 +208,8 @@ class JobOut(BaseModel):
     status: JobStatus
     model: str
     progress: Progress
-    # A running job's seconds left at its pace so far (null before its first items, and once it has ended).
+    # A running job's seconds left at its pace since its current attempt was claimed (null before that attempt's
+    # first items, and once it has ended).
     eta_seconds: float | None = None
     created_at: datetime
     started_at: datetime | None
@@ -227,13 +228,14 @@ class JobOut(BaseModel):
     metadata: dict[str, Any] | None
 
 
-def eta_seconds(done: float, total: float, started_at: datetime | None) -> float | None:
-    """Seconds left for work started at `started_at` (naive UTC) at its pace so far; None before anything is
-    done."""
-    if started_at is None or done <= 0 or total <= 0:
+def eta_seconds(done: float, total: float, started_at: datetime | None, done_at_start: float = 0) -> float | None:
+    """Seconds left for work started at `started_at` (naive UTC) at its pace since: `done - done_at_start` in the
+    time since then (a resumed job's items kept from earlier attempts are not its pace); None before anything is
+    done since."""
+    if started_at is None or done - done_at_start <= 0 or total <= 0:
         return None
     elapsed = (utcnow() - started_at).total_seconds()
-    return round(max(0.0, elapsed * (total - done) / done), 1)
+    return round(max(0.0, elapsed * (total - done) / (done - done_at_start)), 1)
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -297,7 +299,8 @@ def job_out(job: Job, logprobs: np.ndarray | None = None, delivery: WebhookDeliv
         status=job.status,
         model=job.model,
         progress=Progress(items_done=job.items_done, items_total=job.items_total),
-        eta_seconds=eta_seconds(job.items_done, job.items_total, job.started_at) if job.status == "running" else None,
+        eta_seconds=eta_seconds(job.items_done, job.items_total, job.claimed_at or job.started_at,
+                                job.items_at_claim or 0) if job.status == "running" else None,
         created_at=_utc(job.created_at),
         started_at=_utc(job.started_at),
         finished_at=_utc(job.finished_at),

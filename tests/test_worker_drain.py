@@ -14,7 +14,7 @@ from core import TokenizedRequest
 
 from store import claims, finishing, job_writer, sweeper
 from store.db import session_factory, session_scope
-from store.models import Job, JobResult, Pass, WebhookDelivery, utcnow
+from store.models import Job, JobPart, JobResult, Pass, WebhookDelivery, utcnow
 from store.priorities import PRIORITY_BATCH
 from store.settings import get_settings
 from tests import claiming
@@ -320,11 +320,11 @@ def test_a_claim_that_fails_halfway_through_admission_goes_back(client, make_key
     job_ids = [submit(client, key, many_items(3)) for _ in range(3)]
     add_now, added = Scheduler.add_request, []
 
-    def add_then_break(scheduler, sink, request):  # type: ignore[no-untyped-def]
+    def add_then_break(scheduler, sink, request, kept=None):  # type: ignore[no-untyped-def]
         added.append(sink)
         if len(added) == 2:
             raise RuntimeError("admission broke")
-        return add_now(scheduler, sink, request)
+        return add_now(scheduler, sink, request, kept)
 
     monkeypatch.setattr(Scheduler, "add_request", add_then_break)
     given = [claiming.claim_jobs("worker-a", get_settings())]
@@ -786,3 +786,149 @@ def test_the_engines_pace_outlives_a_pass_loop(client, make_key, empty_queue) ->
         assert loop.scheduler.pace is pace and loop.scheduler.pace.seconds_per_token is not None
     finally:
         writer.close()
+
+
+def launched_items(monkeypatch) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    """The items (as token ids) the engine is asked to score from now on, pass after pass."""
+    scorer = get_scorer()
+    original = scorer.launch
+    items: list[tuple[int, ...]] = []
+
+    def launching(views, *args, **kwargs):  # type: ignore[no-untyped-def]
+        items.extend(item for view in views for item in view.items)
+        return original(views, *args, **kwargs)
+
+    monkeypatch.setattr(scorer, "launch", launching)
+    return items
+
+
+def progress_seen(monkeypatch, job_id: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The job's items_done as each boundary write from now on leaves it."""
+    original = finishing.write_boundaries
+    seen: list[int] = []
+
+    def spying(session, boundaries):  # type: ignore[no-untyped-def]
+        closed = original(session, boundaries)
+        seen.append(session.scalar(select(Job.items_done).where(Job.id == job_id)))  # as this write left it
+        return closed
+
+    monkeypatch.setattr(finishing, "write_boundaries", spying)
+    return seen
+
+
+def assert_scored_once_as_uninterrupted(job_id: str, body: dict, launched: list[tuple[int, ...]], client,  # type: ignore[no-untyped-def]
+                                        key: str) -> None:
+    scorer = get_scorer()
+    every = [tuple(scorer.tokenize(body["query"], [item], body["label_token_ids"], False).items[0])
+             for item in body["items"]]
+    assert sorted(launched) == sorted(every), "each item is scored once, across both attempts"
+    job = client.get(f"/jobs/{job_id}", headers=auth(key)).json()
+    assert job["status"] == "succeeded" and job["progress"]["items_done"] == len(body["items"])
+    expected = scorer.logprobs(body["query"], body["items"], body["label_token_ids"])
+    np.testing.assert_allclose(job["logprobs"], expected, atol=1e-4)  # in the items' order
+    assert count(JobResult) == 1 and count(JobPart) == 0  # the result replaced the parts
+
+
+def test_a_stopped_job_resumes_where_it_stopped(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker stopped mid-job (Ctrl-C, a restart) hands it back with the items its passes scored kept: the next
+    drain scores only the others, its done count never goes back, and its result is an uninterrupted run's."""
+    key, _ = make_key()
+    body = many_items(300)
+    job_id = submit(client, key, body)
+    launched = launched_items(monkeypatch)
+    seen = progress_seen(monkeypatch, job_id)
+    drain_module.drain(get_scorer(), "worker-a", get_settings(), lambda: count(Pass) >= 1)
+    job = job_row(job_id)
+    assert (job.status, job.attempts) == ("queued", 0)
+    kept = job.items_done
+    assert 0 < kept < 300 and len(launched) == kept, (kept, len(launched))
+    assert drain_module.drain(get_scorer(), "worker-a", get_settings()) == 1
+    assert len(launched) == 300, f"{len(launched) - 300} items scored again"
+    assert seen == sorted(seen) and seen[-1] == 300 and kept in seen, seen  # the hand-back kept it (above)
+    assert_scored_once_as_uninterrupted(job_id, body, launched, client, key)
+
+
+def test_a_job_whose_worker_died_resumes_from_its_last_written_pass(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
+                                                                    monkeypatch) -> None:
+    """A worker killed mid-job: the passes written before keep their items; the sweeper re-queues the job with
+    them and another worker scores only the rest."""
+    key, _ = make_key()
+    body = many_items(300)
+    job_id = submit(client, key, body)
+    settings = get_settings()
+    launched = launched_items(monkeypatch)
+    original = finishing.write_boundaries
+    written: list[int] = []
+
+    def killed_after_two(session, boundaries):  # type: ignore[no-untyped-def]
+        if len(written) >= 2:
+            raise SystemExit("killed")  # this write and every later one are lost
+        written.append(len(boundaries))
+        return original(session, boundaries)
+
+    monkeypatch.setattr(finishing, "write_boundaries", killed_after_two)
+    with pytest.raises(SystemExit):
+        drain_module.drain(get_scorer(), "worker-dead", settings)
+    monkeypatch.setattr(finishing, "write_boundaries", original)
+    seen = progress_seen(monkeypatch, job_id)
+    kept = job_row(job_id).items_done
+    assert 0 < kept < 300 and len(launched) > kept  # the lost passes' items were scored, not written
+    with session_scope() as session:
+        session.execute(update(Job).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
+    sweeper.sweep(settings)
+    job = job_row(job_id)
+    assert (job.status, job.items_done) == ("queued", kept)
+    scored_before = len(launched)
+    drain_module.drain(get_scorer(), "worker-b", settings)
+    assert len(launched) - scored_before == 300 - kept
+    assert [kept, *seen] == sorted([kept, *seen]) and seen[-1] == 300, (kept, seen)
+    job = job_row(job_id)
+    assert job.attempts == 2 and job.items_at_claim == kept
+    assert_scored_once_as_uninterrupted(job_id, body, launched[:kept] + launched[scored_before:], client, key)
+
+
+def test_a_pass_written_after_the_lease_was_lost_keeps_nothing(client, make_key, empty_queue, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Parts keep the lease condition: another worker takes the job over after this boundary's check of its jobs
+    (the sweeper re-queued it, another worker claimed it), so the pass's items are the other's to score: this
+    pass leaves no part, nor does any later one."""
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(300))
+    original = finishing.set_progress
+    writes: list[int] = []
+
+    def taken_over_after_the_first(session, owner, progress):  # type: ignore[no-untyped-def]
+        if writes:
+            with session_scope() as other:
+                other.execute(update(Job).where(Job.id == job_id).values(lease_owner="worker-b"))
+        writes.append(len(progress))
+        return original(session, owner, progress)
+
+    monkeypatch.setattr(finishing, "set_progress", taken_over_after_the_first)
+    drain_module.drain(get_scorer(), "worker-a", get_settings())
+    assert writes[:2] == [1, 1]
+    job = job_row(job_id)
+    assert (job.status, job.lease_owner) == ("running", "worker-b")
+    with session_scope() as session:
+        parts = session.scalars(select(JobPart)).all()
+    assert len(parts) == 1 and len(parts[0].items) // 4 == job.items_done < 300  # the first pass's only
+
+
+def test_eta_counts_from_the_current_attempts_claim(client, make_key, empty_queue) -> None:  # type: ignore[no-untyped-def]
+    """A resumed job's eta is its pace since it was claimed again, not since it first started: the items kept
+    from earlier attempts took time that is not this attempt's."""
+    key, _ = make_key()
+    job_id = submit(client, key, many_items(3000))
+    now = utcnow()
+    with session_scope() as session:  # an earlier attempt scored 743 items and was handed back
+        session.execute(update(Job).where(Job.id == job_id).values(items_done=743,
+                                                                   started_at=now - timedelta(seconds=9000)))
+    [claimed] = claims.claim_interactive("worker-a", get_settings(), PRIORITY_BATCH)
+    job = job_row(job_id)
+    assert (job.items_done, job.items_at_claim, job.started_at) == (743, 743, now - timedelta(seconds=9000))
+    assert job.claimed_at >= now
+    assert client.get(f"/jobs/{job_id}", headers=auth(key)).json()["eta_seconds"] is None  # none scored since
+    with session_scope() as session:  # 200 items in the 100 s since the claim
+        session.execute(update(Job).where(Job.id == job_id).values(items_done=943,
+                                                                   claimed_at=utcnow() - timedelta(seconds=100)))
+    eta = client.get(f"/jobs/{job_id}", headers=auth(key)).json()["eta_seconds"]
+    assert eta == pytest.approx(100 * (3000 - 943) / 200, rel=0.02)  # not 9100 s * 2057 / 943

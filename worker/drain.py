@@ -173,7 +173,7 @@ class PassLoop:
                 sink.start()
                 if isinstance(request, ScoringError):
                     sink.fail((request.code, request.message))
-                elif (run := self.scheduler.add_request(sink, request)).finished:  # no item to score
+                elif (run := self.scheduler.add_request(sink, request, sink.kept)).finished:  # no item left to score
                     sink.finish(run.logprobs)
             except Exception as exc:
                 # Leased from their claim, this request and the rest would be heartbeated with nothing to run
@@ -211,7 +211,7 @@ class PassLoop:
             if run.finished:
                 run.sink.finish(run.logprobs)
             else:
-                run.sink.advance(run.done)
+                run.sink.advance(run.done, run.last_scored, run.logprobs[run.last_scored])
         # The device's idle time before the pass counts as waiting for the host only where the loop had work.
         self.jobs.write_pass(result, 0.0 if launched.after_dry_spell else result.device_idle_seconds)
 

@@ -2,8 +2,9 @@
 
 `JobSource` claims interactive jobs and uploaded batches' rounds (store.claims) as the policy asks
 (worker/policy.py); each job comes as a `JobSink` bound to its loop's `JobBook`, where its progress and results
-go: a pass's writes in one boundary through the writer thread (store.job_writer), the jobs handed back in one
-release. `active_jobs` are the leases this process's heartbeat extends: a job's from its claim, though the loop
+go: a pass's writes in one boundary through the writer thread (store.job_writer): its progress and the items it
+scored of the jobs it did not finish (kept: a job handed back or lost resumes from them), the jobs handed back in
+one release. `active_jobs` are the leases this process's heartbeat extends: a job's from its claim, though the loop
 admits it later (a claim made ahead waits behind the passes the loop holds), until it ends or goes back.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from core import PassResult, Scorer, TokenizedRequest
 from store import claims
-from store.claims import ClaimedJob
+from store.claims import ClaimedJob, KeptItems
 from store.finishing import Boundary
 from store.job_writer import JobWriter, WriterFailed
 from store.settings import Settings
@@ -59,6 +60,7 @@ class JobBook:
         self.writer, self.owner, self.settings = writer, owner, settings
         self.held: dict[str, ClaimedJob] = {}  # their cancel flags and leases are checked at each boundary
         self._progress: list[tuple[str, int]] = []
+        self._parts: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._finished: list[tuple[ClaimedJob, np.ndarray]] = []
         self._released: list[ClaimedJob] = []
         self._release_error: str | None = None
@@ -72,8 +74,9 @@ class JobBook:
         self.held[job.id] = job
         self.writer.claimed_again(job.id)
 
-    def advance(self, job: ClaimedJob, done: int) -> None:
+    def advance(self, job: ClaimedJob, done: int, items: np.ndarray, logprobs: np.ndarray) -> None:
         self._progress.append((job.id, done))
+        self._parts.append((job.id, items, logprobs))
 
     def finish(self, job: ClaimedJob, logprobs: np.ndarray) -> None:
         self.held.pop(job.id, None)
@@ -100,12 +103,14 @@ class JobBook:
         `device_idle_seconds`: how long the device waited for the host before the pass."""
         finished, self._finished = self._finished, []
         progress, self._progress = self._progress, []
+        parts, self._parts = self._parts, []
         jobs = [*(job for job, _ in finished), *self.held.values()]
         self.writer.boundary(Boundary(
             owner=self.owner, n_items=sum(len(p.items) for p in result.scores), tokens=result.tokens,
             padded_tokens=result.padded_tokens, seconds=result.seconds, host_seconds=result.host_seconds,
             device_seconds=result.device_seconds, device_idle_seconds=device_idle_seconds, progress=progress,
-            finished=finished, open_ids=list(self.held)), {job.id: job.batch_id for job in jobs if job.batch_id})
+            parts=parts, finished=finished, open_ids=list(self.held)),
+            {job.id: job.batch_id for job in jobs if job.batch_id})
 
     def write(self) -> None:
         """Queues the writes reported outside a pass: jobs with no item to score, jobs handed back."""
@@ -140,6 +145,10 @@ class JobSink:
     def batch_id(self) -> str | None:
         return self.job.batch_id
 
+    @property
+    def kept(self) -> KeptItems | None:
+        return self.job.kept
+
     def request_for(self, scorer: Scorer) -> TokenizedRequest:
         """The request as the API tokenized it at submission; a job queued before tokens were stored (or for
         another model) is tokenized from its text here."""
@@ -152,8 +161,8 @@ class JobSink:
     def start(self) -> None:
         self.book.hold(self.job)
 
-    def advance(self, done: int) -> None:
-        self.book.advance(self.job, done)
+    def advance(self, done: int, items: np.ndarray, logprobs: np.ndarray) -> None:
+        self.book.advance(self.job, done, items, logprobs)
 
     def finish(self, logprobs: np.ndarray) -> None:
         self.book.finish(self.job, logprobs)

@@ -76,10 +76,13 @@ class ChunkRequest:
     def request_for(self, scorer: Scorer) -> TokenizedRequest:
         return self.tokenized  # the reader tokenized it
 
+    # A chunk's results are one object, written whole: a chunk handed back is read and scored again.
+    kept = None
+
     def start(self) -> None:
         pass  # its chunk is held by the feed from its take (its lease kept by the keeper)
 
-    def advance(self, done: int) -> None:
+    def advance(self, done: int, items: np.ndarray, logprobs: np.ndarray) -> None:
         self.work.advance(self.k, done)
 
     def finish(self, logprobs: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from worker.policy import Pace, PassShapes, Policy
 if TYPE_CHECKING:
     from core import PassResult, Scorer
     from core.packing import PassPlan
+    from store.claims import KeptItems
 
 
 class Engine(PassShapes, Protocol):
@@ -52,11 +53,16 @@ class Sink(Protocol):
     def request_for(self, scorer: "Scorer") -> TokenizedRequest:
         """The request in token space (in the writer's thread, off the pass loop's)."""
 
+    @property
+    def kept(self) -> "KeptItems | None":
+        """Items an earlier attempt scored and kept, with their log-probabilities: not scored again."""
+
     def start(self) -> None:
         """The loop holds the request from now on (in the loop's thread, as the scheduler takes it)."""
 
-    def advance(self, done: int) -> None:
-        """After a pass: `done` items scored so far."""
+    def advance(self, done: int, items: np.ndarray, logprobs: np.ndarray) -> None:
+        """After a pass: `done` items scored so far; `items`, the indices of those the pass scored, and their
+        [items, labels] log-probabilities."""
 
     def finish(self, logprobs: np.ndarray) -> None:
         """Every item scored."""
@@ -70,19 +76,28 @@ class Sink(Protocol):
 
 @dataclass(eq=False)
 class Running:
-    """A request the scheduler holds: its items not yet launched, and its scores so far."""
+    """A request the scheduler holds: its items not yet launched, and its scores so far (from the items an
+    earlier attempt kept, which are not launched again)."""
 
     sink: Sink
     request: TokenizedRequest
     order: int  # admission order: oldest first within a priority
+    kept: "KeptItems | None" = None
     logprobs: np.ndarray = field(init=False)
     pending: list[int] = field(init=False)  # items not yet in a launched pass
     pending_tokens: int = field(init=False)  # their tokens (with the query, which runs once per item first)
-    done: int = 0
+    done: int = field(init=False)
+    resumed: int = field(init=False)  # items kept when it was added
+    last_scored: np.ndarray = field(init=False)  # the indices of the items the last pass that advanced it scored
 
     def __post_init__(self) -> None:
         self.logprobs = np.full((self.request.n_items, len(self.request.label_token_ids)), np.nan, np.float32)
-        self.pending = list(range(self.request.n_items))
+        scored: set[int] = set()
+        if self.kept is not None:
+            self.logprobs[self.kept.items] = self.kept.logprobs
+            scored = set(self.kept.items.tolist())
+        self.pending = [i for i in range(self.request.n_items) if i not in scored]
+        self.done = self.resumed = len(scored)
         self.pending_tokens = sum(self.item_cost(i) for i in self.pending) + (
             0 if self.request.item_first else len(self.request.query))
 
@@ -96,6 +111,11 @@ class Running:
     @property
     def finished(self) -> bool:
         return self.done == self.request.n_items
+
+    @property
+    def launched(self) -> bool:
+        """Whether a pass of this loop took any of its items."""
+        return len(self.pending) + self.resumed < self.request.n_items
 
 
 @dataclass
@@ -135,9 +155,10 @@ class Scheduler:
 
     # ---- requests in and out ---------------------------------------------------------------------------
 
-    def add_request(self, sink: Sink, request: TokenizedRequest) -> Running:
-        """Holds the request until its items are scored; one with no item is finished as it comes."""
-        run = Running(sink, request, self._order)
+    def add_request(self, sink: Sink, request: TokenizedRequest, kept: "KeptItems | None" = None) -> Running:
+        """Holds the request until its items are scored (but those `kept`); one with none left is finished as it
+        comes."""
+        run = Running(sink, request, self._order, kept)
         self._order += 1
         if self.policy.interactive(run.priority):
             self.interactive_at = self.policy.clock()
@@ -187,15 +208,18 @@ class Scheduler:
         return ScheduledPass(views, plan, needed, window)
 
     def update_from_output(self, scheduled: ScheduledPass, result: "PassResult") -> list[Running]:
-        """Keeps a pass's scores; returns the requests it advanced (those it finished no longer held)."""
+        """Keeps a pass's scores; returns the requests it advanced (those it finished no longer held), each with
+        the items it scored as its `last_scored`."""
         self.pace.record(result)
-        touched: dict[Running, None] = {}
+        touched: dict[Running, list[np.ndarray]] = {}
         for part in result.scores:
             run, taken = scheduled.owners[part.request]
-            items = np.asarray(taken)[part.items]
+            items = np.asarray(taken, np.int64)[part.items]
             run.logprobs[items] = part.logprobs
             run.done += len(items)
-            touched[run] = None
+            touched.setdefault(run, []).append(items)
+        for run, items in touched.items():
+            run.last_scored = np.concatenate(items)
         self.running = [r for r in self.running if not r.finished]
         return list(touched)
 
@@ -213,7 +237,7 @@ class Scheduler:
             wanted_after[k] = min(remaining, wanted_after[k + 1] + waiting[k].pending_tokens)
         under_way = PrefixNeeds(self.engine.prefix_bytes, self.engine.prefix_cache_bytes)
         for run in self.running:
-            if run.pending and len(run.pending) < run.request.n_items and not run.request.item_first:
+            if run.pending and run.launched and not run.request.item_first:
                 under_way.add(run.request.query, run.sink.id)
         window, queries = [], set()
         for k, run in enumerate(waiting):
@@ -248,6 +272,5 @@ class Scheduler:
         return self._pass_tokens(waiting, bool(waiting) and not self.policy.interactive(waiting[0].priority))
 
     def _pass_tokens(self, waiting: list[Running], batch: bool) -> int:
-        fresh = sum(r.pending_tokens for r in waiting
-                    if self.policy.interactive(r.priority) and len(r.pending) == r.request.n_items)
+        fresh = sum(r.pending_tokens for r in waiting if self.policy.interactive(r.priority) and not r.launched)
         return self.policy.pass_tokens(batch, fresh, self.interactive_at)

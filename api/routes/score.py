@@ -63,7 +63,7 @@ def _timed_out(job: Job, seen: JobProgress | None, waited: float) -> ServiceErro
     """The 504 of a call its job outlasted: the job goes on; how far it got, about how long the rest takes at its
     pace so far (as the waiter's last poll saw it: no query of its own), and where requests this large belong."""
     done, total = (seen.items_done, seen.items_total) if seen else (0, job.items_total)
-    eta = eta_seconds(done, total, seen.started_at) if seen else None
+    eta = eta_seconds(done, total, seen.claimed_at or seen.started_at, seen.items_at_claim) if seen else None
     if seen is None or seen.started_at is None:
         where = f"not started yet: {total} items"
     else:
