@@ -1,7 +1,8 @@
 """The Hopper-shaped Mosaic GPU kernel (PACKSCORE_GPU_KERNEL=ws), in the form of FlashAttention 3 and jax's
 `attention_mgpu`: warp-specialized, a producer warpgroup that only issues the TMA copies of the visible K/V tiles
 (`plgpu.emit_pipeline_warp_specialized` over the kernel tables) and two consumer warpgroups that share each
-tile, QK^T and PV on WGMMA, the online softmax in registers in base 2 with the scale folded in.
+tile, taking turns on the tensor cores (FlashAttention 3's ping-pong: one's softmax runs under the other's
+matmuls), QK^T and PV on WGMMA, the online softmax in registers in base 2 with the scale folded in.
 
 The two consumers are two query heads of one KV head where the KV head has an even number of them (GQA: Qwen3,
 Gemma 2, Mistral): a K/V tile is loaded once for both, and the CTA's query tile stays 64 rows, so its table
@@ -77,12 +78,15 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
     rows_by = lambda x, n: jax.lax.broadcast_in_dim(x, (CONSUMER_ROWS, n), [0])
     cols_by = lambda x: jax.lax.broadcast_in_dim(x, (CONSUMER_ROWS, tile_k), [1])
 
-    def qk(q_smem, k_smem):
+    def qk(q_smem, k_smem, take_turn):
+        """q @ k.T, with a turn taken while the WGMMA runs."""
         if interpret:
+            take_turn()
             return jax.lax.dot_general(q_smem[...], k_smem[...], NT, preferred_element_type=jnp.float32)
 
         def wgmma(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+            take_turn()
             return acc_ref[...]
         return pl.run_scoped(wgmma, plgpu.ACC((CONSUMER_ROWS, tile_k), jnp.float32))
 
@@ -96,8 +100,15 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
         return pl.run_state(wgmma)(plgpu.ACC.init(acc))
 
     def body(ids_ref, counts_ref, full_ref, qm_ref, k_seq_ref, k_item_ref, k_pos_ref, q_ref, k_ref, v_ref, o_ref,
-             qo_smem, qm_smem, barriers):
+             qo_smem, qm_smem, barriers, schedule):
         c, i = jax.lax.axis_index("heads"), jax.lax.axis_index("q_tiles")
+
+        def take_turn():
+            """The consumers take turns on the tensor cores (FlashAttention 3's ping-pong): one's softmax runs
+            while the other's matmuls do. Each takes 2 turns a step; the second starts one turn late and the first
+            takes one more at the end, so both arrive equally often."""
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
         first_head = c * 2 if pair_heads else c
         kv_head = jax.lax.div(first_head, jnp.int32(G))
 
@@ -116,7 +127,9 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             init = (cast(jnp.zeros((CONSUMER_ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
                     cast(jnp.full((CONSUMER_ROWS,), MASKED, jnp.float32), row),
                     cast(jnp.zeros((CONSUMER_ROWS,), jnp.float32), row))
+            pl.when(wg == 1)(take_turn)
             acc, m_i, l_i = pipeline(init)
+            pl.when(wg == 0)(take_turn)
             # A row that saw no key (padding) still has m = MASKED: zeros. (It summed exp2(0) over masked keys.)
             inv = jnp.where(m_i == MASKED, 0.0, 1.0 / l_i)
             q_smem[...] = (acc * rows_by(inv, D)).astype(dtype)
@@ -127,7 +140,7 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
         def step(indices, k_smem, v_smem, k_seq_smem, k_item_smem, k_pos_smem, carry):
             acc, m_i, l_i = carry
             wg = jax.lax.axis_index("wg")
-            t = to_base2(qk(qo_smem.at[wg], k_smem))
+            t = to_base2(qk(qo_smem.at[wg], k_smem, take_turn))
 
             def masked(t):
                 q_seq, q_item, q_pos = (rows_by(load(qm_smem.at[wg, r], row), tile_k) for r in range(3))
@@ -140,6 +153,7 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(t - rows_by(m_new, tile_k))
             l_i = l_i * alpha + p.sum(axis=1)
+            take_turn()
             acc = pv(acc * rows_by(alpha, D), p.astype(dtype), v_smem)
             return acc, m_new, l_i
 
@@ -158,6 +172,7 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             plgpu.SMEM((2, CONSUMER_ROWS, D), dtype, transforms=(tiling, swizzle)),  # each consumer's Q, then O
             plgpu.SMEM((2, 3, CONSUMER_ROWS), jnp.int32),  # each consumer's query rows: seq, item, pos
             plgpu.Barrier(num_arrivals=4, num_barriers=2),  # each consumer's 4 copies of them
+            plgpu.Barrier(num_arrivals=2),  # the consumers' turns
         ],
         grid=(H // 2 if pair_heads else H, nq),
         grid_names=("heads", "q_tiles"),
