@@ -109,6 +109,7 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             takes one more at the end, so both arrive equally often."""
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
+
         first_head = c * 2 if pair_heads else c
         kv_head = jax.lax.div(first_head, jnp.int32(G))
 
