@@ -35,10 +35,11 @@ export MODEL=$MODEL_DIR DTYPE=bfloat16 COMPILE_CACHE_DIR=/tmp/compile-cache
 BENCH=(-P "$P" -N "$N" -L "$L" --dtype bfloat16 --model "$MODEL_DIR" --single-items 1 --transformers-items 0)
 # Rows that must not move with the cache: the GPU kernels alone, then in the engine (PACKSCORE_ALIGNED_KEY_TILES=1:
 # the aligned kernels; XLA_FLAGS: the matmuls' algorithm fixed, cuBLAS's heuristics instead of autotuning).
-step gpu-kernels 120 python3 -m benchmarks.gpu_kernels
+step gpu-kernels 180 python3 -m benchmarks.gpu_kernels
 step bench-aligned 120 env PACKSCORE_ALIGNED_KEY_TILES=1 python3 -m benchmarks.bench "${BENCH[@]}"
 step check 240 python3 -m packscore.cli check --profile --profile-dir "$OUT/profile" --json
 step bench 120 python3 -m benchmarks.bench "${BENCH[@]}"
+step bench-ws 120 env PACKSCORE_GPU_KERNEL=ws python3 -m benchmarks.bench "${BENCH[@]}"
 PINNED="--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
 step bench-pinned 120 env XLA_FLAGS="$PINNED" python3 -m benchmarks.bench "${BENCH[@]}"
 step bench-aligned-pinned 120 env PACKSCORE_ALIGNED_KEY_TILES=1 XLA_FLAGS="$PINNED" python3 -m benchmarks.bench \

@@ -51,10 +51,11 @@ def main() -> None:
     lines += [(out / "steps.txt").read_text().strip() if (out / "steps.txt").is_file() else "no steps"]
     if (out / "gpu-kernels.log").is_file():
         lines += [line for line in (out / "gpu-kernels.log").read_text().splitlines()
-                  if line.startswith(("aligned=", "devices:"))]
+                  if line.startswith(("default:", "aligned:", "ws:", "devices:"))]
     for name in ("check", "check-aligned"):
         lines += check_lines(name, last_json(out / f"{name}.log"))
-    for name in ("bench", "bench-b31e77f", "bench-aligned", "bench-pinned", "bench-aligned-pinned", "bench-requests"):
+    for name in ("bench", "bench-ws", "bench-b31e77f", "bench-aligned", "bench-pinned", "bench-aligned-pinned",
+                 "bench-requests"):
         try:
             lines.append(bench_line(name, last_json(out / f"{name}.log")))
         except (KeyError, TypeError, ValueError) as exc:

@@ -1,11 +1,13 @@
-"""The Mosaic GPU attention kernel on the GPU at hand, the default and the aligned one:
-`python -m benchmarks.gpu_kernels`. One request is laid out four ways (its query in the pass or cached, alone or
-packed between other requests; tests/request_layouts.py, which tests/test_engine_tpu.py runs in interpret mode on a
-CPU); for each kernel: whether that request's output rows are bitwise the same in every layout, and their largest
-distance from the dense float32 reference. A kernel that fails to compile or run prints its whole traceback (the
-engine's probe logs only the exception's first line).
+"""The Mosaic GPU attention kernels on the GPU at hand, the default, the aligned one and the warp-specialized one
+(core.attention.gpu_ws): `python -m benchmarks.gpu_kernels`. One request is laid out four ways (its query in the
+pass or cached, alone or packed between other requests; tests/request_layouts.py, which tests/test_engine_tpu.py
+runs in interpret mode on a CPU); for each kernel: whether that request's output rows are bitwise the same in every
+layout, and their largest distance from the dense float32 reference. Then the default and the warp-specialized
+kernel's time on the contract's largest pass (one layer's attention, Qwen3-0.6B's heads). A kernel that fails to
+compile or run prints its whole traceback (the engine's probe logs only the exception's first line).
 """
 
+import time
 import traceback
 from functools import partial
 
@@ -13,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core.attention import gpu, host_tables
+from core.aot import contract_passes
+from core.attention import gpu, gpu_ws, host_tables
 from tests.request_layouts import request_layouts, request_rows
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -24,17 +27,38 @@ def main() -> None:
     print(f"devices: {jax.devices()}; jax {jax.__version__}")
     plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
                                                            (61, (5,), False)])
-    for aligned in (False, True):
-        kernel = jax.jit(partial(gpu.gpu_attention, aligned=aligned), static_argnums=(7, 8))
+    kernels = {"default": gpu.gpu_attention, "aligned": partial(gpu.gpu_attention, aligned=True),
+               "ws": gpu_ws.ws_attention}
+    for name, kernel in kernels.items():
         try:
-            tables = host_tables.window_tables if aligned else host_tables.block_tables
-            rows, distances = request_rows(kernel, plans, HEADS, KV_HEADS, DIM, jnp.bfloat16, BLOCK_Q, BLOCK_K,
-                                           host_tables=tables)
+            tables = host_tables.window_tables if name == "aligned" else host_tables.block_tables
+            rows, distances = request_rows(jax.jit(kernel, static_argnums=(7, 8)), plans, HEADS, KV_HEADS, DIM,
+                                           jnp.bfloat16, BLOCK_Q, BLOCK_K, host_tables=tables)
             moved = [float(np.abs(r - rows[0][1]).max()) for keys, r in rows[1:]]
-            print(f"aligned={aligned}: rows bitwise in every layout: {all(m == 0 for m in moved)} (largest move per "
+            print(f"{name}: rows bitwise in every layout: {all(m == 0 for m in moved)} (largest move per "
                   f"layout {moved}); largest distance from float32 dense {max(distances):.3e}", flush=True)
         except Exception:  # noqa: BLE001 - the point is to see why
-            print(f"aligned={aligned}: FAILED\n{traceback.format_exc()}", flush=True)
+            print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+    arrays = max(contract_passes(16384), key=lambda a: len(a.tokens))
+    rng = np.random.default_rng(0)
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    q, k, v = (jnp.asarray(rng.normal(size=(n, h, DIM)), jnp.bfloat16) for n, h in ((T, HEADS), (Tk, KV_HEADS),
+                                                                                     (Tk, KV_HEADS)))
+    meta = lambda m: tuple(jnp.asarray(x) for x in (m.seq, m.item, m.pos))
+    args = (q, k, v, meta(arrays.q_meta), meta(arrays.kv_meta), jnp.asarray(arrays.tile_ids),
+            jnp.asarray(arrays.tile_counts), BLOCK_Q, BLOCK_K)
+    for name in ("default", "ws"):
+        try:
+            kernel = jax.jit(kernels[name], static_argnums=(7, 8))
+            jax.block_until_ready(kernel(*args))
+            start = time.perf_counter()
+            for _ in range(20):
+                out = kernel(*args)
+            jax.block_until_ready(out)
+            print(f"{name}: {(time.perf_counter() - start) / 20 * 1e3:.3f} ms a layer's attention ({T} queries, "
+                  f"{Tk} keys)", flush=True)
+        except Exception:  # noqa: BLE001 - the point is to see why
+            print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
   the visible keys, never T x T.
 - `xla`: the plain-XLA paths: the dense reference, the block-sparse path, the cascade path (CPU's default).
 - `device_tables`: the kernels' tables, made on the device from the host tables at each kernel's tile sizes.
-- `tpu`, `gpu`: the Pallas kernels, for TPU and for CUDA (Mosaic GPU).
+- `tpu`, `gpu`: the Pallas kernels, for TPU and for CUDA (Mosaic GPU); `gpu_ws`: a warp-specialized CUDA kernel
+  (PACKSCORE_GPU_KERNEL=ws).
 - `selection`: which path serves which ATTENTION setting and which kernel which device: the engine reads it.
 """

@@ -19,7 +19,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from core.attention import gpu, host_tables, tpu
+from core.attention import gpu, gpu_ws, host_tables, tpu
 from core.attention.device_tables import tiles_of_windows
 from core.attention.host_tables import block_tables, cascade_table_shapes, cascade_tables, pad_tables
 from core.attention.xla import blocksparse_attention, cascade_attention, dense_attention
@@ -38,6 +38,7 @@ class Kernel:
 
 KERNELS = (
     Kernel("tpu", "pallas-tpu", tpu.kernel_for),
+    Kernel("cuda", "pallas-mosaic-gpu-ws", gpu_ws.kernel_for),  # PACKSCORE_GPU_KERNEL=ws only
     Kernel("cuda", "pallas-mosaic-gpu", gpu.kernel_for),
 )
 
