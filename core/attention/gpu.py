@@ -25,6 +25,19 @@ def kernel_for(q, k, block_q: int, block_k: int, **layer):
     return partial(gpu_attention, block_q=block_q, block_k=block_k, **layer)
 
 
+def wgmma_setup(dtype, interpret) -> tuple:
+    """What both GPU kernels' WGMMA tiles share: (K/V tiling, swizzle, the layouts of one value per query row
+    and per key column, a register load and a layout cast). GPU interpret mode (tests) runs neither plgpu.load
+    nor layout casts (both only fix register layouts): there they are a plain read and nothing."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tiling = plgpu.TilingTransform((_GPU_ROW_TILE, 64 * 2 // jnp.dtype(dtype).itemsize))
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    return tiling, plgpu.SwizzleTransform(128), row, col, load, cast
+
+
 def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, block_k: int,
                   tile_q: int = GPU_TILE_Q, tile_k: int = GPU_TILE_K, max_concurrent_steps: int = 2,
                   interpret=None, scale: float | None = None, softcap: float | None = None, window: int = 0,
@@ -70,13 +83,7 @@ def gpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
     vh = v.transpose(1, 0, 2)
     if aligned:
         kh, vh = shifted(kh), shifted(vh)  # [8 * Hkv, Tk, D]: copy r of KV head h at r * Hkv + h
-    tiling = plgpu.TilingTransform((_GPU_ROW_TILE, 64 * 2 // jnp.dtype(dtype).itemsize))
-    swizzle = plgpu.SwizzleTransform(128)
-    row = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
-    col = plgpu.Layout.WGMMA.reduce(0)  # one value per key column
-    # GPU interpret mode (tests) runs neither plgpu.load nor layout casts; both only fix register layouts.
-    load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
-    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    tiling, swizzle, row, col, load, cast = wgmma_setup(dtype, interpret)
 
     def body(ids_ref, counts_ref, *refs):
         parts_ref, refs = (refs[0], refs[1:]) if aligned else (None, refs)

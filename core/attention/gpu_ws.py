@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from core.attention.device_tables import full_tiles, kernel_tables, padded_inputs, round_up
+from core.attention.gpu import wgmma_setup
 from core.attention.rule import MASKED, NN, NT, q_scale, visible
 
 # "ws": this kernel serves the "pallas" path on CUDA; "wgmma" (the default until a device run measures this one):
@@ -28,7 +29,6 @@ from core.attention.rule import MASKED, NN, NT, q_scale, visible
 GPU_KERNEL = os.environ.get("PACKSCORE_GPU_KERNEL", "wgmma")
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup: one WGMMA's M
 WS_TILE_K = 128  # keys per K/V tile; 64 for head_dim 256, whose double-buffered 128-key tiles overflow shared memory
-_ROW_TILE = 8  # rows of a tile of K/V in shared memory (WGMMA's 8 x 128-byte core matrices)
 _LOG2E = math.log2(math.e)
 
 
@@ -67,14 +67,9 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
     to_base2 = (lambda s: s * (scale * _LOG2E)) if not softcap else (
         lambda s: jnp.tanh(s * (scale / softcap)) * (softcap * _LOG2E))
 
-    tiling = plgpu.TilingTransform((_ROW_TILE, 64 * 2 // jnp.dtype(dtype).itemsize))
-    swizzle = plgpu.SwizzleTransform(128)
-    row = plgpu.Layout.WGMMA.reduce(1)  # one value per query row
-    col = plgpu.Layout.WGMMA.reduce(0)  # one value per key column
-    # GPU interpret mode (tests) runs neither plgpu.load nor layout casts (both only fix register layouts), nor
-    # WGMMA on a transposed or a register operand: there the matmuls are dot_generals on the same operands.
-    load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
-    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    tiling, swizzle, row, col, load, cast = wgmma_setup(dtype, interpret)
+    # Interpret mode runs no WGMMA on a transposed or a register operand either: there the matmuls are
+    # dot_generals on the same operands.
     rows_by = lambda x, n: jax.lax.broadcast_in_dim(x, (CONSUMER_ROWS, n), [0])
     cols_by = lambda x: jax.lax.broadcast_in_dim(x, (CONSUMER_ROWS, tile_k), [1])
 
