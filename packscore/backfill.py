@@ -377,8 +377,8 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
     service finds the batch already sent with this input and output (its key's, running or ended): the same
     call re-attaches, reports it done, or after a cancel or a failure resumes it from its committed chunks;
     `overwrite` runs it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on.
-    `apply_softmax`, `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an estimate of its time
-    to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
+    `apply_softmax`, `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an
+    estimate of its time to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
     try:
         # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
