@@ -375,10 +375,10 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                            dry_run: bool = False, stdout: IO[str] | None = None, stderr: IO[str] = sys.stderr) -> dict:
     """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
     service finds the batch already sent with this input and output (its key's, running or ended): the same
-    call re-attaches, reports it done, or after a cancel resumes it from its committed chunks; `overwrite` runs
-    it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on. `apply_softmax`,
-    `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an estimate of its time
-    to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
+    call re-attaches, reports it done, or after a cancel or a failure resumes it from its committed chunks;
+    `overwrite` runs it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on.
+    `apply_softmax`, `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an
+    estimate of its time to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
     try:
         # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
@@ -397,7 +397,8 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
         return batch
     stderr.write(f"batch {batch['id']}: {batch['chunks']['total']} chunks, results under {batch['output']}\n")
     if batch.get("resumed_from"):
-        stderr.write(f"resuming cancelled batch {batch['resumed_from']}: its {batch['rows']['done']} rows committed "
+        earlier = client.get_batch(batch["resumed_from"])["status"]
+        stderr.write(f"resuming {earlier} batch {batch['resumed_from']}: its {batch['rows']['done']} rows committed "
                      "are kept, not scored again (--overwrite: from row 0)\n")
     rows = batch.get("rows") or {}
     bar = ProgressBar(rows.get("total"), rows.get("done", 0), stderr, unit="rows")
@@ -414,7 +415,8 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
         time.sleep(poll)
         batch = client.get_batch(batch["id"])
     failed = f", {batch['chunks']['failed']} chunks failed" if batch["chunks"]["failed"] else ""
-    again = "; the same command resumes it from its committed chunks" if batch["status"] == "cancelled" else ""
+    again = "; the same command resumes it from its committed chunks" \
+        if batch["status"] in ("cancelled", "failed") else ""
     bar.finish(f"{batch['status']}: {batch['rows']['done']} rows ({batch['rows']['failed']} errors{failed}); "
                f"results under {batch['output']} (_manifest.json){again}")
     return batch

@@ -433,8 +433,8 @@ class Rate(BaseModel):
 
 class EarlierBatch(BaseModel):
     """The key's batch that already holds the output, and what the same request does with it: `follow` (it is
-    running: the request answers it), `report` (it completed), `resume` (cancelled: a new batch takes its
-    committed rows), `replace` (a new batch from row 0)."""
+    running: the request answers it), `report` (it completed), `resume` (cancelled, or failed as its output
+    refused writes: a new batch takes its committed rows), `replace` (a new batch from row 0)."""
 
     id: str
     status: str
@@ -513,7 +513,7 @@ class BatchOut(BaseModel):
     output: str | None = None
     manifest: str | None = None  # once the batch has ended: `_manifest.json` under `output`
     eta_seconds: float | None = None
-    resumed_from: str | None = None  # the cancelled batch whose committed chunks (and folder) this one took over
+    resumed_from: str | None = None  # the cancelled or failed batch whose committed chunks and folder this took over
 
 
 def batch_out(batch: Batch, counts: BatchCounts, progress: Progress, delivery: WebhookDelivery | None,

@@ -1,15 +1,19 @@
 """A reference batch whose output's disk fills up (found by the soak, issue 47): it ends as a clear failure,
-`failed` with `output_full`, within seconds and with nothing half-committed (no part object, no `_SUCCESS`).
+`failed` with `output_full`, within seconds and with nothing half-committed (no object of a chunk not
+committed, no `_SUCCESS`); the same request, once the output takes writes again, resumes from the chunks
+committed.
 Before, the object write was retried for 60 s per attempt (holding the worker's commit queue), the chunk failed
 after MAX_ATTEMPTS as `input_unavailable`, and then the manifest could not be written either: the batch stayed
 `in_progress` for good, its half-written object left in the folder. The disk is full by a patched write (ENOSPC
 after part of the object), in-process on PostgreSQL as tests/test_lake.py runs batches."""
 
 import errno
+import json
 import time
 from pathlib import Path
 from unittest.mock import patch
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -79,9 +83,11 @@ def test_a_full_disk_fails_its_batch_at_once(client, make_key, empty_queue,  # t
     folder = root / "out" / batch["id"]
     left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     assert not [name for name in left if name.startswith("part-") or name == "_SUCCESS"], left
-    # Its chunk rows still name the objects removed: the results say so, rather than break off mid-stream.
+    # Nothing was committed: the results are one error line per chunk.
     results = client.get(f"/batches/{batch_id}/results", headers={"Authorization": f"Bearer {key}"})
-    assert (results.status_code, results.json()["error"]["code"]) == (409, "results_removed"), results.text
+    assert results.status_code == 200, results.text
+    errors = [json.loads(line)["error"]["code"] for line in results.text.splitlines()]
+    assert errors == ["output_full"] * len(attempts), errors
 
 
 def denied_write(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
@@ -163,7 +169,17 @@ def test_a_manifest_that_does_not_fit_fails_the_batch(client, make_key, empty_qu
         batch = run_until_over(client, key, batch_id, 300)
     assert batch["status"] == "failed" and batch["error"]["code"] == "output_full", batch
     folder = root / "out2" / batch["id"]
-    assert sorted(p.name for p in folder.iterdir()) == ["_manifest.json"]  # saying failed, listing no object
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["rows"] == 120, manifest
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["_manifest.json", *(e["name"] for e in
+                                                                                  manifest["objects"])])
+    # Every chunk was committed: the same request resumes with nothing to score, and completes in the call.
+    again = client.post("/batches", json={"input": "pairs.parquet", "output": "out2", "columns": COLUMNS,
+                                          "label_token_ids": LABELS}, headers={"Authorization": f"Bearer {key}"})
+    assert again.status_code == 201 and again.json()["resumed_from"] == batch_id, again.text
+    assert again.json()["status"] == "completed" and again.json()["rows"]["done"] == 120, again.json()
+    assert json.loads((folder / "_manifest.json").read_text())["status"] == "completed"
+    assert (folder / "_SUCCESS").exists()
 
 
 def test_a_failed_batch_leaves_none_of_its_rows_in_the_worker(client, make_key, empty_queue,  # type: ignore[no-untyped-def]
@@ -220,3 +236,76 @@ def test_a_chunk_running_when_the_database_writes_fail_goes_back(client, make_ke
         drain_module.drain(get_scorer(), "full-disk-worker", get_settings())  # as a Celery task's fails
     batch = run_until_over(client, key, batch_id, 60)
     assert failed and batch["status"] == "completed" and batch["rows"]["done"] == 40, batch
+
+
+def test_the_same_request_after_a_refused_write_resumes_from_the_committed_chunks(  # type: ignore[no-untyped-def]
+        client, make_key, empty_queue, root: Path) -> None:
+    """The output takes one object, then its disk is full: the batch fails keeping that object (its manifest
+    says failed and lists it). Freed, the same request resumes: only the rows not committed are scored, and the
+    output is that of one uninterrupted run."""
+    from packscore.backfill import describe_plan
+    from tests.test_lake_cancel import ids_and_scores
+    from worker import lake as feed_module
+
+    key, _ = make_key()
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"input": "pairs.parquet", "output": "resumed", "columns": COLUMNS, "label_token_ids": LABELS}
+    real, written = feed_module.write_table, []
+
+    def full_after_one(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
+        if written:
+            full_disk_write(location, table, output_format)
+        real(location, table, output_format)
+        written.append(table.num_rows)
+
+    batch_id = submit(client, key, "resumed")
+    with patch("worker.lake.write_table", full_after_one):
+        failed = run_until_over(client, key, batch_id, 300)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "output_full", failed
+    kept = failed["rows"]["done"]
+    assert written == [kept] and 0 < kept < 120, (written, failed)
+    folder = root / "resumed" / batch_id
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["status"] == "failed" and [e["rows"] for e in manifest["objects"]] == [kept], manifest
+    assert manifest["failed_chunks"] and not (folder / "_SUCCESS").exists()
+    # The committed object is kept; the half-written ones of the chunks that failed are not.
+    assert sorted(p.name for p in folder.glob("part-*")) == [manifest["objects"][0]["name"]]
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.glob("part-*")}
+    # Its results: the committed rows, and one error line per chunk that failed.
+    results = client.get(f"/batches/{batch_id}/results", headers=headers)
+    assert results.status_code == 200, results.text
+    lines = [json.loads(line) for line in results.text.splitlines()]
+    assert len([line for line in lines if "pair_id" in line and line.get("scores")]) == kept
+    assert [line["error"]["code"] for line in lines if "chunk" in line] == ["output_full"] * len(
+        manifest["failed_chunks"])
+
+    # The dry run says the same request resumes it.
+    plan = client.post("/batches/plan", json=body, headers=headers).json()
+    assert plan["earlier"] == {"id": batch_id, "status": "failed", "then": "resume", "rows_committed": kept}
+    assert f"earlier batch {batch_id} (failed) holds this output: the same command resumes it" in describe_plan(plan)
+    afresh = client.post("/batches/plan", json={**body, "overwrite": True}, headers=headers).json()
+    assert afresh["earlier"]["then"] == "replace"  # `overwrite`: from row 0, in a folder of its own
+
+    written.clear()
+    created = client.post("/batches", json=body, headers=headers)
+    assert created.status_code == 201, created.text
+    resumed = created.json()
+    assert resumed["resumed_from"] == batch_id and resumed["rows"]["done"] == kept, resumed
+
+    def counted(location, table, output_format) -> None:  # type: ignore[no-untyped-def]
+        real(location, table, output_format)
+        written.append(table.num_rows)
+
+    with patch("worker.lake.write_table", counted):
+        done = run_until_over(client, key, resumed["id"], 300)
+    assert done["status"] == "completed" and done["rows"]["done"] == 120, done
+    assert sum(written) == 120 - kept, written  # the rows committed before were not scored again
+    assert {name: (folder / name).stat().st_mtime_ns for name in stamps} == stamps
+    ids, scores = ids_and_scores(folder)
+    assert ids == list(range(120))  # every row once, in the input's order
+
+    # The same as one uninterrupted run.
+    whole = submit(client, key, "whole")
+    assert run_until_over(client, key, whole, 300)["status"] == "completed"
+    whole_ids, whole_scores = ids_and_scores(root / "whole" / whole)
+    assert whole_ids == ids and np.allclose(whole_scores, scores, atol=1e-5)

@@ -231,8 +231,6 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
     "body"}, "error"}`. While the batch runs, the requests finished so far (call again for more); complete
     once the batch has ended."""
     batch = batches.get_batch(session, key, batch_id)
-    if batch.source is not None:
-        chunks.check_results(batch)
     lines = chunks.iter_results(batch.id, format == "openai") if batch.source is not None else \
         batches.iter_results(batch.id, settings.batch_chunk_rows, format == "openai")
     return StreamingResponse(lines,

@@ -15,9 +15,9 @@ webhook is queued once), and objects of lost attempts are removed.
 Outputs: a key's batch holds its output prefix while it runs and once completed (`batches.output_key`, unique
 per key), with a digest of what it scores (`source_key`: the input's URIs, the options, the model). The same
 request again is answered with that batch and plans nothing; another input to the prefix is refused naming it.
-A cancelled batch gives the prefix to a new batch of the same request, which resumes from its committed chunks
-(`_resume`); a failed one, a completed one replaced by an `overwrite`, or a cancelled one met by another input,
-gives the prefix up.
+A cancelled batch, or a failed one (its output refused writes), gives the prefix to a new batch of the same
+request, which resumes from its committed chunks (`_resume`); a completed one replaced by an `overwrite`, or a
+cancelled or failed one met by another input, gives the prefix up.
 
 Turns: reference batches take turns a chunk at a time, the batch whose chunk started least recently first
 (`last_claimed_at`, set when a worker starts a chunk: `take_turn`).
@@ -40,7 +40,7 @@ from store import storage
 from store.counters import count
 from store.db import session_factory, session_scope
 from store.errors import ServiceError
-from store.lake.access import Access
+from store.lake.access import Access, store_error
 from store.lake.tables import (Columns, Options, PlannedChunk, json_line, object_name, plan, read_table,
                                write_manifest)
 from store.location import Location
@@ -110,7 +110,8 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     """Checks access, plans the chunks from metadata and commits the batch with its chunk rows (status
     in_progress); any refusal is a ServiceError and leaves nothing behind. Returns (batch, created): the same
     input sent again to an output this key's batch holds gets that batch (running or completed) and nothing is
-    planned; after a cancelled one, a new batch resumes from its committed chunks (`overwrite`: from row 0);
+    planned; after a cancelled or failed one, a new batch resumes from its committed chunks (`overwrite`: from
+    row 0);
     another input, or `overwrite` while it runs, is a 409 `output_in_use`."""
     vetted = _vet(key, body, tokenizer, settings)
     output = vetted.output
@@ -134,8 +135,13 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     # Each object's format is checked as it is planned (format_of); the batch keeps the one given, if any.
     batch.source = {**vetted.options.to_json(), "input": body.input}
     if earlier is not None:
-        _resume(session, batch, earlier)
+        queued = _resume(session, batch, earlier)
         session.commit()
+        if not queued:  # every chunk was committed (only the manifest was refused): it ends now
+            try:
+                settle(batch.id)
+            except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
+                log.warning("resumed batch %s could not be settled now: %s", batch.id, exc)
         session.refresh(batch)
         return batch, True
     batch.output = output.child(batch.id)
@@ -165,18 +171,23 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     return batch, True
 
 
-def _resume(session: Session, batch: Batch, earlier: Batch) -> None:
-    """`batch` takes over the earlier (cancelled) batch's plan and folder: its committed chunks as they are,
-    their objects read where they lie (so nothing is scored twice), the others queued again. Attempts go on
+def _resume(session: Session, batch: Batch, earlier: Batch) -> int:
+    """`batch` takes over the earlier (cancelled or failed) batch's plan and folder: its committed chunks as they
+    are, their objects read where they lie (so nothing is scored twice), the others queued again. Attempts go on
     from the earlier batch's, so that an attempt's object never has the name of an earlier attempt's (one a
-    worker of the earlier batch may still be writing, and removes when its commit is refused)."""
+    worker of the earlier batch may still be writing, and removes when its commit is refused). A committed
+    chunk whose object is no longer in the folder is queued again too: the output stays whole. Returns the
+    number of chunks queued."""
     batch.output = earlier.output
     batch.chunks_total, batch.total = earlier.chunks_total, earlier.total
     batch.source = {**batch.source, "resumed_from": earlier.id}
+    present = _object_names(earlier.output)
     page: list[dict] = []
+    queued = 0
     for row in session.execute(select(Chunk.__table__).where(_CHUNKS.batch_id == earlier.id)).mappings():
         values = {**row, "batch_id": batch.id}
-        if row["status"] != "succeeded":
+        if row["status"] != "succeeded" or row["output"] not in present:
+            queued += 1
             values.update(status="queued", lease_owner=None, lease_expires_at=None, not_before=None, output=None,
                           error_code=None, error_message=None, started_at=None, finished_at=None, **_NO_PROGRESS)
         page.append(values)
@@ -185,6 +196,18 @@ def _resume(session: Session, batch: Batch, earlier: Batch) -> None:
             page = []
     if page:
         session.execute(insert(Chunk), page)
+    return queued
+
+
+def _object_names(output: Location) -> set[str]:
+    """The names of the objects in a batch's folder now (listed afresh: this process may have listed it before)."""
+    try:
+        output.fs.invalidate_cache(output.path)
+        return {posixpath.basename(p) for p in output.fs.find(output.path)}
+    except FileNotFoundError:
+        return set()
+    except Exception as exc:  # noqa: BLE001  (see store_error)
+        raise store_error(output, exc) from None
 
 
 def _digest(text: str) -> str:
@@ -194,10 +217,10 @@ def _digest(text: str) -> str:
 def _then(holder: Batch, source_key: str, overwrite: bool) -> str:
     """What a request does with the key's batch holding its output (EarlierBatch.then), or "refuse"."""
     same = holder.source_key == source_key and not overwrite
-    if holder.status == "cancelled" and same:
+    # A failed holder broke off (its output refused writes) and kept its committed objects, as a cancelled one
+    # does. Either, met by another input or options, gives its output up as a batch never run.
+    if holder.status in ("failed", "cancelled") and same:
         return "resume"
-    # A failed holder broke off (its output refused writes): its objects were removed, the same request runs
-    # again from row 0. A cancelled one with another input or options gives its output up as a batch never run.
     if holder.status in ("failed", "cancelled") or (overwrite and holder.status == "completed"):
         return "replace"
     if same:
@@ -207,9 +230,9 @@ def _then(holder: Batch, source_key: str, overwrite: bool) -> str:
 
 def _output_holder(session: Session, key: ApiKey, output_key: str, source_key: str, overwrite: bool,
                    uri: str) -> tuple[Batch | None, Batch | None]:
-    """(the key's batch holding this output if the request is its re-run, else None; a cancelled batch of the
-    same request that a new batch resumes from). A batch replaced or resumed gives the output up, in the
-    caller's transaction. Another input, or an overwrite of a running batch, is refused naming the holder."""
+    """(the key's batch holding this output if the request is its re-run, else None; a cancelled or failed
+    batch of the same request that a new batch resumes from). A batch replaced or resumed gives the output up,
+    in the caller's transaction. Another input, or an overwrite of a running batch, is refused naming the holder."""
     holder = session.scalar(select(Batch).where(Batch.api_key_id == key.id, Batch.output_key == output_key))
     if holder is None:
         return None, None
@@ -537,9 +560,9 @@ def live_chunks(settings: Settings) -> bool:
 def settle(batch_id: str) -> bool:
     """Ends the batch if none of its chunks is live: writes the manifest (then `_SUCCESS`), changes its status
     in a conditional UPDATE (so of concurrent callers exactly one queues the webhook) and removes objects of
-    lost attempts. A batch whose output refused a write for good fails (`output_full`, `output_denied`), its
-    objects removed. Returns whether this call ended it; raises where the store is unreachable (the sweep
-    settles it again)."""
+    lost attempts. A batch whose output refused a write for good fails (`output_full`, `output_denied`), keeping
+    its committed objects (the same request resumes from them), with no `_SUCCESS`. Returns whether this call
+    ended it; raises where the store is unreachable (the sweep settles it again)."""
     with session_scope() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in ("in_progress", "cancelling"):
@@ -563,9 +586,8 @@ def settle(batch_id: str) -> bool:
                 raise
             status, manifest = "failed", {**manifest, "status": "failed"}
     if status == "failed":
-        _give_up_output(output, manifest)
-    else:
-        _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
+        _fail_output(output, manifest)
+    _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
     failure = dict(error_code=refused[0], error_message=refused[1][:2000]) if refused else {}
     with session_scope() as session:
         changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress",
@@ -602,12 +624,14 @@ def remove_object(location: Location) -> None:
         log.warning("could not remove %s: %s", location.uri, exc)
 
 
-def _give_up_output(output: Location, manifest: dict) -> None:
-    """A failed batch leaves nothing half-committed: no result object (its committed ones included: no
-    `_SUCCESS` says the output is whole) and, if it fits, a `_manifest.json` saying `failed` with its chunks."""
-    _remove_uncommitted(output, set())
+def _fail_output(output: Location, manifest: dict) -> None:
+    """A failed batch leaves nothing half-committed: no `_SUCCESS` (the output is not whole; a completed
+    manifest refused may have left one) and, if it fits, a `_manifest.json` saying `failed` that lists its
+    committed objects, as a cancelled batch's does."""
     try:
-        write_manifest(output, {**manifest, "objects": []}, success=False)
+        if output.fs.exists(output.child("_SUCCESS").path):
+            output.fs.rm(output.child("_SUCCESS").path)
+        write_manifest(output, manifest, success=False)
     except Exception as exc:  # noqa: BLE001  (the batch fails all the same: its output refused it)
         log.warning("the failed batch's manifest could not be written under %s: %s", output.uri, exc)
 
@@ -770,14 +794,6 @@ def cancel_reference(session: Session, batch: Batch) -> Batch:
         log.warning("cancelled batch %s could not be settled now: %s", batch.id, exc)
     session.refresh(batch)
     return batch
-
-
-def check_results(batch: Batch) -> None:
-    """Raises a 409 where the batch's results are gone: a batch failed by its output (a full disk, denied
-    writes) removed its committed objects, which its chunk rows still name."""
-    if batch.status == "failed" and batch.error_code in (OUTPUT_FULL, OUTPUT_DENIED):
-        raise ServiceError(409, "results_removed", f"batch {batch.id} failed ({batch.error_code}: "
-                                                   f"{batch.error_message}); its result objects were removed")
 
 
 def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
