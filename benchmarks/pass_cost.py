@@ -11,9 +11,9 @@ op kind it reports FLOPs and bytes accessed:
 - cuda-h100: the program lowered for CUDA with the Mosaic GPU kernel, as HLO. No CUDA compiler runs here, so
   it is the program before XLA's fusion: its FLOPs are the model's, its bytes count every unfused op's operands
   and results (an upper bound of the traffic).
-Loops count their trips: the layer scan its constant count; a loop with a dynamic count inside it
-(core.model.over_tokens) one step, a step being the whole pass on accelerators; one outside it (the LM head's)
-ceil(score rows / rows per step). Of the layer body's two branches the first runs for every layer but the last.
+Loops count their trips: every loop of an accelerator's pass has a constant count (the layer loop's, the LM head's
+steps over the bucketed score rows); one that had not (its count read back by the host at each trip) would be
+counted once and listed in `host_reads`, with any branch (each branch counted an equal share).
 XLA's own cost analysis counts each loop body once and a Pallas kernel as nothing; the kernel's FLOPs here are
 core.aot's count of the tiles it visits (masked work included), its bytes its operands and results. The walk,
 counted as XLA counts, is checked against `compiled.cost_analysis()` (printed beside each TPU table).
@@ -41,7 +41,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from core import aot  # noqa: E402
 from core.config import TINY_CONFIG, ModelConfig  # noqa: E402
-from core.model import HEAD_ROWS  # noqa: E402
 from core.packing import PassArrays  # noqa: E402
 
 KINDS = ("matmul", "attention kernel", "element-wise", "copy/transpose", "gather/slice/pad",
@@ -155,12 +154,11 @@ def _dims(op: Op, key: str) -> list[int]:
 class Program:
     """An HLO module with each computation's run count for one pass (see the module's docstring)."""
 
-    def __init__(self, text: str, layers: int, head_steps: int):
+    def __init__(self, text: str):
         self.computations, self.entry = parse_hlo(text)
         self.shapes = {op.name: op.shape for ops in self.computations.values() for op in ops}
-        self.layers, self.head_steps = layers, head_steps
         self.runs: dict[str, float] = defaultdict(float)
-        self._visit(self.entry, 1.0, False)
+        self._visit(self.entry, 1.0)
 
     def _constant_trips(self, condition: str) -> int | None:
         """The trip count of a loop whose condition compares its counter with a constant (a scan's)."""
@@ -171,33 +169,19 @@ class Program:
                 return int(ops[name].literal)
         return None
 
-    def _peeled(self, parent: str, body: str) -> bool:
-        """Whether XLA ran a loop's first trip ahead of it in `parent` (loop peeling): an op of the same source
-        line (op_name), opcode and shape is in both. The TPU compiler peels core.model.over_tokens' loop."""
-        key = lambda op: (op.opcode, op.shape, _op_name(op))
-        inside = {key(op) for op in self.computations[body] if _op_name(op)}
-        return any(key(op) in inside for op in self.computations[parent] if op.opcode == "fusion")
-
-    def _visit(self, name: str, runs: float, in_layers: bool) -> None:
+    def _visit(self, name: str, runs: float) -> None:
         self.runs[name] += runs
         for op in self.computations[name]:
             if op.opcode == "while":
                 body = _attr(op, "body")
                 trips = self._constant_trips(_attr(op, "condition"))
-                inner = in_layers or trips is not None
-                if trips is None:
-                    trips = (1 if in_layers else self.head_steps) - self._peeled(name, body)
-                self._visit(body, runs * trips, inner)
+                self._visit(body, runs * (1 if trips is None else trips))
             elif op.opcode == "conditional":
-                branches, L = _branches(op), self.layers
-                if in_layers and len(branches) == 2:  # core.model's `i == last`: branch 0 but in the last layer
-                    weights = [(L - 1) / L, 1 / L]
-                else:
-                    weights = [1 / len(branches)] * len(branches)
-                for branch, weight in zip(branches, weights):
-                    self._visit(branch, runs * weight, in_layers)
+                branches = _branches(op)
+                for branch in branches:
+                    self._visit(branch, runs / len(branches))
             elif op.opcode == "call":
-                self._visit(_attr(op, "to_apply"), runs, in_layers)
+                self._visit(_attr(op, "to_apply"), runs)
 
     def flops(self, op: Op) -> float:
         """FLOPs of one op: 2 per multiply-add of a dot or convolution, 1 per element of an element-wise op or of
@@ -295,6 +279,15 @@ class Program:
             return dims[out_labels.index("b")]
         return dims[0] if dims else 0
 
+    def host_reads(self) -> dict[str, list[str]]:
+        """The loops whose trip count is not a compile-time constant and the branches (`conditional`) of the
+        program: on an accelerator the host reads each such loop's predicate back at every trip, and each
+        branch's index, with the device idle meanwhile."""
+        ops = [op for name in self.runs for op in self.computations[name]]
+        return {"loops": [op.name for op in ops if op.opcode == "while"
+                          and self._constant_trips(_attr(op, "condition")) is None],
+                "branches": [op.name for op in ops if op.opcode == "conditional"]}
+
     def ops(self):
         """(op, runs per pass) for every op the pass runs outside fusions."""
         for name, runs in self.runs.items():
@@ -346,6 +339,7 @@ def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platfor
         "check_as_xla_counts": dict(zip(("walk_flops", "walk_bytes"), program.as_xla_counts().tolist()),
                                     xla_flops=xla_cost.get("flops"), xla_bytes=xla_cost.get("bytes accessed")),
         "top_ops_by_bytes": top,
+        "host_reads": {key: len(names) for key, names in program.host_reads().items()},
     }
 
 
@@ -380,8 +374,7 @@ def measure(model: str, ladder: str, target: str, dtype_name: str = "bfloat16") 
     platform, stage, build = TARGETS[target]
     start, cpu = time.perf_counter(), time.process_time()
     text, xla_cost = build(config, arrays, dtype)
-    rows = min(HEAD_ROWS, max(8, len(arrays.score_rows) // 8))  # core.model.label_logprobs' step
-    program = Program(text, config.num_layers, -(-arrays.n_rows // rows))
+    program = Program(text)
     out = {"model": model, "ladder": ladder, "target": target, "stage": stage,
            "build_seconds": round(time.perf_counter() - start, 1),
            "build_cpu_seconds": round(time.process_time() - cpu, 1)}

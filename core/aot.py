@@ -46,7 +46,7 @@ from core import sharding as sharding_rules  # noqa: E402
 from core.attention import device_tables, gpu, selection, tpu  # noqa: E402
 from core.attention.host_tables import pick_tile  # noqa: E402
 from core.config import ModelConfig  # noqa: E402
-from core.model import HEAD_ROWS, CausalLM  # noqa: E402
+from core.model import CausalLM  # noqa: E402
 from core.packing import ACCELERATOR_STEPS_PER_OCTAVE, PassArrays, build_pass, plan_passes  # noqa: E402
 from core.requests import TokenizedRequest  # noqa: E402
 
@@ -124,7 +124,7 @@ def contract_request(index: int = 0) -> TokenizedRequest:
 def contract_passes(pass_tokens: int, steps_per_octave: int = ACCELERATOR_STEPS_PER_OCTAVE) -> list[PassArrays]:
     """The passes an accelerator's engine runs for one contract request at this pass size (lengths from its
     ladder; `steps_per_octave` 1: a halving ladder)."""
-    return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens, steps_per_octave=steps_per_octave)
+    return [build_pass(p, BLOCK_Q, BLOCK_K, pass_tokens, steps_per_octave=steps_per_octave, row_buckets=True)
             for p in plan_passes([contract_request()], pass_tokens)]
 
 
@@ -196,7 +196,8 @@ def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform
     (tensor parallel), counted from the program's shapes and the attention tables (what the kernel visits,
     masked work included): an estimate for a roofline.
 
-    FLOPs: every projection and MLP matmul for every token of the padded pass, the attention tile pairs
+    FLOPs: every projection and MLP matmul for every token of the padded pass (the last layer's output
+    projection and MLP for the score rows only), the attention tile pairs
     the kernel visits (QK^T and PV), the LM head at the score rows; split evenly over the chips. Bytes: every
     weight read once per pass (each chip its share), per layer the activations a fused XLA program reads and
     writes (residual, q/k/v, attention output, MLP input/hidden/output; the float32 residual on every chip,
@@ -206,12 +207,14 @@ def work_estimate(config: ModelConfig, passes: list[PassArrays], dtype, platform
     c, item = config, jnp.dtype(dtype).itemsize
     flops = hbm = allreduce = 0.0
     for arrays in passes:
-        T, S = len(arrays.tokens), -(-arrays.n_rows // HEAD_ROWS) * HEAD_ROWS  # the LM head's rows in use
-        per_token = 2 * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-                         + 3 * c.hidden_size * c.intermediate_size)
+        T, S = len(arrays.tokens), len(arrays.score_rows)  # the LM head's rows (bucketed)
+        qkv = 2 * c.hidden_size * (c.q_size + 2 * c.kv_size)
+        rest = 2 * (c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)  # o and the MLP
         tq, tk, q_len, pairs = kernel_tiles(arrays, platform)
         attn_flops = c.num_layers * c.num_heads * pairs * 4 * tq * tk * c.head_dim
-        flops += (c.num_layers * per_token * T + attn_flops + 2 * c.hidden_size * c.vocab_size * S) / chips
+        # The last layer's o and MLP run on the score rows only.
+        layers = c.num_layers * qkv * T + rest * ((c.num_layers - 1) * T + S)
+        flops += (layers + attn_flops + 2 * c.hidden_size * c.vocab_size * S) / chips
         weights = sum(np.prod(s.shape) for s in jax.tree.leaves(model_specs(c, dtype)[1])) * item
         residual = 2 * 4 * c.hidden_size  # residual in/out (float32), twice per layer: on every chip
         split = (2 * (c.q_size + 2 * c.kv_size) * item + 2 * c.q_size * item  # qkv, attention out

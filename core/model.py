@@ -22,7 +22,10 @@ from flax import nnx
 
 from core.config import ModelConfig, Rope
 
-HEAD_ROWS = 64  # score rows per step of the LM head (passes of 512 tokens and more)
+HEAD_ROWS = 64  # score rows per step of the LM head on CPU (passes of 512 tokens and more)
+# Score rows per step of the LM head on accelerators: its logits in float32, twice over with bfloat16 weights
+# (head_logits), are 0.6 GB at Qwen3's vocabulary.
+DEVICE_HEAD_ROWS = 512
 # Tokens per step of the projections and the MLP on CPU. On accelerators a pass runs them in one step: every
 # step reads all the weights again, which costs more there than the padding it saves.
 TOKEN_ROWS = 512
@@ -235,7 +238,8 @@ class CausalLM(nnx.Module):
                  attention: AttentionFn, keep_kv: bool = True, token_rows: int | None = None):
         """Runs the pass (its first n_tokens tokens are real, the rest padding; the projections and the MLP run
         `token_rows` tokens a step, see `over_tokens`) and returns (log P(label) [S, labels] float32 for the first
-        `n_rows` score rows, each row's label ids in `score_labels` (zeros after them); (k, v) [L, T, Hkv, hd]
+        `n_rows` score rows, each row's label ids in `score_labels` (after them: zeros on CPU, on accelerators
+        what token 0 gives: nobody reads them); (k, v) [L, T, Hkv, hd]
         each, or None without keep_kv: a pass that keeps no prefix does not write every layer's keys/values out).
 
         cache_k/v [L, C, Hkv, hd] hold keys/values computed by an earlier pass (a shared prefix reused
@@ -251,43 +255,52 @@ class CausalLM(nnx.Module):
         tables = [rotary_tables(positions, rope) for rope in c.rope_list]
         cos_all, sin_all = (jnp.stack(t) for t in zip(*tables))
         layer_def, layer_state = nnx.split(self.layers)
-        # On CPU the last layer runs its output projection and MLP on the score rows only (x comes out as those
-        # rows): a few per cent of a typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly
-        # one layer's matmuls out of L. On accelerators (token_rows None) a step is the whole pass either way, so
-        # every layer runs all rows and the score rows are taken after the last: no branch in the layer loop.
-        last = self.config.num_layers - 1
-        if x.shape[0] != score_rows.shape[0]:  # the rows must fit in x's shape to carry them through the scan
-            raise ValueError("a pass offers one score row per token")
+        kinds, rope_index = (jnp.asarray(v, jnp.int32) for v in (c.layer_kinds, c.layer_rope_index))
 
-        def step(x, layer):
-            i, state, ck, cv, kind, r = layer
-            rope = (cos_all[r], sin_all[r]) if len(tables) > 1 else tables[0]
-            run = lambda rows: nnx.merge(layer_def, state)(x, rope, ck, cv, attention, n_tokens, token_rows, rows,
-                                                           kind)
-            if token_rows is None:  # every layer on all rows (one step each): no branch for the host to read
-                x, k, v = run(None)
-            else:
-                x, k, v = jax.lax.cond(i == last, lambda: run((score_rows, n_rows)), lambda: run(None))
-            return x, ((k, v) if keep_kv else None)
+        def layer(i, x, rows=None):
+            """Layer i (traced in the loop; static for the last) on x, its weights and cache read in place."""
+            state = jax.tree.map(lambda a: a[i], layer_state)
+            rope = (cos_all[rope_index[i]], sin_all[rope_index[i]]) if len(tables) > 1 else tables[0]
+            return nnx.merge(layer_def, state)(x, rope, cache_k[i], cache_v[i], attention, n_tokens, token_rows,
+                                               rows, kinds[i])
 
-        per_layer = (jnp.asarray(c.layer_kinds, jnp.int32), jnp.asarray(c.layer_rope_index, jnp.int32))
-        x, kv = jax.lax.scan(step, x, (jnp.arange(last + 1), layer_state, cache_k, cache_v, *per_layer))
-        if token_rows is None:
-            x = x[score_rows]
-        return self.label_logprobs(self.final_norm(x), score_labels, n_rows), kv
+        def keep(kv, i, k, v):  # this pass's keys/values, written in place into [L, T, Hkv, hd]
+            return None if kv is None else (kv[0].at[i].set(k), kv[1].at[i].set(v))
 
-    def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array) -> jax.Array:
-        """log-softmax over the vocabulary, taken at `labels` [S, W], for the first n_rows rows of h [S, D].
+        def step(i, carry):
+            x, kv = carry
+            x, k, v = layer(i, x)
+            return x, keep(kv, i, k, v)
 
-        The LM head runs on a few rows at a time for as many steps as there are rows: a pass can offer a
-        score row per token (so the row count is never a compile key) and pay only for the rows it uses. Steps
-        are HEAD_ROWS rows, fewer in short passes: on CPU a 64-row step of the bundled model's head took 140-215
-        ms (2-core AVX2 host), an 8-row step 35 ms (the weights' read), and a short pass holds a small request's
-        few rows."""
+        # Every layer but the last on all rows, in a loop of a fixed trip count; the last one outside it, its
+        # output projection and MLP on the score rows only (x comes out as those rows): a few per cent of a
+        # typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly one layer's matmuls out of
+        # L, with no branch in the loop for an accelerator's host to read.
+        last = c.num_layers - 1
+        kv_shape = (c.num_layers, x.shape[0], c.num_kv_heads, c.head_dim)
+        kv = (jnp.zeros(kv_shape, cache_k.dtype),) * 2 if keep_kv else None
+        x, kv = jax.lax.fori_loop(0, last, step, (x, kv))
+        x, k, v = layer(last, x, (score_rows, n_rows))
+        # On accelerators (token_rows None) the LM head runs every score row the program has: the rows are
+        # bucketed (core.packing), so a loop over the rows in use would only add a trip count to read back.
+        rows_in_use = None if token_rows is None else n_rows
+        return self.label_logprobs(self.final_norm(x), score_labels, rows_in_use), keep(kv, last, k, v)
+
+    def label_logprobs(self, h: jax.Array, labels: jax.Array, n_rows: jax.Array | None) -> jax.Array:
+        """log-softmax over the vocabulary, taken at `labels` [S, W], for the first n_rows rows of h [S, D]
+        (None: every row, on accelerators).
+
+        On CPU the LM head runs on a few rows at a time for as many steps as there are rows: a pass offers a
+        score row per token (so the row count is never a compile key there) and pays only for the rows it uses.
+        Steps are HEAD_ROWS rows, fewer in short passes: on CPU a 64-row step of the bundled model's head took
+        140-215 ms (2-core AVX2 host), an 8-row step 35 ms (the weights' read), and a short pass holds a small
+        request's few rows. On accelerators the rows are few already (bucketed) and every step reads the whole
+        head, so they go DEVICE_HEAD_ROWS at a time, a fixed number of steps (one for up to DEVICE_HEAD_ROWS
+        rows): no trip count for the host to read back."""
         head = self.lm_head if hasattr(self, "lm_head") else self.embed  # [V, D]; tied models reuse the embedding
         c = self.config
         S, W = labels.shape
-        rows = min(HEAD_ROWS, max(8, S // 8))
+        rows = min(DEVICE_HEAD_ROWS, S) if n_rows is None else min(HEAD_ROWS, max(8, S // 8))
         h = jnp.pad(h, ((0, -S % rows), (0, 0)))
         labels = jnp.pad(labels, ((0, -S % rows), (0, 0)))
 
@@ -302,5 +315,8 @@ class CausalLM(nnx.Module):
             return jax.lax.dynamic_update_slice_in_dim(
                 out, picked - jax.nn.logsumexp(logits, axis=1, keepdims=True), i * rows, 0)
 
-        out = jax.lax.fori_loop(0, (n_rows + rows - 1) // rows, chunk, jnp.zeros(labels.shape, jnp.float32))
-        return out[:S]
+        out = jnp.zeros(labels.shape, jnp.float32)
+        if n_rows is None and labels.shape[0] == rows:
+            return chunk(0, out)[:S]
+        steps = labels.shape[0] // rows if n_rows is None else (n_rows + rows - 1) // rows
+        return jax.lax.fori_loop(0, steps, chunk, out)[:S]

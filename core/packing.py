@@ -78,6 +78,11 @@ ACCELERATOR_STEPS_PER_OCTAVE = 4
 FINE_RUNGS_FROM = 4096
 
 
+# The fewest score rows of an accelerator's pass (score_row_count): a smaller bucket saves little of the LM
+# head, whose every step reads all of its weights.
+MIN_SCORE_ROWS = 64
+
+
 def ladder(pass_tokens: int, block: int, shortest: int | None = None, steps_per_octave: int = 1) -> list[int]:
     """The pass lengths a worker compiles: pass_tokens halved down to `shortest` (None: pass_tokens/8), as
     multiples of `block`; with `steps_per_octave` > 1, each octave from FINE_RUNGS_FROM tokens up has that many
@@ -227,7 +232,7 @@ class PassArrays:
     kv_meta: TokenMeta  # [C + T]: the cached prefixes first, then this pass's tokens
     tile_ids: np.ndarray  # [T / block_q, width]
     tile_counts: np.ndarray  # [T / block_q]
-    score_rows: np.ndarray  # [T]: token index of each score row, the n_rows in use first (then token 0)
+    score_rows: np.ndarray  # [T] (accelerators: score_row_count's): each score row's token, the n_rows in use first
     n_rows: int
     owners: list[tuple[int, int]]  # (request, item) of every item the pass scores
     owner_rows: np.ndarray  # [len(owners)]: each owner's score row (a request's empty items share one)
@@ -249,14 +254,23 @@ def _expand_runs(lengths: list[int], *per_run: list[int]) -> tuple[np.ndarray, .
     return (*(v.astype(np.int32) for v in values), (first + np.arange(len(first)) - starts).astype(np.int32))
 
 
+def score_row_count(rows: int, tokens: int) -> int:
+    """Score rows an accelerator's program has for a pass of `tokens` tokens and `rows` rows in use: a power of
+    two, MIN_SCORE_ROWS at least, `tokens` at most (a compile key there). Its LM head runs on every one of them,
+    so that no loop's trip count depends on the pass's data (see core.model.CausalLM.label_logprobs); a pass
+    offering a row per token would run the head on every token."""
+    return min(tokens, max(MIN_SCORE_ROWS, 1 << (rows - 1).bit_length()))
+
+
 def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | None = None,
-               shortest: int | None = None, steps_per_octave: int = 1) -> PassArrays:
+               shortest: int | None = None, steps_per_octave: int = 1, row_buckets: bool = False) -> PassArrays:
     """Lays out a planned pass: cached prefixes (keys only) first, then each sequence's new tokens.
 
     Its length T, score rows and cache length C come from the ladder of `pass_tokens` down to `shortest`, with
     `steps_per_octave` (see `ladder` and `pass_length`; None: the ladder whose top is this pass's length rounded up
     to a power of two). The tables are as wide as
-    the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further).
+    the widest query tile needs, rounded up to 2 sizes per octave (the XLA path widens them further). Score rows:
+    one per token (CPU), or with `row_buckets` `score_row_count`'s (accelerators).
     """
     # The layout is built as runs of tokens (a prefix, an item, a re-run query token), in Python per run, and
     # expanded to per-token arrays with NumPy: Python per token was most of a worker's host time per pass.
@@ -338,7 +352,7 @@ def build_pass(plan: PassPlan, block_q: int, block_k: int, pass_tokens: int | No
         kv_meta=kv_meta,
         tile_ids=pad_tables(ids, width),
         tile_counts=counts,
-        score_rows=padded(score_rows, T, 0),
+        score_rows=padded(score_rows, score_row_count(len(score_rows), T) if row_buckets else T, 0),
         n_rows=len(score_rows),
         owners=owners,
         owner_rows=np.asarray(owner_rows, np.int32),

@@ -21,7 +21,7 @@ from core import sharding
 from core.attention import selection
 from core.config import TINY_CONFIG, ModelConfig
 from core.errors import ScoringError
-from core.model import HEAD_ROWS, TOKEN_ROWS, CausalLM
+from core.model import DEVICE_HEAD_ROWS, TOKEN_ROWS, CausalLM
 from core.packing import (ACCELERATOR_STEPS_PER_OCTAVE, PackedSequence, PassPlan, build_pass, cache_length,
                           filler_plan, ladder, plan_passes)
 from core.prefix_cache import PREFIX_CACHE_BYTES_CPU, PrefixCache, device_prefix_cache_bytes
@@ -415,7 +415,7 @@ class Scorer:
         c, T = self.model.config, self.pass_tokens
         per_token = 4 * (2 * c.hidden_size + 2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
         kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return T * (per_token + 2 * kv) + 2 * HEAD_ROWS * c.vocab_size * 4
+        return T * (per_token + 2 * kv) + 2 * DEVICE_HEAD_ROWS * c.vocab_size * 4
 
     def _remember_prefix(self, query: tuple[int, ...], kv: tuple[jax.Array, jax.Array], lo: int, hi: int,
                          needed: Collection[tuple[int, ...]]) -> None:
@@ -477,7 +477,7 @@ class Scorer:
                                   needed).result()
             cached.append(self._prefix_cache.use(seq.prefix))
             cached_lengths.append(len(seq.prefix))
-        arrays = build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass, self.ladder_steps)
+        arrays = self._build_pass(plan)
         labels = _score_labels(requests, arrays)
         keep_kv = self.always_keep_kv or any(seq.keep_prefix for seq in plan.sequences)
         compiles = _PROGRAMS.compiles
@@ -567,10 +567,11 @@ class Scorer:
             self._warming = True
             try:
                 for done, (T, C, keep) in enumerate(shapes, 1):
-                    self._program(T, C, T, self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
+                    filler = self._build_pass(filler_plan(T, C))
+                    self._program(T, C, len(filler.score_rows), self._table_width(T, C, 0), MIN_LABEL_WIDTH, keep)
                     if running + last <= run_seconds:  # longest first: the next run takes no longer than the last
                         started = time.perf_counter()
-                        self._run_filler(T, C, keep)
+                        self._run_filler(filler, keep)
                         last = time.perf_counter() - started
                         running += last
                         ran += 1
@@ -582,13 +583,18 @@ class Scorer:
                  running, "" if ran == len(shapes) else "; the others run first in traffic")
         return len(shapes)
 
-    def _run_filler(self, tokens: int, cache_len: int, keep_kv: bool) -> None:
-        """Runs a pass that fills a resident program of the ladder, with the structure of traffic. A program's
+    def _build_pass(self, plan: PassPlan):  # type: ignore[no-untyped-def]
+        """A planned pass laid out for this engine's ladder (core.packing.build_pass); on accelerators its score
+        rows bucketed (core.packing.score_row_count)."""
+        return build_pass(plan, self.block_q, self.block_k, self.pass_tokens, self.shortest_pass, self.ladder_steps,
+                          row_buckets=self.token_rows is None)
+
+    def _run_filler(self, arrays, keep_kv: bool) -> None:  # type: ignore[no-untyped-def]
+        """Runs a pass that fills a resident program of the ladder (`arrays`: core.packing.filler_plan's, laid
+        out), with the structure of traffic. A program's
         first run makes what the runtime keeps for it (XLA CPU's YNNPACK executables, of each loop and branch
         the pass's tables drive: 15-21 MB for the tiny model's ladder), which would otherwise fill a worker's
         memory a shape at a time through its first traffic; on accelerators, whatever else a first run costs."""
-        arrays = build_pass(filler_plan(tokens, cache_len), self.block_q, self.block_k, self.pass_tokens,
-                            self.shortest_pass, self.ladder_steps)
         labels = np.zeros((len(arrays.score_rows), MIN_LABEL_WIDTH), np.int32)
         handle, kv, _ = self._launch(arrays, [], [], labels, keep_kv)
         jax.block_until_ready((handle, kv))

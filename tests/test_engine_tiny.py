@@ -490,9 +490,10 @@ def test_accelerator_ladder_covers_every_length_with_little_padding_and_few_rung
 
 def test_pass_as_on_accelerators_has_no_branch_and_scores_the_same(tiny):
     """On accelerators (token_rows None) a pass runs every layer on all rows in one step, with no loop over
-    rows and no branch for the last layer (XLA runs both from the host on a GPU, reading each predicate back);
-    on CPU it runs in steps, the last layer on the score rows only. The same log-probs either way, with the
-    query in the pass and from the prefix cache."""
+    rows and no branch (XLA runs both from the host on a GPU, reading each predicate back), and the LM head on
+    its bucketed score rows; on CPU it runs in steps. Either way the last layer's output projection and MLP run
+    on the score rows only. The same log-probs either way, with the query in the pass and from the prefix
+    cache."""
     from core import scorer as engine
 
     rng = np.random.default_rng(15)
