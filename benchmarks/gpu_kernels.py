@@ -12,6 +12,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from core.attention import gpu, host_tables
 from tests.request_layouts import request_layouts, request_rows
@@ -22,14 +23,18 @@ BLOCK_Q, BLOCK_K = 128, 64  # the engine's tables
 
 def main() -> None:
     print(f"devices: {jax.devices()}; jax {jax.__version__}")
-    plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
-                                                           (61, (5,), False)])
+    if jax.default_backend() == "cpu":  # a dry run of the device check: GPU interpret mode, a small layout
+        plans, heads, blocks = request_layouts(20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)]), (1, 1), (64, 64)
+        interpret = InterpretGPUParams()
+    else:
+        plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
+                                                               (61, (5,), False)])
+        heads, blocks, interpret = (HEADS, KV_HEADS), (BLOCK_Q, BLOCK_K), None
     for aligned in (False, True):
-        kernel = jax.jit(partial(gpu.gpu_attention, aligned=aligned), static_argnums=(7, 8))
+        kernel = jax.jit(partial(gpu.gpu_attention, aligned=aligned, interpret=interpret), static_argnums=(7, 8))
         try:
             tables = host_tables.window_tables if aligned else host_tables.block_tables
-            rows, distances = request_rows(kernel, plans, HEADS, KV_HEADS, DIM, jnp.bfloat16, BLOCK_Q, BLOCK_K,
-                                           host_tables=tables)
+            rows, distances = request_rows(kernel, plans, *heads, DIM, jnp.bfloat16, *blocks, host_tables=tables)
             moved = [float(np.abs(r - rows[0][1]).max()) for keys, r in rows[1:]]
             print(f"aligned={aligned}: rows bitwise in every layout: {all(m == 0 for m in moved)} (largest move per "
                   f"layout {moved}); largest distance from float32 dense {max(distances):.3e}", flush=True)
