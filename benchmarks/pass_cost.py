@@ -216,12 +216,7 @@ class Program:
             lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
             return 2.0 * out * math.prod(lhs[d] for d in _dims(op, "lhs_contracting_dims"))
         if op.opcode == "convolution":
-            lhs_labels, rhs_labels = re.search(r"dim_labels=(\w+)_(\w+)->", op.attrs).groups()
-            lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
-            rhs = arrays_of(self.shapes[op.operands[1]])[0][1]
-            window = math.prod(rhs[i] for i, label in enumerate(rhs_labels) if label.isdigit())
-            groups = int(_attr(op, "feature_group_count") or 1)
-            return 2.0 * out * lhs[lhs_labels.index("f")] * window / groups
+            return self._convolution_flops(op)
         if op.opcode == "fusion":
             return sum(self.flops(inner) for inner in self.computations[_attr(op, "calls")])
         if op.opcode in ELEMENTWISE:
@@ -229,6 +224,28 @@ class Program:
         if op.opcode == "reduce":
             return float(sum(math.prod(dims) for _, dims in arrays_of(self.shapes[op.operands[0]])))
         return 0.0
+
+    def _convolution_flops(self, op: Op) -> float:
+        """2 per multiply-add of the taps that land on the input: a matmul the TPU compiler writes as a
+        convolution over a padded window (the gate and up projections: window 2, padding 1 each side) has half
+        its window on padding."""
+        lhs_labels, _, out_labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", op.attrs).groups()
+        lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
+        out = arrays_of(op.shape)[0][1]
+        spatial = sorted(label for label in lhs_labels if label.isdigit())
+        window = re.search(r"window=\{([^}]*)\}", op.attrs)
+        field = lambda key: re.search(rf"\b{key}=([\w_]+)", window.group(1)) if window else None
+        sizes = [int(x) for x in field("size").group(1).split("x")] if field("size") else [1] * len(spatial)
+        pads = [tuple(int(p) for p in pad.split("_")) for pad in field("pad").group(1).split("x")] \
+            if field("pad") else [(0, 0)] * len(spatial)
+        strides = [int(x) for x in field("stride").group(1).split("x")] if field("stride") else [1] * len(spatial)
+        taps = 1
+        for label, size, (low, _), stride in zip(spatial, sizes, pads, strides):
+            n_in, n_out = lhs[lhs_labels.index(label)], out[out_labels.index(label)]
+            taps *= sum(0 <= o * stride + k - low < n_in for o in range(n_out) for k in range(size))
+        groups = int(_attr(op, "feature_group_count") or 1)
+        return (2.0 * out[out_labels.index("b")] * out[out_labels.index("f")] * taps * lhs[lhs_labels.index("f")]
+                / groups)
 
     def as_xla_counts(self, name: str = "") -> np.ndarray:
         """[FLOPs, bytes] as XLA's cost analysis counts them (each loop body once, a conditional's costliest
