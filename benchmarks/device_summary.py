@@ -56,8 +56,9 @@ def bench(report: dict | None) -> dict | None:
 def summary(logs: Path) -> dict:
     read = lambda name: (logs / name).read_text().strip() if (logs / name).is_file() else None
     out = {"setup": read("setup.txt"), "gpu": read("gpu.txt"), "kernels": read("kernels.txt"), "steps": steps(logs)}
-    out["gpu_kernels"] = {v.lstrip("-") or "today": [line for line in (read(f"gpu-kernels{v}.log") or "").splitlines()
-                                         if line.startswith(("aligned=", "devices:"))] for v in VARIANTS if v != "-before"}
+    kernel_lines = lambda v: [line for line in (read(f"gpu-kernels{v}.log") or "").splitlines()
+                              if line.startswith(("aligned=", "devices:"))]
+    out["gpu_kernels"] = {v.lstrip("-") or "today": kernel_lines(v) for v in VARIANTS if v != "-before"}
     for shape in ("contract", "sglang"):
         figures = {}
         for v in VARIANTS:
@@ -85,7 +86,8 @@ def lines(s: dict) -> list[str]:
     text += [f"{name:<18} " + ("skipped (deadline)" if step["skipped"] else f"rc={step['rc']} {step['seconds']}s")
              for name, step in s["steps"].items()]
     for shape in ("contract", "sglang"):
-        text += [f"{shape:<9}{name:<8}{(f or {}).get('items_per_s', 'no result')} items/s" for name, f in s[shape].items()]
+        text += [f"{shape:<9}{name:<8}{(f or {}).get('items_per_s', 'no result')} items/s"
+                 for name, f in s[shape].items()]
     text.append(f"|cached - computed| {s['cached_vs_computed']}; profile ms {s['profile_ms']}")
     text.append(f"service vs engine: {s['service_vs_engine']}")
     return text

@@ -24,7 +24,8 @@ BLOCK_Q, BLOCK_K = 128, 64  # the engine's tables
 def main() -> None:
     print(f"devices: {jax.devices()}; jax {jax.__version__}")
     if jax.default_backend() == "cpu":  # a dry run of the device check: GPU interpret mode, a small layout
-        plans, heads, blocks = request_layouts(20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)]), (1, 1), (64, 64)
+        plans = request_layouts(20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)])
+        heads, blocks = (1, 1), (64, 64)
         interpret = InterpretGPUParams()
     else:
         plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),

@@ -428,6 +428,7 @@ def tpu_tile_costs(target: str, config: ModelConfig, arrays: PassArrays, dtype,
             continue
         cost = compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, list) else cost
+        cycles = sum(int(c) for c in re.findall(r'estimated_cycles":"(\d+)', compiled.as_text()))
         q_len, kv_len = device_tables.round_up(T, tq), device_tables.round_up(Tk, tk)
         ids, counts = device_tables.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts),
                                                   aot.BLOCK_Q, aot.BLOCK_K, tq, tk, q_len, kv_len)
@@ -439,7 +440,7 @@ def tpu_tile_costs(target: str, config: ModelConfig, arrays: PassArrays, dtype,
         mxu_s = flops / (peak * fill)
         row.update(compiled=True, compile_seconds=round(time.perf_counter() - start, 1),
                    xla_flops=cost.get("flops"), xla_bytes=cost.get("bytes accessed"),
-                   xla_estimated_cycles=sum(int(c) for c in re.findall(r'estimated_cycles":"(\d+)', compiled.as_text())),
+                   xla_estimated_cycles=cycles,
                    visited_pairs=pairs, visited_over_visible=pairs * tq * tk / visible_pairs,
                    max_slots=int(counts.max()), table_width=int(ids.shape[1]), grid_steps=steps["grid"],
                    grid_steps_static_width=steps["static"], mxu_fill=fill, kernel_flops=flops,
@@ -515,7 +516,8 @@ def table(results: list[dict]) -> str:
         lines += [f"\n{r['target']} ({r['stage']}), {r['model']}, ladder {r['ladder']}: pass of {r['pass_tokens']:,} "
                   f"tokens, {r['real_tokens']:,} real; padding {r['padding_share_of_matmul_flops']:.1%} of the matmul "
                   f"FLOPs; kernel tiles {r['kernel_tiles']}",
-                  "| op kind | ops per pass | GFLOP | FLOPs share | GB accessed | bytes share | roofline ms (estimate) |",
+                  "| op kind | ops per pass | GFLOP | FLOPs share | GB accessed | bytes share "
+                  "| roofline ms (estimate) |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for kind, row in r["kinds"].items():
             lines.append(f"| {kind} | {row['ops']:,.0f} | {row['flops'] / 1e9:,.1f} | {row['flops_share']:.1%} "
@@ -525,15 +527,16 @@ def table(results: list[dict]) -> str:
                      f"| {roof['ms']:,.2f} |")
         lines.append(f"roofline estimate on {roof['chip']} ({roof['peak_flops'] / 1e12:,.0f} TFLOP/s, "
                      f"{roof['peak_hbm_bytes_per_s'] / 1e12:.2f} TB/s), each op at max(FLOPs/peak, bytes/HBM), no "
-                     f"overlap: {roof['ms']:,.2f} ms a pass; the matmuls and the kernel alone {roof['matmul_and_kernel_ms']:,.2f} ms")
+                     f"overlap: {roof['ms']:,.2f} ms a pass; the matmuls and the kernel alone "
+                     f"{roof['matmul_and_kernel_ms']:,.2f} ms")
         copies = r["kernel_layout_copies"]
         lines.append(f"kernel layout copies [T,H,D]<->[H,T,D]: {copies['ops']:.0f} per pass, "
                      f"{copies['bytes'] / 1e9:.2f} GB")
         check = r["check_as_xla_counts"]
         if check["xla_flops"]:
-            lines.append(f"check ({r['stage']} program): this walk counted as XLA counts gives {check['walk_flops'] / 1e9:,.1f} GFLOP and "
-                         f"{check['walk_bytes'] / 1e9:,.2f} GB, XLA's cost analysis {check['xla_flops'] / 1e9:,.1f} "
-                         f"and {check['xla_bytes'] / 1e9:,.2f}")
+            lines.append(f"check ({r['stage']} program): this walk counted as XLA counts gives "
+                         f"{check['walk_flops'] / 1e9:,.1f} GFLOP and {check['walk_bytes'] / 1e9:,.2f} GB, XLA's cost "
+                         f"analysis {check['xla_flops'] / 1e9:,.1f} and {check['xla_bytes'] / 1e9:,.2f}")
         lines += ["ops moving the most bytes per pass:"] + [
             f"  {o['bytes'] / 1e9:6.2f} GB  {o['runs']:4.0f} x {o['kind']:<16} {o['shape']:<40} {o['source']}"
             for o in r["top_ops_by_bytes"]]
