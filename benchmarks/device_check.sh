@@ -4,7 +4,8 @@
 # the wheels the image lacks in .whl (benchmarks/device_wheels.txt), the tokenizer in .dev/tokenizer, and the
 # "before" engine's tree in .dev/before (`mkdir -p .dev/before && git archive REF core benchmarks | tar -x -C
 # .dev/before`, REF written to .dev/before/REF). Steps, each with its own time limit (one that hangs costs only
-# its own), and none started past DEADLINE seconds (default 420):
+# its own), cut to what is left of BUDGET seconds from the script's start (default 450, installs included; a step
+# with under 20 s left is skipped):
 #   gpu-kernels[-ws]        the GPU kernels alone, rows bitwise across layouts
 #   contract[-before|-ws]   benchmarks.bench on the contract (2,000-token query, 500 items of 20): items/s, and
 #                           |query cached - computed| of the scores
@@ -19,7 +20,7 @@ set -u
 OUT=${OUT:-/tmp/device-out}
 LOGS=${LOGS:-/tmp/device-logs}
 DRY=${DEVICE_CHECK_DRY:-0}
-DEADLINE=${DEADLINE:-420}
+BUDGET=${BUDGET:-450}
 rm -rf "$LOGS" && mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -48,13 +49,14 @@ else
   NEW_KERNEL=
 fi
 step() {  # step NAME SECONDS COMMAND...: its output in NAME.log, its exit status and time in steps.txt
-  local name=$1 limit=$2 start=$SECONDS
+  local name=$1 limit=$2 start=$SECONDS left=$((BUDGET - SECONDS))
   shift 2
   case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
-  if [ "$SECONDS" -ge "$DEADLINE" ]; then
-    echo "$name skipped ${limit}s-limit 0s deadline" | tee -a "$LOGS/steps.txt"
+  if [ "$left" -lt 20 ]; then
+    echo "$name skipped ${limit}s-limit 0s budget" | tee -a "$LOGS/steps.txt"
     return
   fi
+  [ "$left" -lt "$limit" ] && limit=$left
   timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "$name rc=$? ${limit}s-limit $((SECONDS - start))s" | tee -a "$LOGS/steps.txt"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .

@@ -26,7 +26,7 @@ def last_json(path: Path) -> dict | None:
 
 
 def steps(logs: Path) -> dict:
-    """steps.txt's lines (NAME rc=N LIMITs-limit Ns, or NAME skipped ... deadline) by step."""
+    """steps.txt's lines (NAME rc=N LIMITs-limit Ns, or NAME skipped ... budget) by step."""
     out = {}
     lines = (logs / "steps.txt").read_text().splitlines() if (logs / "steps.txt").is_file() else []
     for line in lines:
@@ -83,7 +83,7 @@ def summary(logs: Path) -> dict:
 
 def lines(s: dict) -> list[str]:
     text = [s["setup"] or "", s["gpu"] or "no gpu.txt", s["kernels"] or ""]
-    text += [f"{name:<18} " + ("skipped (deadline)" if step["skipped"] else f"rc={step['rc']} {step['seconds']}s")
+    text += [f"{name:<18} " + ("skipped (budget)" if step["skipped"] else f"rc={step['rc']} {step['seconds']}s")
              for name, step in s["steps"].items()]
     for shape in ("contract", "sglang"):
         text += [f"{shape:<9}{name:<8}{(f or {}).get('items_per_s', 'no result')} items/s"

@@ -22,7 +22,7 @@ def test_the_script_parses():
 def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PACKSCORE_GPU_KERNEL", "STEPS", "BEFORE")}
     env.update(DEVICE_CHECK_DRY="1", OUT=str(tmp_path / "out"), LOGS=str(tmp_path / "logs"), PYTHON=sys.executable,
-               DEADLINE="900", PYTHONPATH=str(ROOT))
+               BUDGET="900", PYTHONPATH=str(ROOT))
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -51,7 +51,7 @@ def test_the_summary_reads_the_new_kernels_steps(tmp_path):
     (tmp_path / "contract-ws.log").write_text("compiling...\n" + json.dumps(one, indent=2))
     (tmp_path / "sglang-ws.log").write_text(json.dumps(many))
     (tmp_path / "gpu-kernels-ws.log").write_text("devices: [cuda]\naligned=False: rows bitwise ...\n")
-    (tmp_path / "steps.txt").write_text("contract-ws rc=0 90s-limit 41s\nsglang-ws skipped 90s-limit 0s deadline\n")
+    (tmp_path / "steps.txt").write_text("contract-ws rc=0 90s-limit 41s\nsglang-ws skipped 90s-limit 0s budget\n")
     summary = device_summary.summary(tmp_path)
     assert summary["contract"]["ws"]["items_per_s"] == 9000.0 and summary["contract"]["after"] is None
     assert summary["sglang"]["ws"]["requests"] == 128
