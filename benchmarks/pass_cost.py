@@ -1,6 +1,7 @@
 """The contract pass's cost per op kind, from its accelerator programs.
 
     python -m benchmarks.pass_cost [--model qwen3-0.6b] [--ladder old|new|both] [--target ...] [--json]
+    python -m benchmarks.pass_cost --tiles [--target tpu-v5e|tpu-v6e|both] [--json]
 
 Builds core.aot's contract pass (a 2,000-token query and 500 items of 20 tokens, bfloat16, shapes only: nothing
 big is allocated) at the length each ladder pads it to: "old", the halving ladder (16,384 tokens
@@ -18,6 +19,13 @@ XLA's own cost analysis counts each loop body once and a Pallas kernel as nothin
 core.aot's count of the tiles it visits (masked work included), its bytes its operands and results. The walk,
 counted as XLA counts, is checked against `compiled.cost_analysis()` (printed beside each TPU table).
 
+--tiles compares the TPU kernel's tile sizes (TILE_CANDIDATES) on the contract pass, one layer's attention
+compiled alone per chip generation (tpu_tile_costs): whether it compiles, XLA's cost analysis and the TPU
+compiler's estimated cycles of the XLA work around the kernel (tables, layouts; libtpu reports no estimate for a
+Mosaic kernel, nor an `optimal_seconds`), the tile pairs the kernel visits against the visible pairs, its grid
+steps, and a modelled kernel time: the visited pairs' FLOPs at the chip's peak times the MXU's fill (head_dim and
+tile_k against its edge) plus GRID_STEP_SECONDS per grid step.
+
 The padding share: the part of the matmul FLOPs spent on the rows past the pass's real tokens (a matmul over
 the pass's T rows costs T rows whatever is in them; the LM head runs on score rows and does not count).
 """
@@ -33,6 +41,7 @@ import re  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from functools import partial  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,7 +52,7 @@ from core import aot  # noqa: E402
 from core.config import TINY_CONFIG, ModelConfig  # noqa: E402
 from core.packing import PassArrays  # noqa: E402
 
-KINDS = ("matmul", "attention kernel", "element-wise", "copy/transpose", "gather/slice/pad",
+KINDS = ("matmul", "attention kernel", "element-wise", "transpose", "copy/zero fill", "gather/slice/pad",
          "async move (HBM<->VMEM)", "other")
 LADDERS = {"old": 1, "new": aot.ACCELERATOR_STEPS_PER_OCTAVE}  # rungs per octave
 MODELS = {**aot.MODELS, "tiny": TINY_CONFIG}  # tiny: the tests' model, for a fast run
@@ -55,7 +64,7 @@ ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "reshape", "while", "conditional", "call",
         "after-all", "copy-start", "slice-start", "partition-id", "replica-id", "opt-barrier"}
 FREE_CUSTOM_CALLS = {"ConcatBitcast", "AssumeGatherIndicesInBound"}  # TPU bookkeeping: bitcasts
-KERNEL_TARGETS = re.compile(r"tpu_custom_call|mosaic_gpu")
+KERNEL_TARGETS = re.compile(r"tpu_custom_call|mosaic_gpu|triton")  # Pallas' kernels on TPU and GPU
 ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select", "negate", "abs",
                "and", "or", "xor", "not", "clamp", "exponential", "log", "rsqrt", "sqrt", "tanh", "sine", "cosine",
                "power", "logistic", "remainder", "sign", "floor", "ceil", "round-nearest-even", "is-finite",
@@ -191,12 +200,7 @@ class Program:
             lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
             return 2.0 * out * math.prod(lhs[d] for d in _dims(op, "lhs_contracting_dims"))
         if op.opcode == "convolution":
-            lhs_labels, rhs_labels = re.search(r"dim_labels=(\w+)_(\w+)->", op.attrs).groups()
-            lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
-            rhs = arrays_of(self.shapes[op.operands[1]])[0][1]
-            window = math.prod(rhs[i] for i, label in enumerate(rhs_labels) if label.isdigit())
-            groups = int(_attr(op, "feature_group_count") or 1)
-            return 2.0 * out * lhs[lhs_labels.index("f")] * window / groups
+            return self._convolution_flops(op)
         if op.opcode == "fusion":
             return sum(self.flops(inner) for inner in self.computations[_attr(op, "calls")])
         if op.opcode in ELEMENTWISE:
@@ -204,6 +208,28 @@ class Program:
         if op.opcode == "reduce":
             return float(sum(math.prod(dims) for _, dims in arrays_of(self.shapes[op.operands[0]])))
         return 0.0
+
+    def _convolution_flops(self, op: Op) -> float:
+        """2 per multiply-add of the taps that land on the input: a matmul the TPU compiler writes as a
+        convolution over a padded window (the gate and up projections: window 2, padding 1 each side) has half
+        its window on padding."""
+        lhs_labels, _, out_labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", op.attrs).groups()
+        lhs = arrays_of(self.shapes[op.operands[0]])[0][1]
+        out = arrays_of(op.shape)[0][1]
+        spatial = sorted(label for label in lhs_labels if label.isdigit())
+        window = re.search(r"window=\{([^}]*)\}", op.attrs)
+        field = lambda key: re.search(rf"\b{key}=([\w_]+)", window.group(1)) if window else None
+        sizes = [int(x) for x in field("size").group(1).split("x")] if field("size") else [1] * len(spatial)
+        pads = [tuple(int(p) for p in pad.split("_")) for pad in field("pad").group(1).split("x")] \
+            if field("pad") else [(0, 0)] * len(spatial)
+        strides = [int(x) for x in field("stride").group(1).split("x")] if field("stride") else [1] * len(spatial)
+        taps = 1
+        for label, size, (low, _), stride in zip(spatial, sizes, pads, strides):
+            n_in, n_out = lhs[lhs_labels.index(label)], out[out_labels.index(label)]
+            taps *= sum(0 <= o * stride + k - low < n_in for o in range(n_out) for k in range(size))
+        groups = int(_attr(op, "feature_group_count") or 1)
+        return (2.0 * out[out_labels.index("b")] * out[out_labels.index("f")] * taps * lhs[lhs_labels.index("f")]
+                / groups)
 
     def as_xla_counts(self, name: str = "") -> np.ndarray:
         """[FLOPs, bytes] as XLA's cost analysis counts them (each loop body once, a conditional's costliest
@@ -239,7 +265,10 @@ class Program:
         if opcodes & {"gather", "scatter", "dynamic-slice", "dynamic-update-slice"}:
             return "gather/slice/pad"
         if opcodes and opcodes <= MOVES | SELECTS:
-            return "copy/transpose" if opcodes & MOVES else "gather/slice/pad"
+            return ("transpose" if "transpose" in opcodes else "copy/zero fill") if opcodes & MOVES \
+                else "gather/slice/pad"
+        if not opcodes and "broadcast" in self._opcodes(op):  # a value broadcast into a buffer: zeros, say
+            return "copy/zero fill"
         if opcodes & (ELEMENTWISE | {"reduce", "convert", "select", "iota", "sort", "reduce-window", "map"}):
             return "element-wise"
         return "other"
@@ -295,31 +324,36 @@ class Program:
                 yield op, runs
 
 
-def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platform: str, xla_cost: dict,
+def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, target: str, xla_cost: dict,
               top_ops: int = 12) -> dict:
-    """FLOPs and bytes per op kind of one pass, its padding share and the kernel's layout copies."""
+    """FLOPs and bytes per op kind of one pass, its padding share, the kernel's layout copies, and a roofline
+    **estimate**: each op at max(its FLOPs at the chip's peak, its bytes at the HBM bandwidth), one after another
+    (no overlap between ops; on an unfused program the element-wise ops' bytes make it an upper bound)."""
+    chip = aot.TARGETS[target]
+    platform, peak, bandwidth = chip["platform"], chip["peak_flops"], chip["peak_hbm_bytes_per_s"]
     T, real = len(arrays.tokens), arrays.real_tokens
     tq, tk, _, pairs = aot.kernel_tiles(arrays, platform)
     kernel_flops = config.num_heads * pairs * 4 * tq * tk * config.head_dim  # per call: one layer
-    kinds = {kind: {"ops": 0.0, "flops": 0.0, "bytes": 0.0} for kind in KINDS}
+    kinds = {kind: {"ops": 0.0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0} for kind in KINDS}
     padding_flops = 0.0
     layout = {"ops": 0.0, "bytes": 0.0}
     for op, runs in program.ops():
         kind = program.kind(op)
         flops = kernel_flops if kind == "attention kernel" else program.flops(op)
-        row = kinds[kind]
+        row, nbytes_op = kinds[kind], program.bytes_accessed(op)
         row["ops"] += runs
         row["flops"] += runs * flops
-        row["bytes"] += runs * program.bytes_accessed(op)
+        row["bytes"] += runs * nbytes_op
+        row["seconds"] += runs * max(flops / peak, nbytes_op / bandwidth)  # each op at its own roofline
         if kind == "matmul" and program.rows(op) == T:
             padding_flops += runs * flops * (T - real) / T
         shape = arrays_of(op.shape)
         # [T, heads, head_dim] <-> [heads, T, head_dim]: the layout the kernel takes and gives back.
-        if kind == "copy/transpose" and len(shape) == 1 and len(shape[0][1]) == 3 and T in shape[0][1] \
+        if program._opcodes(op) & MOVES and len(shape) == 1 and len(shape[0][1]) == 3 and T in shape[0][1] \
                 and shape[0][1][-1] == config.head_dim:
             layout["ops"] += runs
             layout["bytes"] += runs * program.bytes_accessed(op)
-    total = {key: sum(row[key] for row in kinds.values()) for key in ("flops", "bytes")}
+    total = {key: sum(row[key] for row in kinds.values()) for key in ("flops", "bytes", "seconds")}
     per_op = sorted(((runs * program.bytes_accessed(op), runs, program.kind(op), op) for op, runs in program.ops()),
                     key=lambda entry: -entry[0])[:top_ops]
     top = [{"bytes": b, "runs": runs, "kind": kind, "op": op.name, "shape": re.sub(r"\{[^}]*\}", "", op.shape)[:80],
@@ -329,9 +363,13 @@ def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platfor
         "pass_tokens": T, "real_tokens": real, "padded_tokens": T - real,
         "kinds": {kind: {"ops": round(row["ops"], 1), "flops": row["flops"], "bytes": row["bytes"],
                          "flops_share": row["flops"] / total["flops"] if total["flops"] else 0.0,
-                         "bytes_share": row["bytes"] / total["bytes"] if total["bytes"] else 0.0}
+                         "bytes_share": row["bytes"] / total["bytes"] if total["bytes"] else 0.0,
+                         "roofline_ms": row["seconds"] * 1e3}
                   for kind, row in kinds.items()},
         "total_flops": total["flops"], "total_bytes": total["bytes"],
+        "roofline": {"estimate": True, "chip": chip["chip"], "peak_flops": peak, "peak_hbm_bytes_per_s": bandwidth,
+                     "ms": total["seconds"] * 1e3,
+                     "matmul_and_kernel_ms": (kinds["matmul"]["seconds"] + kinds["attention kernel"]["seconds"]) * 1e3},
         "padding_share_of_matmul_flops": padding_flops / matmul if matmul else 0.0,
         "padding_flops": padding_flops,
         "kernel_layout_copies": layout,
@@ -341,6 +379,86 @@ def breakdown(program: Program, arrays: PassArrays, config: ModelConfig, platfor
         "top_ops_by_bytes": top,
         "host_reads": {key: len(names) for key, names in program.host_reads().items()},
     }
+
+
+TILE_CANDIDATES = ((512, 512), (256, 256), (256, 512), (512, 256), (128, 512), (1024, 512))
+GRID_STEP_SECONDS = 0.35e-6  # a Pallas TPU grid step's own cost (Pallas' TPU docs), whether it runs or skips
+MXU_EDGE = {"tpu-v5e": 128, "tpu-v6e": 256}  # the MXU's systolic array is MXU_EDGE x MXU_EDGE
+
+
+def _tpu_device(target: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(aot.TARGETS[target]["topology"][4], "tpu").devices[0]
+
+
+def tpu_tile_costs(target: str, config: ModelConfig, arrays: PassArrays, dtype,
+                   candidates=TILE_CANDIDATES) -> list[dict]:
+    """Per (tile_q, tile_k): one layer's attention kernel on the contract pass compiled for `target`, its
+    compiled cost and the modelled kernel time (see the module's docstring)."""
+    from core.attention import device_tables, tpu
+    from core.attention.rule import visible
+
+    T, Tk = len(arrays.tokens), len(arrays.kv_meta.seq)
+    q, k = arrays.q_meta, arrays.kv_meta
+    visible_pairs = sum(int(visible(q.seq[s:s + 1024, None], q.item[s:s + 1024, None], q.pos[s:s + 1024, None],
+                                    k.seq[None], k.item[None], k.pos[None]).sum()) for s in range(0, T, 1024))
+    mesh = Mesh(np.asarray([_tpu_device(target)]), ("chip",))
+    spec = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
+    H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
+    args = (spec((T, H, D), dtype), spec((Tk, Hkv, D), dtype), spec((Tk, Hkv, D), dtype),
+            (spec((T,)),) * 3, (spec((Tk,)),) * 3, spec(arrays.tile_ids.shape), spec(arrays.tile_counts.shape))
+    peak, edge = aot.TARGETS[target]["peak_flops"], MXU_EDGE[target]
+    rows = []
+    for tq, tk in candidates:
+        row = {"target": target, "tile_q": tq, "tile_k": tk}
+        start = time.perf_counter()
+        try:
+            kernel = jax.jit(partial(tpu.tpu_attention, block_q=aot.BLOCK_Q, block_k=aot.BLOCK_K, tile_q=tq, tile_k=tk))
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                compiled = kernel.trace(*args).lower(lowering_platforms=("tpu",)).compile()
+        except Exception as exc:  # noqa: BLE001 - a tile size the compiler refuses (VMEM, say) is a finding
+            rows.append(dict(row, compiled=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            continue
+        cost = compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, list) else cost
+        cycles = sum(int(c) for c in re.findall(r'estimated_cycles":"(\d+)', compiled.as_text()))
+        q_len, kv_len = device_tables.round_up(T, tq), device_tables.round_up(Tk, tk)
+        ids, counts = device_tables.kernel_tables(jnp.asarray(arrays.tile_ids), jnp.asarray(arrays.tile_counts),
+                                                  aot.BLOCK_Q, aot.BLOCK_K, tq, tk, q_len, kv_len)
+        counts = np.asarray(counts)
+        pairs = int(counts.sum())
+        flops = H * pairs * 4 * tq * tk * D  # QK^T and PV of every visited tile pair, all query heads
+        fill = min(D, edge) * min(tk, edge) / edge ** 2  # the stationary operand (k^T or v) on the MXU
+        steps = {"static": ids.shape[0] * Hkv * ids.shape[1], "grid": ids.shape[0] * Hkv * max(int(counts.max()), 1)}
+        mxu_s = flops / (peak * fill)
+        row.update(compiled=True, compile_seconds=round(time.perf_counter() - start, 1),
+                   xla_flops=cost.get("flops"), xla_bytes=cost.get("bytes accessed"),
+                   xla_estimated_cycles=cycles,
+                   visited_pairs=pairs, visited_over_visible=pairs * tq * tk / visible_pairs,
+                   max_slots=int(counts.max()), table_width=int(ids.shape[1]), grid_steps=steps["grid"],
+                   grid_steps_static_width=steps["static"], mxu_fill=fill, kernel_flops=flops,
+                   model_mxu_ms=mxu_s * 1e3, model_steps_ms=steps["grid"] * GRID_STEP_SECONDS * 1e3,
+                   model_kernel_ms=(mxu_s + steps["grid"] * GRID_STEP_SECONDS) * 1e3,
+                   model_kernel_ms_static_width=(mxu_s + steps["static"] * GRID_STEP_SECONDS) * 1e3)
+        rows.append(row)
+    return rows
+
+
+def tile_table(rows: list[dict], layers: int) -> str:
+    lines = ["| chip | tiles | compiles | visited / visible pairs | slots (of width) | grid steps | XLA side Mcycles "
+             f"| modelled kernel ms per layer: MXU + steps = total (static width) | x{layers} layers ms |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        tiles = f"{r['tile_q']}x{r['tile_k']}"
+        if not r["compiled"]:
+            lines.append(f"| {r['target']} | {tiles} | no: {r['error'][:60]} | | | | | | |")
+            continue
+        lines.append(f"| {r['target']} | {tiles} | yes | {r['visited_over_visible']:.2f}x | {r['max_slots']} "
+                     f"({r['table_width']}) | {r['grid_steps']:,} | {r['xla_estimated_cycles'] / 1e6:.2f} "
+                     f"| {r['model_mxu_ms']:.2f} + {r['model_steps_ms']:.2f} = {r['model_kernel_ms']:.2f} "
+                     f"({r['model_kernel_ms_static_width']:.2f}) | {r['model_kernel_ms'] * layers:.1f} |")
+    return "\n".join(lines)
 
 
 def tpu_v5e_hlo(config: ModelConfig, arrays: PassArrays, dtype) -> tuple[str, dict]:
@@ -359,26 +477,28 @@ def tpu_v5e_hlo(config: ModelConfig, arrays: PassArrays, dtype) -> tuple[str, di
 
 
 def cuda_hlo(config: ModelConfig, arrays: PassArrays, dtype) -> tuple[str, dict]:
-    """The pass lowered for CUDA (the Mosaic GPU kernel's lowering runs), as HLO before XLA's passes."""
+    """The pass lowered for CUDA (the Mosaic GPU kernel's lowering runs), as HLO before XLA's passes, and XLA's
+    cost analysis of that HLO (no CUDA compiler runs here: before fusion)."""
     lowered = jax.jit(aot.pass_program(config, dtype)).trace(*aot.program_args(config, arrays, dtype)).lower(
         lowering_platforms=("cuda",))
-    return lowered.as_text(dialect="hlo"), {}
+    cost = lowered.cost_analysis() or {}
+    return lowered.as_text(dialect="hlo"), cost[0] if isinstance(cost, list) else cost
 
 
-TARGETS = {"tpu-v5e": ("tpu", "compiled", tpu_v5e_hlo), "cuda-h100": ("cuda", "lowered", cuda_hlo)}
+TARGETS = {"tpu-v5e": ("tpu", "compiled", tpu_v5e_hlo), "cuda-h100": ("cuda", "lowered", cuda_hlo)}  # core.aot's names
 
 
 def measure(model: str, ladder: str, target: str, dtype_name: str = "bfloat16") -> dict:
     config, dtype = MODELS[model], jnp.dtype(dtype_name)
     (arrays,) = aot.contract_passes(16384, LADDERS[ladder])  # the contract fits one pass on either ladder
-    platform, stage, build = TARGETS[target]
+    _, stage, build = TARGETS[target]
     start, cpu = time.perf_counter(), time.process_time()
     text, xla_cost = build(config, arrays, dtype)
     program = Program(text)
     out = {"model": model, "ladder": ladder, "target": target, "stage": stage,
            "build_seconds": round(time.perf_counter() - start, 1),
            "build_cpu_seconds": round(time.process_time() - cpu, 1)}
-    out.update(breakdown(program, arrays, config, platform, xla_cost))
+    out.update(breakdown(program, arrays, config, target, xla_cost))
     return out
 
 
@@ -389,20 +509,27 @@ def table(results: list[dict]) -> str:
         lines += [f"\n{r['target']} ({r['stage']}), {r['model']}, ladder {r['ladder']}: pass of {r['pass_tokens']:,} "
                   f"tokens, {r['real_tokens']:,} real; padding {r['padding_share_of_matmul_flops']:.1%} of the matmul "
                   f"FLOPs; kernel tiles {r['kernel_tiles']}",
-                  "| op kind | ops per pass | GFLOP | FLOPs share | GB accessed | bytes share |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| op kind | ops per pass | GFLOP | FLOPs share | GB accessed | bytes share "
+                  "| roofline ms (estimate) |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for kind, row in r["kinds"].items():
             lines.append(f"| {kind} | {row['ops']:,.0f} | {row['flops'] / 1e9:,.1f} | {row['flops_share']:.1%} "
-                         f"| {row['bytes'] / 1e9:,.2f} | {row['bytes_share']:.1%} |")
-        lines.append(f"| total | | {r['total_flops'] / 1e9:,.1f} | | {r['total_bytes'] / 1e9:,.2f} | |")
+                         f"| {row['bytes'] / 1e9:,.2f} | {row['bytes_share']:.1%} | {row['roofline_ms']:,.2f} |")
+        roof = r["roofline"]
+        lines.append(f"| total | | {r['total_flops'] / 1e9:,.1f} | | {r['total_bytes'] / 1e9:,.2f} | "
+                     f"| {roof['ms']:,.2f} |")
+        lines.append(f"roofline estimate on {roof['chip']} ({roof['peak_flops'] / 1e12:,.0f} TFLOP/s, "
+                     f"{roof['peak_hbm_bytes_per_s'] / 1e12:.2f} TB/s), each op at max(FLOPs/peak, bytes/HBM), no "
+                     f"overlap: {roof['ms']:,.2f} ms a pass; the matmuls and the kernel alone "
+                     f"{roof['matmul_and_kernel_ms']:,.2f} ms")
         copies = r["kernel_layout_copies"]
         lines.append(f"kernel layout copies [T,H,D]<->[H,T,D]: {copies['ops']:.0f} per pass, "
                      f"{copies['bytes'] / 1e9:.2f} GB")
         check = r["check_as_xla_counts"]
         if check["xla_flops"]:
-            lines.append(f"check: this walk counted as XLA counts gives {check['walk_flops'] / 1e9:,.1f} GFLOP and "
-                         f"{check['walk_bytes'] / 1e9:,.2f} GB, XLA's cost analysis {check['xla_flops'] / 1e9:,.1f} "
-                         f"and {check['xla_bytes'] / 1e9:,.2f}")
+            lines.append(f"check ({r['stage']} program): this walk counted as XLA counts gives "
+                         f"{check['walk_flops'] / 1e9:,.1f} GFLOP and {check['walk_bytes'] / 1e9:,.2f} GB, XLA's cost "
+                         f"analysis {check['xla_flops'] / 1e9:,.1f} and {check['xla_bytes'] / 1e9:,.2f}")
         lines += ["ops moving the most bytes per pass:"] + [
             f"  {o['bytes'] / 1e9:6.2f} GB  {o['runs']:4.0f} x {o['kind']:<16} {o['shape']:<40} {o['source']}"
             for o in r["top_ops_by_bytes"]]
@@ -413,9 +540,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
     parser.add_argument("--ladder", choices=(*LADDERS, "both"), default="both")
-    parser.add_argument("--target", choices=(*TARGETS, "both"), default="both")
+    parser.add_argument("--target", choices=(*TARGETS, "tpu-v6e", "both"), default="both")
     parser.add_argument("--json", action="store_true", help="print one JSON line per program instead of tables")
+    parser.add_argument("--tiles", action="store_true", help="compare the TPU kernel's tile sizes (v5e, v6e)")
     args = parser.parse_args(argv)
+    if args.tiles:
+        config = MODELS[args.model]
+        (arrays,) = aot.contract_passes(16384)
+        targets = ("tpu-v5e", "tpu-v6e") if args.target == "both" else (args.target,)
+        rows = [row for target in targets for row in tpu_tile_costs(target, config, arrays, jnp.bfloat16)]
+        print("\n".join(json.dumps(row) for row in rows) if args.json else tile_table(rows, config.num_layers))
+        return rows
     results = []
     for target in TARGETS if args.target == "both" else (args.target,):
         for ladder in LADDERS if args.ladder == "both" else (args.ladder,):

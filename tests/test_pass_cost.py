@@ -49,3 +49,18 @@ def test_the_tpu_program_has_no_loop_or_branch_for_the_host():
     out = json.loads(lines[-1])
     assert out["stage"] == "compiled" and out["kinds"]["attention kernel"]["ops"] == 30  # one a layer: the kernel
     assert out["host_reads"] == {"loops": 0, "branches": 0}
+
+
+def test_a_convolution_counts_only_the_taps_on_its_input():
+    """The TPU compiler writes the gate and up projections as a convolution over a window of 2 padded by 1 on
+    each side: half the window is padding, and XLA's cost analysis does not count it."""
+    text = """HloModule m
+ENTRY %main (p0: f32[4,3,1], p1: f32[2,5,3]) -> f32[4,2,5] {
+  %p0 = f32[4,3,1]{2,1,0} parameter(0)
+  %p1 = f32[2,5,3]{2,1,0} parameter(1)
+  ROOT %c = f32[4,2,5]{2,1,0} convolution(%p0, %p1), window={size=2 pad=1_1 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+}
+"""
+    program = pass_cost.Program(text)
+    (conv,) = [op for op in program.computations["main"] if op.opcode == "convolution"]
+    assert program.flops(conv) == 2 * 4 * 5 * 3 * 2  # batch, out features, in features, 2 taps of 4 on the input

@@ -16,7 +16,9 @@ from core.attention.rule import MASKED, NN, NT, q_scale, softcapped, visible
 from core.attention.host_tables import part_starts, pick_tile
 
 _LANES, _SUBLANES = 128, 8
-TPU_TILE_Q, TPU_TILE_K = 512, 512  # a grid step costs ~0.35 us on a TPU: large tiles amortize it
+# On v5e and v6e alike (docs/engine.md, "The TPU kernel's tiles"): a grid step costs ~0.35 us, so the tiles that
+# visit fewer masked pairs (256x256: 1.24x the visible pairs against 1.48x) pay more in steps than they save.
+TPU_TILE_Q, TPU_TILE_K = 512, 512
 
 
 def kernel_for(q, k, block_q: int, block_k: int, **layer):
@@ -92,7 +94,7 @@ def _tpu_kernel(ids_ref, counts_ref, full_ref, *refs, groups: int, width: int, s
             mask &= km[3:4, :] == parts_ref[i * width + j]
         update(mask)
 
-    @pl.when(j == width - 1)
+    @pl.when(j == pl.num_programs(2) - 1)
     def _write():  # also for a query tile that sees nothing (padding): zeros
         for g in range(groups):
             l = l_ref[g]
@@ -146,6 +148,9 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         k_rows, window_parts = jnp.stack(kv_meta).astype(jnp.int32), ()
         halves, tile_of = (0,), lambda tile: tile
     nq, width = ids.shape
+    # The grid runs the slots of the longest row only (a traced bound): a row is padded to the tables' static
+    # width, mostly far more than any row lists, and each grid step costs ~0.35 us even when it skips.
+    slots = jnp.maximum(counts.max(), 1)
 
     q_lanes = [jax.lax.broadcast_in_dim(m.astype(jnp.int32), (q_len, _LANES), (0,)) for m in q_meta]
     k_rows = jnp.zeros((_SUBLANES, kv_len), jnp.int32).at[:len(k_rows)].set(k_rows)
@@ -164,7 +169,7 @@ def tpu_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int,
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3 + len(window_parts),
-            grid=(nq, Hkv, width),
+            grid=(nq, Hkv, slots),
             in_specs=[
                 q_meta_spec, q_meta_spec, q_meta_spec,
                 *key_specs((_SUBLANES, tk), lambda h, tile: (0, tile)),
