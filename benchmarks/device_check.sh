@@ -6,7 +6,7 @@
 # .dev/before`, REF written to .dev/before/REF). Steps, each with its own time limit (one that hangs costs only
 # its own), cut to what is left of BUDGET seconds from the script's start (default 450, installs included; a step
 # with under 20 s left is skipped):
-#   gpu-kernels[-ws]        the GPU kernels alone, rows bitwise across layouts
+#   gpu-kernels             the GPU kernels alone (today's, aligned, the new one): rows bitwise across layouts, time
 #   contract[-before|-ws]   benchmarks.bench on the contract (2,000-token query, 500 items of 20): items/s, and
 #                           |query cached - computed| of the scores
 #   sglang[-before|-ws]     sglang's PR shape: 128 requests of a 300-token query and 10 items of 20, together
@@ -82,7 +82,6 @@ step gpu-kernels 60 $PY -m benchmarks.gpu_kernels
 step contract 90 $PY -m benchmarks.bench "${ONE[@]}"
 step sglang 90 $PY -m benchmarks.bench "${MANY[@]}"
 if [ -n "$NEW_KERNEL" ]; then
-  step gpu-kernels-ws 60 env PACKSCORE_GPU_KERNEL=ws $PY -m benchmarks.gpu_kernels
   step contract-ws 90 env PACKSCORE_GPU_KERNEL=ws $PY -m benchmarks.bench "${ONE[@]}"
   step sglang-ws 90 env PACKSCORE_GPU_KERNEL=ws $PY -m benchmarks.bench "${MANY[@]}"
 fi

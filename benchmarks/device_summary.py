@@ -56,9 +56,9 @@ def bench(report: dict | None) -> dict | None:
 def summary(logs: Path) -> dict:
     read = lambda name: (logs / name).read_text().strip() if (logs / name).is_file() else None
     out = {"setup": read("setup.txt"), "gpu": read("gpu.txt"), "kernels": read("kernels.txt"), "steps": steps(logs)}
-    kernel_lines = lambda v: [line for line in (read(f"gpu-kernels{v}.log") or "").splitlines()
-                              if line.startswith(("aligned=", "devices:"))]
-    out["gpu_kernels"] = {v.lstrip("-") or "today": kernel_lines(v) for v in VARIANTS if v != "-before"}
+    # benchmarks.gpu_kernels: a line per kernel (today's, its aligned form, the new one), exactness and time
+    out["gpu_kernels"] = [line for line in (read("gpu-kernels.log") or "").splitlines()
+                          if line.startswith(("default:", "aligned:", "ws:", "devices:"))]
     for shape in ("contract", "sglang"):
         figures = {}
         for v in VARIANTS:

@@ -14,6 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpreter
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 from core.aot import contract_passes
@@ -38,6 +39,8 @@ def main() -> None:
                "aligned": partial(gpu.gpu_attention, aligned=True, interpret=interpret),
                "ws": partial(gpu_ws.ws_attention, interpret=interpret)}
     for name, kernel in kernels.items():
+        if interpret is not None:  # the interpreter's barriers and buffers of the kernel before are not this one's
+            gpu_interpreter.reset_gpu_interpret_mode_state()
         try:
             tables = host_tables.window_tables if name == "aligned" else host_tables.block_tables
             rows, distances = request_rows(jax.jit(kernel, static_argnums=(7, 8)), plans, *heads, DIM,

@@ -4,10 +4,10 @@
 tile, taking turns on the tensor cores (FlashAttention 3's ping-pong: one's softmax runs under the other's
 matmuls), QK^T and PV on WGMMA, the online softmax in registers in base 2 with the scale folded in.
 
-The two consumers are two query heads of one KV head where the KV head has an even number of them (GQA: Qwen3,
-Gemma 2, Mistral): a K/V tile is loaded once for both, and the CTA's query tile stays 64 rows, so its table
-lists only what those 64 rows see. Elsewhere (SmolLM2's 3 heads a KV head, MHA) they are two 64-row halves of a
-128-row query tile of one head, as attention_mgpu does: both halves run every tile either half sees.
+The two consumers are two query heads of one KV head, so the kernel serves models whose KV heads have an even
+number of query heads (GQA: Qwen3, Gemma 2, Mistral): a K/V tile is loaded once for both, and the CTA's query
+tile stays 64 rows, so its table lists only what those 64 rows see. Other models (SmolLM2's 3 heads a KV head,
+MHA) take today's kernel (core.attention.gpu).
 Masks are computed only on the tiles that `full_tiles` does not flag. q, k, v and the output stay [T, H, D]
 (TMA copies a [rows, D] box of one head out of them), so no transposes surround the kernel.
 """
@@ -33,9 +33,11 @@ _LOG2E = math.log2(math.e)
 
 
 def kernel_for(q, k, block_q: int, block_k: int, **layer):
-    """This kernel where PACKSCORE_GPU_KERNEL=ws and it applies (16-bit floats, head_dim a multiple of 64, not the
-    aligned key tiles), else None (the next row of selection.KERNELS)."""
+    """This kernel where PACKSCORE_GPU_KERNEL=ws and it applies (16-bit floats, head_dim a multiple of 64, an even
+    number of query heads a KV head, not the aligned key tiles), else None (the next row of selection.KERNELS)."""
     if GPU_KERNEL != "ws" or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 64 or layer.get("aligned"):
+        return None
+    if k is not None and (q.shape[1] // k.shape[1]) % 2:  # (k None: whether a kernel applies to a head size)
         return None
     return partial(ws_attention, block_q=block_q, block_k=block_k, **layer)
 
@@ -51,8 +53,8 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
     Tk, Hkv, _ = k.shape
     G = H // Hkv
     dtype = q.dtype
-    pair_heads = G % 2 == 0  # the consumers: two heads of one KV head, else two halves of one head's tile
-    tile_q = CONSUMER_ROWS if pair_heads else 2 * CONSUMER_ROWS
+    assert G % 2 == 0, "the consumers are two query heads of one KV head (kernel_for)"
+    tile_q = CONSUMER_ROWS
     tile_k = tile_k or (WS_TILE_K if D <= 128 else WS_TILE_K // 2)
     quantum_q, quantum_k = math.lcm(block_q, tile_q), math.lcm(block_k, tile_k)
     q_len, kv_len = round_up(T, quantum_q), round_up(Tk, quantum_k)
@@ -105,12 +107,12 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
-        first_head = c * 2 if pair_heads else c
+        first_head = c * 2
         kv_head = jax.lax.div(first_head, jnp.int32(G))
 
         def consumer_rows(wg):
             """The consumer's query head and first query row."""
-            return (first_head + wg, i * tile_q) if pair_heads else (first_head, i * tile_q + wg * CONSUMER_ROWS)
+            return first_head + wg, i * tile_q
 
         def consumer(pipeline):
             wg = jax.lax.axis_index("wg")
@@ -170,7 +172,7 @@ def ws_attention(q, k, v, q_meta, kv_meta, tile_ids, tile_counts, block_q: int, 
             plgpu.Barrier(num_arrivals=4, num_barriers=2),  # each consumer's 4 copies of them
             plgpu.Barrier(num_arrivals=2),  # the consumers' turns
         ],
-        grid=(H // 2 if pair_heads else H, nq),
+        grid=(H // 2, nq),
         grid_names=("heads", "q_tiles"),
         num_threads=3,
         thread_name="wg",
