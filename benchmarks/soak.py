@@ -677,8 +677,8 @@ class Soak:
 
     # -- the full disk -------------------------------------------------------------------------------------------
     def full_disk(self) -> dict:
-        """A local batch whose result folder is a tmpfs too small for its first object: it must end as a clear
-        failure, with no object and no _SUCCESS left half-written."""
+        """A local batch whose result folder is a tmpfs nearly full: it must end as a clear failure, with no
+        _SUCCESS and no object but those its manifest lists as committed."""
         folder = self.deployment.lake / "full"
         folder.mkdir(exist_ok=True)
         if self.stop.is_set():  # the run ended (or failed) meanwhile: no mount left behind
@@ -707,7 +707,12 @@ class Soak:
             outcome = {"status": batch.get("status"), "error": error, "files_left": left,
                        "chunks": batch.get("chunks"), "rows": batch.get("rows")}
             clear = batch.get("status") == "failed" and "space" in (error.get("message") or "").lower()
-            half = [name for name in left if "part-" in name or name.endswith("_SUCCESS")]
+            # A failed batch keeps the objects its manifest lists (the same request resumes from them), no other.
+            manifests = list(folder.rglob("_manifest.json"))
+            listed = {Path(entry["name"]).name for m in manifests for entry in json.loads(m.read_text())["objects"]}
+            half = [name for name in left if ("part-" in name and Path(name).name not in listed)
+                    or name.endswith("_SUCCESS")]
+            outcome["committed"] = len(listed)
             outcome["ok"] = clear and not half
             return outcome
         finally:

@@ -31,6 +31,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 SCREENSHOTS = Path(os.environ["PACKSCORE_TEST_CACHE"]).parent / "ui-screenshots"
 SECONDS = 60  # for anything the page shows after a few of its polls (every 2 s)
 JSONL = {"Content-Type": "application/jsonl"}
+JOB_ITEMS = 5_000  # the test limit; 12 words each: about 350,000 tokens (limit 400,000), 700 passes, cancelled first
 
 
 def _unavailable(reason: str) -> None:
@@ -182,9 +183,9 @@ def test_jobs_batches_and_workers(page, service: Service, worker: None) -> None:
                                     "label_token_ids": [1, 2]}) + "\n" for i in range(3))
         finished = created(http.post("/batches", content=small, headers=JSONL))
         wait_until(lambda: http.get(f"/batches/{finished}").json()["status"] == "completed", SECONDS, "a batch")
-        # About 300 passes of PASS_TOKENS=512: seconds of progress to watch, then cancelled.
+        # About 1,000 passes of PASS_TOKENS=512: progress to watch, cancelled long before its end.
         job = created(http.post("/jobs", json={"query": "Which is best?", "label_token_ids": [1, 2],
-                                               "items": [f"candidate {i} " * 8 for i in range(3000)]}))
+                                               "items": [f"candidate {i} " * 12 for i in range(JOB_ITEMS)]}))
         lines = "".join(json.dumps({"custom_id": f"line-{i}", "query": "Is the sky blue?",
                                     "items": [f"answer {i} " * 8] * 50, "label_token_ids": [1, 2]}) + "\n"
                         for i in range(40))
@@ -196,7 +197,7 @@ def test_jobs_batches_and_workers(page, service: Service, worker: None) -> None:
         deadline = time.monotonic() + SECONDS
         while len(seen) < 2 and time.monotonic() < deadline:
             value = int(bar.get_attribute("value", timeout=SECONDS * 1000) or 0)
-            if 0 < value < 3000 and (not seen or value != seen[-1]):
+            if 0 < value < JOB_ITEMS and (not seen or value != seen[-1]):
                 seen.append(value)
             time.sleep(0.2)
         assert len(seen) == 2 and seen[0] < seen[1], seen
