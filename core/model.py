@@ -14,7 +14,7 @@ Parameter shapes, for L layers:
           (Gemma 2/3).
 """
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,33 @@ DEVICE_HEAD_ROWS = 512
 # step reads all the weights again, which costs more there than the padding it saves.
 TOKEN_ROWS = 512
 
-# attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D], kind) -> [T,H,D]; closes over the pass metadata. kind (an
-# int32 scalar, traced) is the layer's index in config.attention_windows: its window, hence its tables.
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# attention(q [T,H,D], k [Tk,Hkv,D], v [Tk,Hkv,D], kind) -> [T,H,D]; closes over the pass metadata. kind (a
+# static int) is the layer's index in config.attention_windows: its window, hence its tables.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
+# The longest repeating block of layer kinds the layer loop's body holds (Gemma 3's is 6); a pattern without a
+# shorter period is looped over in runs of one kind instead.
+MAX_LAYER_PERIOD = 8
+
+
+def layer_blocks(kinds: Sequence[int]) -> list[tuple[int, tuple[int, ...], int]]:
+    """The layers of `kinds` (each layer's attention kind) as (first layer, the kinds of a block of consecutive
+    layers, how many times the block repeats), in order: one loop per entry whose body runs the block's layers,
+    each with its kind as a static value, so the program has no branch on a layer's kind (a conditional an
+    accelerator's host must read). The shortest period of the pattern, its remainder after; a pattern with no
+    period up to MAX_LAYER_PERIOD in runs of one kind."""
+    n = len(kinds)
+    period = next((p for p in range(1, min(n, MAX_LAYER_PERIOD) + 1)
+                   if all(kinds[i] == kinds[i - p] for i in range(p, n))), None)
+    if period is not None:
+        whole = n // period * period
+        blocks = [(0, tuple(kinds[:period]), n // period)] if whole else []
+        return blocks + ([(whole, tuple(kinds[whole:]), 1)] if whole < n else [])
+    blocks, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or kinds[i] != kinds[start]:
+            blocks.append((start, (kinds[start],), i - start))
+            start = i
+    return blocks
 
 
 def rotary_tables(positions: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
@@ -194,7 +218,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], cache_k: jax.Array, cache_v: jax.Array,
                  attention: AttentionFn, n_tokens: jax.Array, token_rows: int | None,
                  rows: tuple[jax.Array, jax.Array] | None = None,
-                 kind: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 kind: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D] float32, of which the first n_tokens are real; rope: `rotary_tables` of the tokens' positions;
         keys also cover the cached context
         (cache_k/v [C, Hkv, hd], C may be 0). Returns (x after the layer, this pass's k, v in the cache's dtype).
@@ -256,32 +280,39 @@ class CausalLM(nnx.Module):
         tables = [rotary_tables(positions, rope) for rope in c.rope_list]
         cos_all, sin_all = (jnp.stack(t) for t in zip(*tables))
         layer_def, layer_state = nnx.split(self.layers)
-        kinds, rope_index = (jnp.asarray(v, jnp.int32) for v in (c.layer_kinds, c.layer_rope_index))
+        rope_index = jnp.asarray(c.layer_rope_index, jnp.int32)
 
-        def layer(i, x, rows=None):
-            """Layer i (traced in the loop; static for the last) on x, its weights and cache read in place."""
+        def layer(i, kind: int, x, rows=None):
+            """Layer i (traced in a loop; static for the last) on x, its weights and cache read in place."""
             state = jax.tree.map(lambda a: a[i], layer_state)
             rope = (cos_all[rope_index[i]], sin_all[rope_index[i]]) if len(tables) > 1 else tables[0]
             return nnx.merge(layer_def, state)(x, rope, cache_k[i], cache_v[i], attention, n_tokens, token_rows,
-                                               rows, kinds[i])
+                                               rows, kind)
 
         def keep(kv, i, k, v):  # this pass's keys/values, written in place into [L, T, Hkv, hd]
             return None if kv is None else (kv[0].at[i].set(k), kv[1].at[i].set(v))
 
-        def step(i, carry):
-            x, kv = carry
-            x, k, v = layer(i, x)
-            return x, keep(kv, i, k, v)
+        def loop_body(first: int, block: tuple[int, ...]):
+            def step(j, carry):
+                x, kv = carry
+                for offset, kind in enumerate(block):
+                    i = first + j * len(block) + offset
+                    x, k, v = layer(i, kind, x)
+                    kv = keep(kv, i, k, v)
+                return x, kv
+            return step
 
-        # Every layer but the last on all rows, in a loop of a fixed trip count; the last one outside it, its
-        # output projection and MLP on the score rows only (x comes out as those rows): a few per cent of a
-        # typical pass's tokens (100 of 2,500 in the benchmark's), so it saves nearly one layer's matmuls out of
-        # L, with no branch in the loop for an accelerator's host to read.
+        # Every layer but the last on all rows, in loops of a fixed trip count over blocks of layers of static
+        # kinds (layer_blocks); the last one outside them, its output projection and MLP on the score rows only
+        # (x comes out as those rows): a few per cent of a typical pass's tokens (100 of 2,500 in the
+        # benchmark's), so it saves nearly one layer's matmuls out of L, with no branch for an accelerator's
+        # host to read.
         last = c.num_layers - 1
         kv_shape = (c.num_layers, x.shape[0], c.num_kv_heads, c.head_dim)
         kv = (jnp.zeros(kv_shape, cache_k.dtype),) * 2 if keep_kv else None
-        x, kv = jax.lax.fori_loop(0, last, step, (x, kv))
-        x, k, v = layer(last, x, (score_rows, n_rows))
+        for first, block, repeats in layer_blocks(c.layer_kinds[:last]):
+            x, kv = jax.lax.fori_loop(0, repeats, loop_body(first, block), (x, kv))
+        x, k, v = layer(last, c.layer_kinds[last], x, (score_rows, n_rows))
         # On accelerators (token_rows None) the LM head runs every score row the program has: the rows are
         # bucketed (core.packing), so a loop over the rows in use would only add a trip count to read back.
         rows_in_use = None if token_rows is None else n_rows

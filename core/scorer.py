@@ -133,7 +133,7 @@ def run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, sco
         layer = {"scale": c.scale, "softcap": c.attn_softcap, "window": c.attention_windows[i]}
         return selection.PATHS[impl].attend(q, k, v, q_meta, kv_meta, tables, block_q, block_k, **layer)
 
-    def on_heads(i: int, q, k, v):
+    def on_heads(q, k, v, i: int):  # a layer's attention; i: its window's index (static: the layer loop's block)
         if mesh is None:
             return one_kind(i, q, k, v, q_meta, kv_meta, tables[i])
         heads = sharding.HEADS
@@ -141,14 +141,7 @@ def run_pass(model_state, tokens, q_meta, kv_meta, tables, cache_k, cache_v, sco
                                  out_specs=heads, check_vma=False)  # Pallas calls carry no replication types
         return per_chip(q, k, v, q_meta, kv_meta, tables[i])
 
-    def attention(q, k, v, kind):
-        # A layer's window is a static value of its program: one branch per distinct window (Gemma 2: a
-        # global and a local one), chosen by the layer's kind as the layer loop runs.
-        if len(c.attention_windows) == 1:
-            return on_heads(0, q, k, v)
-        return jax.lax.switch(kind, [partial(on_heads, i) for i in range(len(c.attention_windows))], q, k, v)
-
-    logprobs, kv = model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, attention,
+    logprobs, kv = model(tokens, q_meta[2], cache_k, cache_v, n_tokens, score_rows, score_labels, n_rows, on_heads,
                          keep_kv, token_rows)
     if mesh is not None:  # the scores on every chip (any one can hand them over), each chip's share of k/v
         logprobs = jax.lax.with_sharding_constraint(logprobs, NamedSharding(mesh, P()))

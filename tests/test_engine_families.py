@@ -322,3 +322,38 @@ def test_a_query_split_from_its_items_under_windows(tmp_path):
     labels = [1, 77, 4000]
     reference = hf_logprobs(model, [query + item for item in items], labels)
     assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
+
+
+@pytest.mark.parametrize("kinds,blocks", [
+    ((0,) * 5, [(0, (0,), 5)]),
+    ((0, 1) * 3, [(0, (0, 1), 3)]),
+    ((0, 1) * 3 + (0,), [(0, (0, 1), 3), (6, (0,), 1)]),  # Gemma 2's 26 layers, the last outside the loops
+    ((0,) * 5 + (1,) + (0,) * 5 + (1,) + (0,), [(0, (0,) * 5 + (1,), 2), (12, (0,), 1)]),  # Gemma 3's 1-in-6
+    ((1,) * 10 + (0,) * 4, [(0, (1,), 10), (10, (0,), 4)]),  # Qwen2's max_window_layers: no short period
+    ((), []),
+])
+def test_layer_blocks_cover_every_layer_in_order_with_its_kind(kinds, blocks):
+    from core.model import layer_blocks
+
+    assert layer_blocks(kinds) == blocks
+    assert [k for _, block, repeats in blocks for k in block * repeats] == list(kinds)
+
+
+@pytest.mark.parametrize("family,layers", [("gemma2", 6), ("gemma3_text", 8)])
+def test_alternating_windows_on_accelerators_have_no_branch(tmp_path, family, layers):
+    """Layers of two windows (Gemma 2's alternating, Gemma 3's 1-in-6 with two RoPEs) in the accelerators' pass
+    (no row steps): each layer's window is a static value of its loop's body, so the program has no conditional
+    for a GPU's host to read back, and it scores as transformers does."""
+    from core import scorer as engine
+
+    types = (["sliding_attention", "full_attention"] * 3 if family == "gemma2"
+             else ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2)
+    model = build_checkpoint(family, tmp_path, num_hidden_layers=layers, layer_types=types)
+    scorer = Scorer.from_pretrained(str(tmp_path), pass_tokens=512)
+    assert len(scorer.config.attention_windows) == 2 and scorer.config.layer_kinds[:layers] != (0,) * layers
+    scorer.token_rows = None
+    query, items, labels = inputs(4, query_len=50)
+    reference = hf_logprobs(model, [query + item for item in items], labels)
+    assert np.abs(scorer.logprobs(query, items, labels) - reference).max() <= ENGINE_VS_HF
+    programs = [p.as_text() for key, p in engine._PROGRAMS.resident.items() if ("token_rows", None) in key[2]]
+    assert programs and not any(" conditional(" in text for text in programs)
