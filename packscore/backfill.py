@@ -257,10 +257,10 @@ def _find_upload(client: Client, token: str, state: Path) -> str:
 
 
 def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: float = 1.0, format: str = "packscore",
-                 stderr: IO[str] = sys.stderr) -> int:
+                 model: str | None = None, stderr: IO[str] = sys.stderr) -> int:
     """Runs the backfill to the end; returns how many results (of all the input's requests) are in the output.
     `format`: the results' lines, this service's own ("packscore") or OpenAI Batch output lines ("openai");
-    both carry the custom_id that resuming keys on."""
+    both carry the custom_id that resuming keys on. `model`: the batch's (None: the service's default)."""
     ids: list[str] = []
     wanted: set[str] = set()  # the lines the service scores; the others are refused here
     refused: list[InputLine] = []
@@ -312,7 +312,7 @@ def run_backfill(client: Client, input_path: Path, out_path: Path, *, poll: floa
                 state.write_text(token + "\n")  # before the upload: its batch may exist though no answer comes
                 try:
                     batch_id = client.create_batch(_upload_chunks(input_path, done), metadata={UPLOAD_TOKEN_KEY: token},
-                                                   timeout=UPLOAD_TIMEOUT)["id"]
+                                                   timeout=UPLOAD_TIMEOUT, model=model)["id"]
                 except httpx.TransportError as exc:
                     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                         raise  # it never reached the service
@@ -372,20 +372,21 @@ def run_reference_backfill(client: Client, input_spec: str, output: str, *, poll
                            format: str | None = None, columns: dict | None = None,
                            label_token_ids: list[int] | None = None, output_format: str = "parquet",
                            overwrite: bool = False, apply_softmax: bool = False, item_first: bool = False,
-                           dry_run: bool = False, stdout: IO[str] | None = None, stderr: IO[str] = sys.stderr) -> dict:
+                           model: str | None = None, dry_run: bool = False, stdout: IO[str] | None = None,
+                           stderr: IO[str] = sys.stderr) -> dict:
     """Submits a reference batch and follows it to its end with a progress bar of rows; returns the batch. The
     service finds the batch already sent with this input and output (its key's, running or ended): the same
     call re-attaches, reports it done, or after a cancel or a failure resumes it from its committed chunks;
     `overwrite` runs it from row 0 as a new batch. Interrupted (KeyboardInterrupt), the batch goes on.
-    `apply_softmax`, `item_first`: a pair table's, as the API takes them. `dry_run`: prints the plan and an
-    estimate of its time to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
+    `apply_softmax`, `item_first`: a pair table's, as the API takes them; `model`: the batch's. `dry_run`: prints
+    the plan and an estimate of its time to `stdout` (default: sys.stdout) and returns the plan, creating nothing."""
     try:
         # Options left at their defaults are not sent: the body stays the one an earlier run sent.
         batch = client.create_reference_batch(_absolute(input_spec), _absolute(output), format=format,
                                               columns=columns, label_token_ids=label_token_ids,
                                               output_format=output_format, overwrite=overwrite or None,
                                               apply_softmax=apply_softmax or None, item_first=item_first or None,
-                                              dry_run=dry_run)
+                                              model=model, dry_run=dry_run)
     except PackscoreError as exc:
         if exc.code in ("local_paths_disabled", "path_outside_root"):
             # The message says which of input and output, and where local files may be.

@@ -12,8 +12,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packscore.client import Key, KeySource, embedded_home, find_key
+
+if TYPE_CHECKING:
+    from packscore.supervisor import DeviceGroup
 
 # The embedded service's folder (packscore.client.embedded_home), as this process started.
 EMBEDDED_DIR = embedded_home()
@@ -265,6 +269,18 @@ def _check_job(report, args: argparse.Namespace, models: list[str]) -> None:  # 
                    f"in {time.monotonic() - start:.1f} s" + ("" if ok else f": {json.dumps(job)[:500]}"))
 
 
+def embedded_workers(env: dict[str, str]) -> "list[DeviceGroup]":
+    """The workers `serve --embedded` starts, each with `env`: one, or one per model of MODELS (each its MODEL),
+    so that every model the API accepts has a worker to run it."""
+    from packscore.supervisor import DeviceGroup
+    from store.settings import get_settings
+
+    models = list(get_settings().served_models)
+    if len(models) == 1:
+        return [DeviceGroup("embedded", env)]
+    return [DeviceGroup(f"embedded-{name}", {**env, "MODEL": name}) for name in models]
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -280,7 +296,7 @@ def serve(args: argparse.Namespace) -> None:
     child, record = None, None
     try:
         if args.embedded:
-            from packscore.supervisor import DeviceGroup, WorkerSupervisor
+            from packscore.supervisor import WorkerSupervisor
 
             record = _claim_address(args.host, args.port)
             _embedded_environment()
@@ -289,7 +305,7 @@ def serve(args: argparse.Namespace) -> None:
             allocator, said = worker_allocator_environment()
             print(f"packscore: worker allocator: {said}", flush=True)
             # Started again if it fails: a crash must not leave the service accepting jobs that nothing runs.
-            child = WorkerSupervisor([DeviceGroup("embedded", allocator)], lambda i: worker_command())
+            child = WorkerSupervisor(embedded_workers(allocator), lambda i: worker_command())
             child.start()
             child.watch(lambda: server.should_exit)  # Ctrl-C reaches the worker too: its exit 0 is no failure
         server.run()
@@ -380,7 +396,8 @@ def _request_body(args: argparse.Namespace) -> dict:
             args.parser.error(f"{what} with --ids: {exc}")
 
     return {"query": parse(args.query, "--query"), "items": [parse(item, "--item") for item in args.item],
-            "label_token_ids": args.labels, "apply_softmax": args.softmax, "item_first": args.item_first}
+            "label_token_ids": args.labels, "apply_softmax": args.softmax, "item_first": args.item_first,
+            **({"model": args.model} if args.model else {})}
 
 
 def _waiting_for(response) -> str | None:  # type: ignore[no-untyped-def]
@@ -460,13 +477,15 @@ def score(args: argparse.Namespace) -> None:
     body = _request_body(args)
     with _client(args) as client:
         out = client.score(body["query"], body["items"], body["label_token_ids"],
-                           apply_softmax=body["apply_softmax"], item_first=body["item_first"])
+                           apply_softmax=body["apply_softmax"], item_first=body["item_first"],
+                           model=body.get("model"))
     _print_table(body["items"], body["label_token_ids"], out["scores"])
 
 
 def rerank(args: argparse.Namespace) -> None:
     with _client(args) as client:
-        out = client.rerank(args.query, args.document, top_n=args.top_n, instruction=args.instruction)
+        out = client.rerank(args.query, args.document, top_n=args.top_n, instruction=args.instruction,
+                            model=args.model)
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))
         return
@@ -505,6 +524,10 @@ def cancel(args: argparse.Namespace) -> None:
             print(json.dumps(found, indent=2))
             raise CommandError(f"{kind} {args.id} had already ended {found['status']}") from None
     print(json.dumps(found, indent=2))
+    if found["status"] in ("running", "cancelling"):  # a 202: it stops at its next pass or chunk boundary
+        follow = f"packscore wait-batch {args.id}" if kind == "batch" else f"GET /jobs/{args.id}"
+        print(f"{kind} {args.id}: cancel requested; it stops at its next pass, within seconds ({follow} shows it "
+              "cancelled)", file=sys.stderr)
 
 
 def wait_batch(args: argparse.Namespace) -> None:
@@ -516,6 +539,7 @@ def wait_batch(args: argparse.Namespace) -> None:
 
 
 INPUT_FORMATS = ("jsonl", "parquet", "csv")
+MODEL_HELP = "one of the service's MODELS (GET /v1/models; default: its first)"
 RESULT_FORMATS = ("packscore", "openai")
 
 
@@ -546,7 +570,8 @@ def backfill(args: argparse.Namespace) -> None:
         with _client(args) as client:
             if not reference:
                 try:
-                    run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format)
+                    run_backfill(client, Path(args.input), Path(args.out), poll=args.poll, format=args.format,
+                                 model=args.model)
                     return
                 except UploadTooLarge as exc:
                     # Nothing was sent: the service may read the file itself (embedded mode, BATCH_LOCAL_ROOT).
@@ -557,7 +582,7 @@ def backfill(args: argparse.Namespace) -> None:
                     try:
                         batch = run_reference_backfill(client, args.input, parts, poll=args.poll,
                                                        format="jsonl", output_format="jsonl",
-                                                       overwrite=args.overwrite)
+                                                       overwrite=args.overwrite, model=args.model)
                     except BackfillError as refused:  # its message names the input or the output refused
                         raise CommandError(f"{exc}, and the service refused it as a reference batch ({refused}): "
                                            "split it, or put it where the service can read it (README: Backfills "
@@ -584,7 +609,7 @@ def backfill(args: argparse.Namespace) -> None:
             batch = run_reference_backfill(
                 client, args.input, args.out, poll=args.poll, format=args.input_format, columns=columns,
                 label_token_ids=args.labels, output_format=args.output_format, overwrite=args.overwrite,
-                apply_softmax=args.softmax, item_first=args.item_first, dry_run=args.dry_run)
+                apply_softmax=args.softmax, item_first=args.item_first, model=args.model, dry_run=args.dry_run)
             if not args.dry_run and _reference_failed(batch):
                 sys.exit(1)
     except BackfillError as exc:
@@ -669,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="label token ids, comma-separated (9805,787 are \" yes\",\" no\" in SmolLM2)")
     request.add_argument("--softmax", action="store_true", help="apply_softmax over the labels")
     request.add_argument("--item-first", action="store_true")
+    request.add_argument("--model", help=MODEL_HELP)
     request.add_argument("--ids", action="store_true", help="query and items are comma-separated token ids")
 
     p = commands.add_parser("wait-ready", help="wait until the service is ready (/readyz answers 200) and each of "
@@ -688,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-n", type=_count, help="only the N most relevant")
     p.add_argument("--instruction", help="the task, in the template's words (default: the template's)")
     p.add_argument("--json", action="store_true", help="print the API's answer as JSON instead of a table")
+    p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(func=rerank)
 
     p = commands.add_parser("submit", parents=[connection, request], help="submit one job, print it as JSON")
@@ -735,6 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for data the service reads: start afresh, from row 0, as a new batch, though an earlier batch "
                         "of the same command wrote to --out (without it, the same command reports a completed batch, "
                         "and resumes a cancelled one from its committed chunks)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--dry-run", action="store_true",
                    help="for data the service reads: print the plan (rows, chunks, columns read, output) and an "
                         "estimate of its time at this deployment's measured rate; create nothing")

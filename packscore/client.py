@@ -149,17 +149,19 @@ class _Calls(Generic[R]):
     # ---- scoring, reranking and jobs ------------------------------------------------------
 
     def score(self, query: str | list[int], items: list, label_token_ids: list[int], *,
-              apply_softmax: bool = False, item_first: bool = False) -> R:
-        """POST /v1/score: waits for the scores."""
-        return self._call("POST", "/v1/score", {"query": query, "items": items, "label_token_ids": label_token_ids,
-                                                "apply_softmax": apply_softmax, "item_first": item_first},
+              apply_softmax: bool = False, item_first: bool = False, model: str | None = None) -> R:
+        """POST /v1/score: waits for the scores. `model`: one of the service's (None: its default)."""
+        body = {"query": query, "items": items, "label_token_ids": label_token_ids, "apply_softmax": apply_softmax,
+                "item_first": item_first}
+        return self._call("POST", "/v1/score", {**body, **({"model": model} if model else {})},
                           timeout=self._score_timeout())
 
     def rerank(self, query: str, documents: list[str] | list[dict], *, top_n: int | None = None,
-               return_documents: bool = True, instruction: str | None = None) -> R:
+               return_documents: bool = True, instruction: str | None = None, model: str | None = None) -> R:
         """POST /v1/rerank: `{"results": [{"index", "relevance_score", "document"?}]}`, most relevant first."""
-        body = {"query": query, "documents": documents, "top_n": top_n, "return_documents": return_documents}
-        return self._call("POST", "/v1/rerank", {**body, **({"instruction": instruction} if instruction else {})},
+        body = {"query": query, "documents": documents, "top_n": top_n, "return_documents": return_documents,
+                "instruction": instruction, "model": model}
+        return self._call("POST", "/v1/rerank", {k: v for k, v in body.items() if v is not None},
                           timeout=self._score_timeout())
 
     def _score_timeout(self) -> httpx.Timeout:
@@ -182,16 +184,18 @@ class _Calls(Generic[R]):
     # ---- batches --------------------------------------------------------------------------
 
     def create_batch(self, requests: list[dict] | Content, *, webhook_url: str | None = None,
-                     metadata: dict | None = None, timeout: httpx.Timeout | None = None) -> R:
+                     metadata: dict | None = None, timeout: httpx.Timeout | None = None,
+                     model: str | None = None) -> R:
         """POST /batches. `requests` is a list of request dicts (sent as one JSON body) or, for large batches,
         a function returning the JSONL file's bytes in chunks (streamed; called again if the upload is retried).
         `timeout`: this call's, instead of the client's (the answer comes once the whole upload is ingested:
-        `httpx.Timeout(60.0, read=None)` waits for it however long that takes)."""
+        `httpx.Timeout(60.0, read=None)` waits for it however long that takes). `model`: the batch's (None: the
+        service's default)."""
         options = {"timeout": timeout} if timeout is not None else {}
         if isinstance(requests, list):
-            return self._call("POST", "/batches", {"requests": requests, "webhook_url": webhook_url,
-                                                   "metadata": metadata}, **options)
-        params = {k: v for k, v in (("webhook_url", webhook_url),
+            body = {"requests": requests, "webhook_url": webhook_url, "metadata": metadata}
+            return self._call("POST", "/batches", {**body, **({"model": model} if model else {})}, **options)
+        params = {k: v for k, v in (("webhook_url", webhook_url), ("model", model),
                                     ("metadata", json.dumps(metadata) if metadata is not None else None)) if v}
         return self._call("POST", "/batches", content=requests, params=params,
                           headers={"content-type": "application/jsonl"}, **options)
@@ -273,8 +277,10 @@ def recorded_home(url: str) -> Path | None:
 class KeySource(Enum):
     """Where a key came from: its name, and how to send another when the service refuses it (a 401's message)."""
 
-    ARGUMENT = ("the api_key argument", "give the key this service issued")
-    OPTION = ("--api-key", "give the key this service issued")
+    ARGUMENT = ("the api_key argument", "give the key this service issued, or leave api_key out: an embedded "
+                "service's key file is found from its address")
+    OPTION = ("--api-key", "give the key this service issued, or leave --api-key out: an embedded service's key "
+              "file is found from its address")
     # The variable is read only where no recorded service's key file is: that file wins over it.
     RECORDED = ("the recorded embedded service's key file", "give the key this service issued with --api-key "
                 "(api_key=)")

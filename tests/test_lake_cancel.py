@@ -117,6 +117,7 @@ def test_the_same_request_after_a_cancel_resumes_from_the_committed_chunks(  # t
     assert cancelled["status"] == "cancelled", cancelled
     kept = cancelled["rows"]["done"]
     assert 0 < kept < len(table), cancelled
+    assert cancelled["progress"] == {"items_done": kept, "items_total": len(table)}  # not a finished bar
     earlier = json.loads((root / "out-p" / created["id"] / "_manifest.json").read_text())["objects"]
     stamps = {e["name"]: (root / "out-p" / created["id"] / e["name"]).stat().st_mtime_ns for e in earlier}
     slow.seconds = 0

@@ -302,7 +302,9 @@ def test_cancel_a_job_or_a_batch(monkeypatch: pytest.MonkeyPatch, capsys) -> Non
         args = parser.parse_args(["cancel", target])
         args.func(args)
         assert (sent[-1].method, sent[-1].url.path) == ("POST", path)
-        assert json.loads(capsys.readouterr().out)["status"] == "cancelling"
+        printed = capsys.readouterr()
+        assert json.loads(printed.out)["status"] == "cancelling"
+        assert f"{target}: cancel requested" in printed.err  # the job's own status is still its last
     args = parser.parse_args(["cancel", "job_done"])
     with pytest.raises(cli.CommandError, match="job job_done had already ended succeeded"):
         args.func(args)
@@ -330,3 +332,54 @@ def test_backfill_sends_a_pair_tables_options(monkeypatch: pytest.MonkeyPatch, t
     args = parser.parse_args(["backfill", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o.jsonl"), "--softmax"])
     with pytest.raises(cli.CommandError, match="--softmax: a pair table's options"):
         args.func(args)
+
+
+def test_each_client_command_names_a_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--model` reaches the request of every command that scores: score, submit, rerank, and backfill (a pair
+    table's body, an upload's query parameter); left out, the body has no model (the service's default)."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/score":
+            return httpx.Response(200, json={"scores": [[0.5, 0.5]]})
+        if request.url.path == "/v1/rerank":
+            return httpx.Response(200, json={"results": []})
+        if request.url.path == "/jobs":
+            return httpx.Response(202, json={"id": "job_1", "status": "queued"})
+        return httpx.Response(201, json={"id": "batch_1", "status": "completed", "output": "s3://b/out/batch_1/",
+                                         "chunks": {"total": 1, "done": 1, "failed": 0},
+                                         "rows": {"done": 1, "failed": 0, "total": 1}})
+
+    sent = _mock_client(monkeypatch, answer)
+    parser = cli.build_parser()
+    one = ["--query", "q", "--item", "i", "--labels", "1,2"]
+    commands = [["score", *one], ["submit", *one], ["rerank", "--query", "q", "--document", "d"],
+                ["backfill", "s3://b/pairs/", "--out", "s3://b/out/", "--query-column", "q", "--item-column", "d",
+                 "--labels", "1"]]
+    for command in commands:
+        for model in (None, "tiny-random"):
+            args = parser.parse_args(command + (["--model", model] if model else []))
+            args.func(args)
+            assert json.loads(sent[-1].content).get("model") == model, command
+    upload = tmp_path / "r.jsonl"
+    upload.write_text('{"custom_id": "a", "query": "q", "items": ["i"], "label_token_ids": [1]}\n')
+    args = parser.parse_args(["backfill", str(upload), "--out", str(tmp_path / "o.jsonl"), "--model", "tiny-random"])
+    with pytest.raises(cli.CommandError, match="got no result"):  # the scripted service has no result lines
+        args.func(args)
+    created = [r for r in sent if r.url.path == "/batches" and r.method == "POST" and r.url.params]
+    assert created and all(r.url.params["model"] == "tiny-random" for r in created)
+
+
+def test_the_embedded_service_starts_a_worker_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --embedded` with MODELS runs each model's worker, so a request naming any of them is scored; with
+    one model, its one worker as before."""
+    from store.settings import get_settings
+
+    monkeypatch.setenv("MODELS", "small=smollm2-135m,tiny-random")
+    get_settings.cache_clear()
+    groups = cli.embedded_workers({"LD_PRELOAD": "libjemalloc.so.2"})
+    assert [(g.name, g.env) for g in groups] == [
+        ("embedded-small", {"LD_PRELOAD": "libjemalloc.so.2", "MODEL": "small"}),
+        ("embedded-tiny-random", {"LD_PRELOAD": "libjemalloc.so.2", "MODEL": "tiny-random"})]
+    monkeypatch.delenv("MODELS")
+    get_settings.cache_clear()
+    assert [(g.name, g.env) for g in cli.embedded_workers({})] == [("embedded", {})]
+    get_settings.cache_clear()

@@ -717,8 +717,8 @@ def read_reference(session: Session, batch: Batch) -> BatchOut:
     chunks = ChunkCounts(total=batch.chunks_total, total_final=batch.status != "in_progress",
                          done=summed("n", "succeeded", "failed"), in_flight=summed("n", "running"),
                          failed=summed("n", "failed"), cancelled=summed("n", "cancelled"))
-    if not live:
-        items_total = items_done
+    if not live:  # what ran, and what a cancel left (one item a row, known for a pair table): as an upload's
+        items_total = items_done + cancelled_rows
     elif batch.total:  # known rows (Parquet) are a pair table's, one item each: those not failed nor cancelled
         items_total = batch.total - rows_failed - summed("rows_total", "failed", "cancelled")
     else:
