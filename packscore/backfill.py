@@ -431,9 +431,13 @@ THEN = {"follow": "the same command follows it", "report": "the same command rep
 
 def describe_plan(plan: dict) -> str:
     """POST /batches/plan's answer as lines: what would run, and how long it would take."""
-    rows = f"{plan['rows']:,} rows" if plan["rows"] is not None else \
+    def many(n: int, what: str) -> str:
+        return f"{n:,} {what}" if n == 1 else f"{n:,} {what}s"
+
+    rows = many(plan["rows"], "row") if plan["rows"] is not None else \
         f"rows unknown until read ({plan['bytes'] or 0:,} bytes, planned by size)"
-    lines = [f"plan: {rows} in {plan['chunks']:,} chunks from {plan['objects']:,} objects, model {plan['model']}",
+    lines = [f"plan: {rows} in {many(plan['chunks'], 'chunk')} from {many(plan['objects'], 'object')}, model "
+             f"{plan['model']}",
              f"columns read: {', '.join(plan['columns'])}" if plan["columns"] else
              "columns read: none (each JSONL line is a request)",
              f"output: {plan['output']} (the batch's objects under {plan['output'].rstrip('/')}/BATCH_ID/)"]
@@ -448,9 +452,10 @@ def describe_plan(plan: dict) -> str:
     else:
         lines.append(f"time: no rate measured ({rate['basis']})")
         if plan["rows"] is not None:
-            lines += [f"  estimate from docs: {_duration(plan['rows'] / d['high'])} to "
-                      f"{_duration(plan['rows'] / d['low'])} at {d['low']:,.0f}-{d['high']:,.0f} rows/s, {d['where']}"
-                      for d in rate["docs"]]
+            for d in rate["docs"]:
+                fast, slow = _duration(plan["rows"] / d["high"]), _duration(plan["rows"] / d["low"])
+                span = fast if fast == slow else f"{fast} to {slow}"
+                lines.append(f"  estimate from docs: {span} at {d['low']:,.0f}-{d['high']:,.0f} rows/s, {d['where']}")
     return "".join(line + "\n" for line in lines)
 
 

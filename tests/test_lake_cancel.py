@@ -197,7 +197,7 @@ def test_a_dry_run_plans_and_estimates_without_creating_a_batch(client, make_key
     assert plan["output"].endswith("/out-plan") and plan["earlier"] is None
     assert plan["rate"]["measured"] is False and plan["estimate_seconds"] is None and plan["rate"]["docs"]
     text = describe_plan(plan)
-    assert "plan: 60 rows in 3 chunks from 1 objects" in text and "columns read: q, doc, pair_id" in text
+    assert "plan: 60 rows in 3 chunks from 1 object," in text and "columns read: q, doc, pair_id" in text
     assert "no rate measured" in text and "estimate from docs" in text, text
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Batch)) == before  # nothing created
@@ -238,7 +238,7 @@ def test_backfill_dry_run_posts_the_plan_and_prints_it(monkeypatch, tmp_path: Pa
     assert [(r.method, r.url.path) for r in sent] == [("POST", "/batches/plan")]  # nothing created, nothing followed
     out = capsys.readouterr().out
     assert out.splitlines() == [
-        "plan: 50,000 rows in 10 chunks from 1 objects, model m", "columns read: q, doc",
+        "plan: 50,000 rows in 10 chunks from 1 object, model m", "columns read: q, doc",
         "output: s3://b/out (the batch's objects under s3://b/out/BATCH_ID/)",
         "earlier batch batch_1 (cancelled) holds this output: the same command resumes it: its 20,000 rows committed "
         "are kept (--overwrite: from row 0)",
