@@ -14,6 +14,7 @@ Parameter shapes, for L layers:
           (Gemma 2/3).
 """
 
+from functools import partial
 from typing import Callable, Sequence
 
 import jax
@@ -36,6 +37,17 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
 # The longest repeating block of layer kinds the layer loop's body holds (Gemma 3's is 6); a pattern without a
 # shorter period is looped over in runs of one kind instead.
 MAX_LAYER_PERIOD = 8
+
+
+def moved(move: Callable, *arrays: jax.Array, as_bits: bool = True) -> jax.Array:
+    """`move` (a dynamic slice or update: data movement, no arithmetic) of `arrays`; with `as_bits` (on CPU)
+    bfloat16 ones as their bits (uint16): XLA's CPU backend runs a bfloat16 dynamic slice or update in float32,
+    converting the whole array (a pass's keys/values, all the layers' weights) there and back each time."""
+    if not as_bits:
+        return move(*arrays)
+    bits = [jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a for a in arrays]
+    out = move(*bits)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if arrays[0].dtype == jnp.bfloat16 else out
 
 
 def layer_blocks(kinds: Sequence[int]) -> list[tuple[int, tuple[int, ...], int]]:
@@ -103,7 +115,8 @@ def over_tokens(fn: Callable, n_tokens: jax.Array, rows: int | None, *xs: jax.Ar
     # that are already done: fn is row by row, so they come out the same.
     def step(i, out):
         part = fn(*(jax.lax.dynamic_slice_in_dim(x, i * rows, rows) for x in xs))
-        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, i * rows, 0), out, part)
+        return jax.tree.map(lambda o, p: moved(partial(jax.lax.dynamic_update_slice_in_dim, start_index=i * rows,
+                                                       axis=0), o, p), out, part)
 
     init = jax.tree.map(lambda s: jnp.zeros((T, *s.shape[1:]), s.dtype), shapes)
     return jax.lax.fori_loop(0, (n_tokens + rows - 1) // rows, step, init)
@@ -282,15 +295,19 @@ class CausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
         rope_index = jnp.asarray(c.layer_rope_index, jnp.int32)
 
+        on_cpu = token_rows is not None  # (see `moved`)
+
         def layer(i, kind: int, x, rows=None):
             """Layer i (traced in a loop; static for the last) on x, its weights and cache read in place."""
-            state = jax.tree.map(lambda a: a[i], layer_state)
+            of = lambda a: moved(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), a, as_bits=on_cpu)
+            state = jax.tree.map(of, layer_state)
             rope = (cos_all[rope_index[i]], sin_all[rope_index[i]]) if len(tables) > 1 else tables[0]
-            return nnx.merge(layer_def, state)(x, rope, cache_k[i], cache_v[i], attention, n_tokens, token_rows,
+            return nnx.merge(layer_def, state)(x, rope, of(cache_k), of(cache_v), attention, n_tokens, token_rows,
                                                rows, kind)
 
         def keep(kv, i, k, v):  # this pass's keys/values, written in place into [L, T, Hkv, hd]
-            return None if kv is None else (kv[0].at[i].set(k), kv[1].at[i].set(v))
+            put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+            return None if kv is None else (moved(put, kv[0], k, as_bits=on_cpu), moved(put, kv[1], v, as_bits=on_cpu))
 
         def loop_body(first: int, block: tuple[int, ...]):
             def step(j, carry):
