@@ -39,12 +39,10 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
 MAX_LAYER_PERIOD = 8
 
 
-def moved(move: Callable, *arrays: jax.Array, as_bits: bool = True) -> jax.Array:
-    """`move` (a dynamic slice or update: data movement, no arithmetic) of `arrays`; with `as_bits` (on CPU)
-    bfloat16 ones as their bits (uint16): XLA's CPU backend runs a bfloat16 dynamic slice or update in float32,
-    converting the whole array (a pass's keys/values, all the layers' weights) there and back each time."""
-    if not as_bits:
-        return move(*arrays)
+def moved(move: Callable, *arrays: jax.Array) -> jax.Array:
+    """`move` (a dynamic slice or update: data movement, no arithmetic) of `arrays`, bfloat16 ones as their bits
+    (uint16), for XLA's CPU backend: it runs a bfloat16 dynamic slice or update in float32, converting the whole
+    array (a pass's keys/values, all the layers' weights) there and back each time."""
     bits = [jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a for a in arrays]
     out = move(*bits)
     return jax.lax.bitcast_convert_type(out, jnp.bfloat16) if arrays[0].dtype == jnp.bfloat16 else out
@@ -295,19 +293,24 @@ class CausalLM(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
         rope_index = jnp.asarray(c.layer_rope_index, jnp.int32)
 
-        on_cpu = token_rows is not None  # (see `moved`)
+        as_bits = lambda a: token_rows is not None and a.dtype == jnp.bfloat16  # on CPU (see `moved`)
+
+        def of(a, i):  # layer i's part of a stack
+            return moved(lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), a) if as_bits(a) else a[i]
 
         def layer(i, kind: int, x, rows=None):
             """Layer i (traced in a loop; static for the last) on x, its weights and cache read in place."""
-            of = lambda a: moved(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), a, as_bits=on_cpu)
-            state = jax.tree.map(of, layer_state)
+            state = jax.tree.map(lambda a: of(a, i), layer_state)
             rope = (cos_all[rope_index[i]], sin_all[rope_index[i]]) if len(tables) > 1 else tables[0]
-            return nnx.merge(layer_def, state)(x, rope, of(cache_k), of(cache_v), attention, n_tokens, token_rows,
-                                               rows, kind)
+            return nnx.merge(layer_def, state)(x, rope, of(cache_k, i), of(cache_v, i), attention, n_tokens,
+                                               token_rows, rows, kind)
 
         def keep(kv, i, k, v):  # this pass's keys/values, written in place into [L, T, Hkv, hd]
-            put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
-            return None if kv is None else (moved(put, kv[0], k, as_bits=on_cpu), moved(put, kv[1], v, as_bits=on_cpu))
+            def put(a, x):
+                if as_bits(a):
+                    return moved(lambda b, y: jax.lax.dynamic_update_index_in_dim(b, y, i, 0), a, x)
+                return a.at[i].set(x)
+            return None if kv is None else (put(kv[0], k), put(kv[1], v))
 
         def loop_body(first: int, block: tuple[int, ...]):
             def step(j, carry):
