@@ -52,9 +52,9 @@ def resolve(setting: str, platform: str, flags: Iterable[str]) -> str:
 
 # XLA's CPU flags by (dtype, CPU feature); a pair not listed gets none. XLA's CPU compiler hands matmuls to
 # YNNPACK; handing it the element-wise ops and reductions too made the float32 pass about 5% faster, with the same
-# results to the contract's tolerances. With that flag bfloat16 dots go to YNNPACK too, which uses neither AMX nor
-# AVX512-BF16 (bfloat16 then ran slower than float32), so bfloat16 keeps XLA's default path on every CPU. No
-# bfloat16 row for AMX: what its dots want there is not measured yet.
+# results to the contract's tolerances. For bfloat16 XLA's default path is the fastest measured on every CPU, AMX
+# included (its dots reach AMX there; each value of the flag tried made the pass 37-50% slower,
+# docs/performance.md "bfloat16 on CPU"): no bfloat16 row.
 YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type"
 XLA_CPU_FLAGS: dict[tuple[str, str], tuple[str, ...]] = {
     ("float32", "amx"): (f"{YNN_FUSION}=dot,eltwise,reduce",),
