@@ -117,8 +117,10 @@ WITH_OPTION = "give the key this service issued with --api-key (api_key=)"
 
 
 @pytest.mark.parametrize(("source", "detail", "said"), [
-    ("ARGUMENT", None, "(key from the api_key argument); give the key this service issued"),
-    ("OPTION", None, "(key from --api-key); give the key this service issued"),
+    ("ARGUMENT", None, "(key from the api_key argument); give the key this service issued, or leave api_key out: "
+                       "an embedded service's key file is found from its address"),
+    ("OPTION", None, "(key from --api-key); give the key this service issued, or leave --api-key out: an embedded "
+                     "service's key file is found from its address"),
     ("RECORDED", "/s/api_key, the embedded service's recorded at http://h:1",
      f"(key from /s/api_key, the embedded service's recorded at http://h:1); {WITH_OPTION}"),
     ("VARIABLE", None, f"(key from $PACKSCORE_API_KEY); {WITH_OPTION}, or set $PACKSCORE_API_KEY to it"),
