@@ -89,6 +89,57 @@ def test_a_cancel_settles_within_seconds_and_commits_nothing_of_the_chunk_in_fli
     assert not list(folder.glob("part-*")) and not (folder / "_SUCCESS").exists()
 
 
+def test_a_cancel_that_meets_a_settle_leaves_the_batch_cancelled(client, make_key, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    """A worker's settle (after its chunk) reads the batch; a cancel commits before it reads the chunks: the batch
+    is cancelled, its manifest says so, and no `_SUCCESS` marks its partial output as whole."""
+    from sqlalchemy import event
+
+    from store.db import get_engine
+    from store.lake.chunks import settle
+
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    created = submit(client, key, root, "met", pair_table(4, 10))  # 2 chunks, queued
+    settling, read, proceed = None, threading.Event(), threading.Event()
+
+    def pause_after_reading_the_batch(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is settling and "FROM batches" in statement and not read.is_set():
+            read.set()
+            proceed.wait(10)  # until the cancel has committed (or, where the settle holds it back, a while)
+
+    engine = get_engine()
+    event.listen(engine, "after_cursor_execute", pause_after_reading_the_batch)
+    try:
+        settling = threading.Thread(target=settle, args=(created["id"],), daemon=True)
+        settling.start()
+        assert read.wait(10)
+        answer = client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
+        proceed.set()
+        settling.join(30)
+    finally:
+        event.remove(engine, "after_cursor_execute", pause_after_reading_the_batch)
+    assert answer.status_code == 200 and answer.json()["status"] == "cancelled", answer.text
+    after = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
+    assert after["status"] == "cancelled" and after["chunks"]["cancelled"] == 2, after
+    folder = root / "out-met" / created["id"]
+    assert json.loads((folder / "_manifest.json").read_text())["status"] == "cancelled"
+    assert not (folder / "_SUCCESS").exists()
+
+
+def test_a_batch_whose_chunks_have_all_run_is_completing_not_cancelled(client, make_key, lake_settings) -> None:  # type: ignore[no-untyped-def]
+    key, _ = make_key()
+    root = Path(lake_settings.batch_local_root)
+    created = submit(client, key, root, "ran-all", pair_table(4, 10))
+    with session_scope() as session:  # as a worker leaves them: every chunk ended (here, its input unreadable)
+        session.execute(Chunk.__table__.update().where(Chunk.batch_id == created["id"]).values(
+            status="failed", error_code="input_unavailable", error_message="gone"))
+    answer = client.post(f"/batches/{created['id']}/cancel", headers=auth(key))
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "batch_finished", answer.text
+    assert "has run every chunk" in answer.json()["error"]["message"]
+    after = client.get(f"/batches/{created['id']}", headers=auth(key)).json()
+    assert after["status"] == "completed" and after["chunks"]["cancelled"] == 0, after
+
+
 def ids_and_scores(folder: Path) -> tuple[list, np.ndarray]:
     manifest = json.loads((folder / "_manifest.json").read_text())
     assert manifest["status"] == "completed" and (folder / "_SUCCESS").exists()

@@ -241,8 +241,8 @@ def batch_results(batch_id: str, key: CurrentKey, session: SessionDep, settings:
 def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, response: Response) -> BatchOut:
     """Requests not started are cancelled (200 once none is running; 202 `cancelling` while the running ones
     finish). Finished requests stay in the results. A reference batch's running chunks are stopped too: it is
-    `cancelled` at once (202 `cancelling` only while its manifest cannot be written). A batch that has ended:
-    409."""
+    `cancelled` at once (202 `cancelling` only while its manifest cannot be written). A batch that has ended, or a
+    reference batch whose chunks have all run: 409."""
     batch = batches.get_batch(session, key, batch_id)
     batch = (chunks.cancel_reference(session, batch) if batch.source is not None
              else batches.cancel_batch(session, batch))

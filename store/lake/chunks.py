@@ -564,12 +564,14 @@ def settle(batch_id: str) -> bool:
     its committed objects (the same request resumes from them), with no `_SUCCESS`. Returns whether this call
     ended it; raises where the store is unreachable (the sweep settles it again)."""
     with session_scope() as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None or batch.status not in ("in_progress", "cancelling"):
+        # The status and the live chunks in one statement, so of one moment: read apart, a cancel committed
+        # between them made a cancelled batch look completed (no chunk live, the status still in progress).
+        live = select(Chunk.index).where(Chunk.batch_id == Batch.id, Chunk.status.in_(LIVE)).exists()
+        found = session.execute(select(Batch, live).where(Batch.id == batch_id)).first()
+        if found is None or found[1] or found[0].status not in ("in_progress", "cancelling"):
             return False
-        if session.scalar(select(Chunk.index).where(Chunk.batch_id == batch_id, Chunk.status.in_(LIVE)).limit(1)) \
-                is not None:
-            return False
+        batch = found[0]
+        was = batch.status
         refused = session.execute(select(Chunk.error_code, Chunk.error_message).where(
             Chunk.batch_id == batch_id, Chunk.error_code.in_((OUTPUT_FULL, OUTPUT_DENIED))).limit(1)).first()
         status = "failed" if refused else "cancelled" if batch.status == "cancelling" else "completed"
@@ -590,8 +592,7 @@ def settle(batch_id: str) -> bool:
     _remove_uncommitted(output, {entry["name"] for entry in manifest["objects"]})
     failure = dict(error_code=refused[0], error_message=refused[1][:2000]) if refused else {}
     with session_scope() as session:
-        changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(("in_progress",
-                                                                                              "cancelling")))
+        changed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == was)
                                   .values(status=status, finished_at=utcnow(), **failure)).rowcount
         if changed:
             batch = session.get(Batch, batch_id)
@@ -777,15 +778,28 @@ def cancel_reference(session: Session, batch: Batch) -> Batch:
     lease gone at its next lease extension (a sweep interval) and stops scoring it; its commit, conditional on
     the lease, is refused and what it wrote removed. The batch keeps its output: the same request again resumes
     from its committed chunks (create_reference_batch). Cancelling stays the status only where the manifest could
-    not be written now (the sweeper settles it)."""
+    not be written now (the sweeper settles it). A batch whose chunks have all ended is completing, not cancelled:
+    409 `batch_finished`."""
     if batch.status not in ("in_progress", "cancelling"):
         raise ServiceError(409, "batch_finished", f"batch {batch.id} is already {batch.status}")
+    was = batch.status
     session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "in_progress")
                     .values(status="cancelling"))
     cancelled = session.execute(update(Chunk.__table__).where(_CHUNKS.batch_id == batch.id,
                                                               _CHUNKS.status.in_(LIVE))
                                 .values(status="cancelled", lease_owner=None, lease_expires_at=None,
                                         finished_at=utcnow(), **_NO_PROGRESS)).rowcount
+    if not cancelled and was == "in_progress":
+        # Every chunk has ended: the batch is completing (a settle may be writing its manifest now), and a cancel
+        # would end it twice.
+        session.rollback()
+        try:
+            settle(batch.id)
+        except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
+            log.warning("batch %s could not be settled now: %s", batch.id, exc)
+        session.refresh(batch)
+        raise ServiceError(409, "batch_finished", f"batch {batch.id} has run every chunk: it is "
+                           f"{'completing' if batch.status == 'in_progress' else 'already ' + batch.status}")
     count(session, "chunks_finished", cancelled, label="cancelled")
     session.commit()
     try:
