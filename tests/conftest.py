@@ -196,7 +196,11 @@ class WebhookReceiver:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                length = int(self.headers.get("content-length", 0))
+                body = self.rfile.read(length)
+                if len(body) < length:  # its sender died mid-request (a worker SIGKILLed): no delivery, as for a
+                    self.close_connection = True  # real server
+                    return
                 with receiver.lock:
                     receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
                     status = receiver.responses.pop(0) if receiver.responses else 200
