@@ -48,8 +48,8 @@ def assert_compiled_with_the_kernel(out: dict, target: str, kernels: int = 1) ->
     assert out["roofline"]["peak_flops"] == aot.TARGETS[target]["peak_flops"]
 
 
-# Each target and each head size once, not every pair (a TPU compile is 10-30 s): v5e and head size 64 here,
-# v6e and head sizes 256 (Gemma 2) and 128 (Mistral) below, Qwen3's norms in the sharded build.
+# Each target and each head size once, not every pair (a TPU compile is 10-50 s): v5e and head size 64 here,
+# v6e and head size 256 (Gemma 2) below, head size 128 and Qwen3's norms in the sharded build.
 def test_tpu_compiles_the_pass_program_with_the_kernel():
     assert_compiled_with_the_kernel(build("tpu-v5e", "smollm2-135m"), "tpu-v5e")
 
@@ -75,10 +75,13 @@ def test_cuda_lowers_the_pass_program_with_the_warp_specialized_kernel(monkeypat
 
 @pytest.mark.parametrize("model", ["gemma2-2b", "mistral-7b"])
 def test_windowed_families_compile_for_v6e_and_lower_for_h100(model):
-    """Gemma 2's local and global layers (two attention programs, soft-caps) and Mistral's windowed layers."""
+    """Gemma 2's local and global layers (two attention programs, soft-caps) and Mistral's windowed layers. The TPU
+    compile is Gemma 2's: its local layers are the windowed kernel Mistral's would be, and head size 128 compiles
+    in the sharded v5e build (a TPU compile is 10-50 s)."""
     windows = aot.MODELS[model].attention_windows
     assert windows == ((0, 4096) if model == "gemma2-2b" else (4096,))
-    assert_compiled_with_the_kernel(build("tpu-v6e", model), "tpu-v6e", len(windows))
+    if model == "gemma2-2b":
+        assert_compiled_with_the_kernel(build("tpu-v6e", model), "tpu-v6e", len(windows))
     cuda = build("cuda-h100", model)
     assert cuda["stage"] == "lowered" and cuda["pallas_kernels"] >= len(windows)
     assert cuda["attention_path"] == "pallas-mosaic-gpu"

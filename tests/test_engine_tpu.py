@@ -271,8 +271,8 @@ def tpu_aligned(*args, **layer):
     (300, (20,) * 12 + (0,), [(13, (129,), False), (200, (3, 4), True)], {"window": 70, "softcap": 5.0}),
 ])
 def test_tpu_kernel_rows_do_not_move_with_the_cache_or_the_pass(query, items, others, layer):
-    heads = (4, 2) if not layer else (2, 1)  # GQA once; each KV head is as many grid steps again
-    rows, distances = request_rows(tpu_aligned, request_layouts(query, items, others), *heads, 64, jnp.float32,
+    # Two query heads on a KV head (GQA): each KV head more is as many grid steps again.
+    rows, distances = request_rows(tpu_aligned, request_layouts(query, items, others), 2, 1, 64, jnp.float32,
                                    128, 64, **layer)
     (keys, first), *rest = rows
     for other_keys, other in rest:
@@ -349,13 +349,14 @@ def test_window_tables_never_drop_a_visible_pair():
             q_len = device_tables.round_up(len(q.seq), max(tq, 128))
             ids, counts, window_parts = (np.asarray(t) for t in device_tables.window_kernel_tables(
                 *(jnp.asarray(t) for t in host), jnp.asarray(parts), 128, 64, tq, tk, q_len))
+            padded = np.pad(parts, (0, tk))
             for i in range(len(counts)):
                 firsts = ids[i, : counts[i]]
                 assert (np.diff(firsts) > 0).all() and ((firsts - parts[firsts]) % tk == 0).all()
                 assert (window_parts[i, : counts[i]] == parts[firsts]).all()
                 covered = np.zeros(len(parts) + tk, bool)  # keys of the listed windows' own parts
                 for first in firsts:
-                    covered[first:first + tk] |= np.pad(parts, (0, tk))[first:first + tk] == parts[first]
+                    covered[first:first + tk] |= padded[first:first + tk] == parts[first]
                 assert covered[np.flatnonzero(mask[i * tq:(i + 1) * tq].any(axis=0))].all()
     args = inputs(arrays, 4, 2, 16, jnp.float32, 2)
     out = np.asarray(selection.pallas_attention(*args[:5], *(jnp.asarray(t) for t in host), block_q=128, block_k=64,
