@@ -7,6 +7,7 @@
 # its own), cut to what is left of BUDGET seconds from the script's start (default 450, installs included; a step
 # with under 20 s left is skipped):
 #   gpu-kernels             the GPU kernels alone (today's, aligned, the new one): rows bitwise across layouts, time
+#                           (in a dry run: each lowered for CUDA)
 #   contract[-before|-ws]   benchmarks.bench on the contract (2,000-token query, 500 items of 20): items/s, and
 #                           |query cached - computed| of the scores
 #   sglang[-before|-ws]     sglang's PR shape: 128 requests of a 300-token query and 10 items of 20, together
@@ -29,7 +30,6 @@ if [ "$DRY" = 1 ]; then  # the bundled model on the CPU, shapes that take second
   export JAX_PLATFORMS=cpu WARMUP=none  # the service compiles its programs when its jobs need them
   MODEL=tiny-random DTYPE=float32 CONTRACT="50 10 5" SGLANG="4 30 3 5" JOB_SHAPE="40 8 5" REPEATS=1
   PEAK=(--peak-size 256)
-  KERNELS_LIMIT=300  # three kernels in GPU interpret mode: 20 s alone on a fast CPU, minutes on a slow one beside tests
   BEFORE=${BEFORE:-.dev/before}; [ -d "$BEFORE" ] || BEFORE=.  # the tree itself stands in for "before"
 else
   if [ -d .whl ]; then
@@ -79,7 +79,7 @@ MANY=(-R "$SR" -P "$SP" -N "$SN" -L "$SL" --dtype "$DTYPE" --model "$MODEL" --re
 BEFORE_MODULE=benchmarks.bench  # core.bench in trees that predate benchmarks/
 [ -f "$BEFORE/benchmarks/bench.py" ] || BEFORE_MODULE=core.bench
 IN_BEFORE=(bash -c 'cd "$0" && exec "$@"' "$BEFORE" $PY -m $BEFORE_MODULE)  # its cwd first on sys.path
-step gpu-kernels "${KERNELS_LIMIT:-60}" $PY -m benchmarks.gpu_kernels
+step gpu-kernels 60 $PY -m benchmarks.gpu_kernels
 step contract 90 $PY -m benchmarks.bench "${ONE[@]}"
 step sglang 90 $PY -m benchmarks.bench "${MANY[@]}"
 if [ -n "$NEW_KERNEL" ]; then

@@ -21,7 +21,7 @@ def test_the_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
 
 
-@pytest.mark.alone  # each step has a time limit, and GPU interpret mode's threads crawl beside other tests
+@pytest.mark.alone  # each step has a time limit
 def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PACKSCORE_GPU_KERNEL", "STEPS", "BEFORE")}
     env.update(DEVICE_CHECK_DRY="1", OUT=str(tmp_path / "out"), LOGS=str(tmp_path / "logs"), PYTHON=sys.executable,
