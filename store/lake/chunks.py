@@ -137,12 +137,10 @@ def create_reference_batch(session: Session, key: ApiKey, body: BatchSource, tok
     if earlier is not None:
         queued = _resume(session, batch, earlier)
         session.commit()
-        if not queued:  # every chunk was committed (only the manifest was refused): it ends now
-            try:
-                settle(batch.id)
-            except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
-                log.warning("resumed batch %s could not be settled now: %s", batch.id, exc)
-        session.refresh(batch)
+        if queued:
+            session.refresh(batch)
+        else:  # every chunk was committed (only the manifest was refused): it ends now
+            _settle_now(session, batch)
         return batch, True
     batch.output = output.child(batch.id)
     n = rows = 0
@@ -793,21 +791,23 @@ def cancel_reference(session: Session, batch: Batch) -> Batch:
         # Every chunk has ended: the batch is completing (a settle may be writing its manifest now), and a cancel
         # would end it twice.
         session.rollback()
-        try:
-            settle(batch.id)
-        except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
-            log.warning("batch %s could not be settled now: %s", batch.id, exc)
-        session.refresh(batch)
+        _settle_now(session, batch)
         raise ServiceError(409, "batch_finished", f"batch {batch.id} has run every chunk: it is "
                            f"{'completing' if batch.status == 'in_progress' else 'already ' + batch.status}")
     count(session, "chunks_finished", cancelled, label="cancelled")
     session.commit()
+    _settle_now(session, batch)
+    return batch
+
+
+def _settle_now(session: Session, batch: Batch) -> None:
+    """Settles the batch if it is over, and reads it again; where its store is unreachable now, the sweeper
+    settles it later."""
     try:
         settle(batch.id)
-    except Exception as exc:  # noqa: BLE001  (its store unreachable now: the sweeper settles it)
-        log.warning("cancelled batch %s could not be settled now: %s", batch.id, exc)
+    except Exception as exc:  # noqa: BLE001  (the sweeper settles it)
+        log.warning("batch %s could not be settled now: %s", batch.id, exc)
     session.refresh(batch)
-    return batch
 
 
 def iter_results(batch_id: str, openai: bool = False) -> Iterator[bytes]:
